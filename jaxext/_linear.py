@@ -1,0 +1,181 @@
+"""`linear`: an affine map ``x @ weight.T + bias`` with a hand-written VJP.
+
+The forward keeps only the residuals the backward needs for the inputs that are
+actually being differentiated (JAX's answer to PyTorch's ``ctx.needs_input_grad``):
+``CustomVJPPrimal.perturbed`` tells the forward which inputs carry tangents, and
+the backward computes gradients for those inputs alone.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+from jax.typing import ArrayLike, DTypeLike
+
+from ._validation import Static, as_numeric_array
+
+__all__ = ["linear"]
+
+PrecisionLike = Any  # None, str, lax.Precision, or a pair of them (hashable)
+
+
+def linear(
+    x: ArrayLike,
+    weight: ArrayLike,
+    bias: ArrayLike | None = None,
+    *,
+    precision: PrecisionLike = None,
+    preferred_element_type: DTypeLike | None = None,
+) -> jax.Array:
+    """Applies ``y = x @ weight.T + bias`` with a custom VJP.
+
+    The layout follows ``torch.nn.functional.linear``: ``weight`` has shape
+    ``(out_features, in_features)``.
+
+    Args:
+        x: input of shape ``(..., in_features)``; any number of leading
+            dimensions, including none and empty ones.
+        weight: array of shape ``(out_features, in_features)``.
+        bias: optional array of shape ``(out_features,)``.
+        precision: matmul precision passed to ``lax.dot_general`` in the forward
+            and in the backward (e.g. ``"highest"`` or ``lax.Precision.HIGHEST``).
+        preferred_element_type: accumulation and result dtype of the matmul
+            (e.g. ``jnp.float32`` for bfloat16 inputs). Defaults to the promoted
+            dtype of the inputs.
+
+    Returns:
+        Array of shape ``(..., out_features)``. Its dtype is the ``jnp``
+        promotion of the input dtypes unless ``preferred_element_type`` is given.
+        Gradients come back in each input's own dtype.
+
+    Raises:
+        TypeError: if an input is not a numeric array.
+        ValueError: if ``weight`` is not 2-D, ``x``'s last dimension differs
+            from ``in_features``, or ``bias`` is not ``(out_features,)``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> import jaxext
+        >>> x, w, b = jnp.ones((4, 3)), jnp.ones((2, 3)), jnp.zeros(2)
+        >>> jaxext.linear(x, w, b).shape
+        (4, 2)
+        >>> jax.grad(lambda w: jaxext.linear(x, w, b).sum())(w).shape
+        (2, 3)
+    """
+    x = as_numeric_array(x, "x")
+    weight = as_numeric_array(weight, "weight")
+    if bias is not None:
+        bias = as_numeric_array(bias, "bias")
+    _check_shapes(x, weight, bias)
+    if preferred_element_type is not None:
+        preferred_element_type = jnp.dtype(preferred_element_type)
+    return _linear(x, weight, bias, precision, preferred_element_type)
+
+
+def _check_shapes(x: jax.Array, weight: jax.Array, bias: jax.Array | None) -> None:
+    if weight.ndim != 2:
+        raise ValueError(
+            f"`weight` must be 2-D with shape (out_features, in_features); "
+            f"got shape {weight.shape}."
+        )
+    out_features, in_features = weight.shape
+    if x.ndim == 0:
+        raise ValueError(
+            f"`x` must have shape (..., in_features) = (..., {in_features}); got a scalar."
+        )
+    if x.shape[-1] != in_features:
+        raise ValueError(
+            f"`x` has {x.shape[-1]} features in its last dimension (shape {x.shape}) but "
+            f"`weight` expects in_features={in_features} (shape {weight.shape})."
+        )
+    if bias is not None and bias.shape != (out_features,):
+        raise ValueError(
+            f"`bias` must have shape (out_features,) = ({out_features},); got shape {bias.shape}."
+        )
+
+
+def _result_dtype(x, weight, bias, preferred_element_type):
+    if preferred_element_type is not None:
+        return preferred_element_type
+    operands = (x, weight) if bias is None else (x, weight, bias)
+    return jnp.result_type(*operands)
+
+
+def _matmul(x, weight, precision, out_dtype):
+    """``x @ weight.T`` contracting the last axis of ``x`` with axis 1 of ``weight``."""
+    dtype = jnp.promote_types(x.dtype, weight.dtype)
+    dims = (((x.ndim - 1,), (1,)), ((), ()))
+    return lax.dot_general(
+        x.astype(dtype),
+        weight.astype(dtype),
+        dims,
+        precision=precision,
+        preferred_element_type=out_dtype,
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _linear(x, weight, bias, precision, preferred_element_type):
+    out_dtype = _result_dtype(x, weight, bias, preferred_element_type)
+    y = _matmul(x, weight, precision, out_dtype)
+    if bias is not None:
+        y = y + bias.astype(out_dtype)
+    return y.astype(out_dtype)
+
+
+def _linear_fwd(x, weight, bias, precision, preferred_element_type):
+    # With symbolic_zeros=True every differentiable argument arrives wrapped in a
+    # CustomVJPPrimal carrying `.value` and `.perturbed`.
+    xv, wv = x.value, weight.value
+    bv = None if bias is None else bias.value
+    y = _linear(xv, wv, bv, precision, preferred_element_type)
+    # Static record of which gradients are wanted and in which dtype (no data).
+    wanted = Static(
+        (
+            xv.dtype if x.perturbed else None,
+            wv.dtype if weight.perturbed else None,
+            bv.dtype if bias is not None and bias.perturbed else None,
+        )
+    )
+    # grad_x needs weight; grad_weight needs x; grad_bias needs neither.
+    w_for_x = wv if x.perturbed else None
+    x_for_w = xv if weight.perturbed else None
+    return y, (wanted, w_for_x, x_for_w)
+
+
+def _linear_bwd(precision, preferred_element_type, residuals, g):
+    wanted, w_for_x, x_for_w = residuals
+    if isinstance(g, SymbolicZero):
+        return None, None, None
+    batch_axes = tuple(range(g.ndim - 1))
+    grad_x = grad_w = grad_b = None
+    if wanted.value[0] is not None:
+        # (..., out) x (out, in) -> (..., in)
+        dtype = jnp.promote_types(g.dtype, w_for_x.dtype)
+        grad_x = lax.dot_general(
+            g.astype(dtype),
+            w_for_x.astype(dtype),
+            (((g.ndim - 1,), (0,)), ((), ())),
+            precision=precision,
+        ).astype(wanted.value[0])
+    if wanted.value[1] is not None:
+        # Contract every leading (batch) axis: (..., out) x (..., in) -> (out, in).
+        dtype = jnp.promote_types(g.dtype, x_for_w.dtype)
+        grad_w = lax.dot_general(
+            g.astype(dtype),
+            x_for_w.astype(dtype),
+            ((batch_axes, batch_axes), ((), ())),
+            precision=precision,
+        ).astype(wanted.value[1])
+    if wanted.value[2] is not None:
+        # Sum over leading axes only: shape stays (out_features,) even when it is 1.
+        grad_b = jnp.sum(g, axis=batch_axes).astype(wanted.value[2])
+    return grad_x, grad_w, grad_b
+
+
+_linear.defvjp(_linear_fwd, _linear_bwd, symbolic_zeros=True)
