@@ -7,5 +7,19 @@ checker with PyTorch-style diagnostics, Flax layers built on the ops, and a
 
 from ._linear import linear as linear
 from ._mul_constant import mul_constant as mul_constant
+from ._torch_interop import export_torch_linear as export_torch_linear
+from ._torch_interop import load_torch_linear as load_torch_linear
+from ._torch_interop import torch_linear_to_params as torch_linear_to_params
 
 __version__ = "0.1.0"
+
+# Flax layer namespaces load lazily: `import jaxext` does not import flax.
+_LAZY_SUBMODULES = ("nnx", "linen")
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,142 @@
+"""Flax Linen layers whose forward and backward run through jaxext's custom VJPs.
+
+:class:`Dense` mirrors ``flax.linen.Dense`` (attributes, parameter tree,
+initializers, dtype promotion) and computes with :func:`jaxext.linear`;
+:class:`MulConstant` wraps :func:`jaxext.mul_constant`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax.linen.dtypes import promote_dtype
+from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
+from jax.typing import ArrayLike
+
+from ._mul_constant import mul_constant
+from ._nnx import _apply_kernel, _refuse_dot_general
+from ._validation import is_static_scalar
+
+__all__ = ["Dense", "MulConstant"]
+
+
+class Dense(nn.Module):
+    """Drop-in for ``flax.linen.Dense`` computed by :func:`jaxext.linear`.
+
+    Same attributes and parameters as ``flax.linen.Dense`` (``kernel`` of shape
+    ``(in_features, features)``, ``bias`` of shape ``(features,)``, same default
+    initializers): ``init`` with the same key gives the identical ``params`` tree,
+    and ``apply`` gives identical outputs and gradients, the backward being
+    jaxext's hand-written VJP.
+
+    Attributes:
+        features: number of output features.
+        use_bias: whether to add a bias (default ``True``).
+        dtype: computation dtype (default: promoted from inputs and params).
+        param_dtype: dtype of the parameters (default ``float32``).
+        precision: matmul precision, see ``jax.lax.Precision``.
+        kernel_init: initializer of the kernel (default LeCun normal).
+        bias_init: initializer of the bias (default zeros).
+        promote_dtype: variadic ``(inputs, kernel, bias, dtype=...) -> list``
+            casting the operands before the matmul, as in flax.
+        dot_general: accepted for compatibility; must be ``None`` or
+            ``jax.lax.dot_general``.
+        dot_general_cls: accepted for compatibility; must be ``None``.
+
+    Raises:
+        ValueError: (at ``init``/``apply``) if ``dot_general`` or
+            ``dot_general_cls`` is customised.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> import jaxext.linen
+        >>> layer = jaxext.linen.Dense(features=4)
+        >>> params = layer.init(jax.random.key(0), jnp.ones((1, 3)))
+        >>> layer.apply(params, jnp.ones((2, 3))).shape
+        (2, 4)
+    """
+
+    features: int
+    use_bias: bool = True
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    precision: PrecisionLike = None
+    kernel_init: Initializer = nn.initializers.lecun_normal()
+    bias_init: Initializer = nn.initializers.zeros_init()
+    promote_dtype: PromoteDtypeFn = promote_dtype
+    dot_general: Any = None
+    dot_general_cls: Any = None
+
+    @nn.compact
+    def __call__(self, inputs: ArrayLike) -> jax.Array:
+        """Applies ``inputs @ kernel + bias`` over the last axis of ``inputs``.
+
+        Args:
+            inputs: array of shape ``(..., in_features)``.
+
+        Returns:
+            Array of shape ``(..., features)``.
+        """
+        _refuse_dot_general(self.dot_general, "linen.Dense")
+        if self.dot_general_cls is not None:
+            raise ValueError(
+                "`dot_general_cls` cannot be set for jaxext's linen.Dense (its matmul is "
+                f"jaxext.linear's custom VJP); got {self.dot_general_cls!r}."
+            )
+        kernel = self.param(
+            "kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype
+        )
+        bias = None
+        if self.use_bias:
+            bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+        inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        return _apply_kernel(
+            inputs, kernel, bias, precision=self.precision, preferred_element_type=None
+        )
+
+
+class MulConstant(nn.Module):
+    """Multiplies its input by a constant via :func:`jaxext.mul_constant`.
+
+    By default the constant is a static attribute (no parameter, no gradient).
+    With ``learnable=True`` it is a scalar parameter ``scale`` initialized to
+    ``constant`` that receives its true gradient.
+
+    Attributes:
+        constant: a Python or NumPy scalar (not a bool).
+        learnable: store the constant as a trainable parameter ``scale``.
+        param_dtype: dtype of ``scale`` when ``learnable``.
+
+    Raises:
+        TypeError: (at ``init``/``apply``) if ``constant`` is not a scalar.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> import jaxext.linen
+        >>> layer = jaxext.linen.MulConstant(3.0)
+        >>> layer.apply({}, jnp.ones(2))
+        Array([3., 3.], dtype=float32)
+    """
+
+    constant: float
+    learnable: bool = False
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, inputs: ArrayLike) -> jax.Array:
+        """Returns ``inputs * constant`` (or ``inputs * scale`` when learnable)."""
+        if not is_static_scalar(self.constant):
+            raise TypeError(
+                "`constant` must be a Python or NumPy scalar (not a bool); got "
+                f"{type(self.constant).__name__}. For an array factor call "
+                "jaxext.mul_constant directly."
+            )
+        if self.learnable:
+            scale = self.param(
+                "scale", lambda _key: jnp.asarray(self.constant, dtype=self.param_dtype)
+            )
+            return mul_constant(inputs, scale)
+        return mul_constant(inputs, self.constant)

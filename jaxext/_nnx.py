@@ -1,0 +1,259 @@
+"""Flax NNX layers whose forward and backward run through jaxext's custom VJPs.
+
+:class:`Linear` mirrors ``flax.nnx.Linear`` (constructor, parameter names, shapes,
+initializers, dtype promotion), so a model can swap one for the other and keep its
+checkpoints; only the computation differs: it calls :func:`jaxext.linear`.
+:class:`MulConstant` wraps :func:`jaxext.mul_constant`.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes
+from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
+from jax import lax
+from jax.typing import ArrayLike, DTypeLike
+
+from ._linear import linear
+from ._mul_constant import mul_constant
+from ._validation import is_static_scalar
+
+__all__ = ["Linear", "MulConstant", "uniform_range"]
+
+default_kernel_init = nnx.initializers.lecun_normal()
+default_bias_init = nnx.initializers.zeros_init()
+
+
+def uniform_range(low: float = -0.1, high: float = 0.1) -> Initializer:
+    """Initializer drawing from the uniform distribution on ``[low, high)``.
+
+    ``flax``'s ``initializers.uniform(scale)`` samples ``[0, scale)``; this is the
+    counterpart of ``torch.nn.init.uniform_(tensor, low, high)``. It follows the
+    ``(key, shape, dtype)`` initializer protocol, so it works for NNX and Linen.
+
+    Args:
+        low: inclusive lower bound.
+        high: exclusive upper bound, greater than ``low``.
+
+    Returns:
+        An initializer ``init(key, shape, dtype=jnp.float32) -> jax.Array``.
+
+    Raises:
+        ValueError: if ``low >= high``.
+
+    Example:
+        >>> import jax
+        >>> init = uniform_range(-0.1, 0.1)
+        >>> w = init(jax.random.key(0), (3, 2))
+        >>> bool((w >= -0.1).all() and (w < 0.1).all())
+        True
+    """
+    if not low < high:
+        raise ValueError(f"`low` must be smaller than `high`; got low={low}, high={high}.")
+
+    def init(key: jax.Array, shape: Any, dtype: DTypeLike = jnp.float32) -> jax.Array:
+        return jax.random.uniform(key, shape, dtype, minval=low, maxval=high)
+
+    return init
+
+
+@functools.partial(jax.jit, static_argnames=("precision", "preferred_element_type"))
+def _apply_kernel(inputs, kernel, bias, *, precision, preferred_element_type):
+    # jaxext.linear wants the torch layout (out, in); flax stores (in, out). Inside
+    # this jit XLA folds the transpose into the dot's dimension numbers (forward and
+    # backward), so no transposed copy of the kernel is materialised.
+    return linear(
+        inputs,
+        kernel.T,
+        bias,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+    )
+
+
+def _refuse_dot_general(dot_general: Any, layer: str) -> None:
+    if dot_general is not None and dot_general is not lax.dot_general:
+        raise ValueError(
+            f"`dot_general` cannot be customised for jaxext's {layer}: its forward and "
+            f"backward are jaxext.linear's custom VJP; got {dot_general!r}. Use flax's "
+            "own layer for a custom dot_general."
+        )
+
+
+def _feature_count(value: Any, name: str) -> int:
+    """Returns ``value`` as a Python int, refusing bools, non-integers and values < 1."""
+    try:
+        count = operator.index(value)
+    except TypeError:
+        count = None
+    if isinstance(value, bool) or count is None or count < 1:
+        raise ValueError(f"`{name}` must be a positive integer; got {value!r}.")
+    return count
+
+
+class Linear(nnx.Module):
+    """Drop-in for ``flax.nnx.Linear`` computed by :func:`jaxext.linear`.
+
+    Same constructor, parameters (``kernel`` of shape ``(in_features,
+    out_features)``, ``bias`` of shape ``(out_features,)``) and default
+    initializers as ``flax.nnx.Linear``: built from the same ``nnx.Rngs`` it holds
+    identical parameters and returns identical outputs and gradients, while the
+    backward pass is jaxext's hand-written VJP.
+
+    Args:
+        in_features: number of input features.
+        out_features: number of output features.
+        use_bias: whether to add a bias (default ``True``).
+        dtype: computation dtype (default: promoted from inputs and params).
+        param_dtype: dtype of the parameters (default ``float32``).
+        precision: matmul precision, see ``jax.lax.Precision``.
+        kernel_init: initializer of the kernel (default LeCun normal).
+        bias_init: initializer of the bias (default zeros).
+        dot_general: accepted for signature compatibility; only
+            ``jax.lax.dot_general`` (the default) is allowed.
+        promote_dtype: function ``((inputs, kernel, bias), dtype=...) -> tuple``
+            casting the operands before the matmul, as in flax.
+        preferred_element_type: accumulation/result dtype of the matmul.
+        rngs: the ``nnx.Rngs`` whose ``params`` stream initializes the weights.
+        kernel_metadata: extra metadata for the kernel ``nnx.Param``.
+        bias_metadata: extra metadata for the bias ``nnx.Param``.
+
+    Raises:
+        ValueError: if ``dot_general`` is not ``jax.lax.dot_general``, or a
+            feature count is not a positive integer.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import jaxext.nnx
+        >>> layer = jaxext.nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+        >>> layer(jnp.ones((2, 3))).shape
+        (2, 4)
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        use_bias: bool = True,
+        dtype: Dtype | None = None,
+        param_dtype: Dtype = jnp.float32,
+        precision: PrecisionLike = None,
+        kernel_init: Initializer = default_kernel_init,
+        bias_init: Initializer = default_bias_init,
+        dot_general: Any = lax.dot_general,
+        promote_dtype: PromoteDtypeFn = dtypes.promote_dtype,
+        preferred_element_type: Dtype | None = None,
+        rngs: nnx.Rngs,
+        kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+        bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+    ):
+        _refuse_dot_general(dot_general, "nnx.Linear")
+        in_features = _feature_count(in_features, "in_features")
+        out_features = _feature_count(out_features, "out_features")
+        # Same key order as flax.nnx.Linear: kernel first, then bias.
+        self.kernel = nnx.Param(
+            kernel_init(rngs.params(), (in_features, out_features), param_dtype),
+            **kernel_metadata,
+        )
+        self.bias: nnx.Param | None
+        if use_bias:
+            self.bias = nnx.Param(
+                bias_init(rngs.params(), (out_features,), param_dtype), **bias_metadata
+            )
+        else:
+            self.bias = nnx.data(None)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.use_bias = use_bias
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.precision = precision
+        self.promote_dtype = promote_dtype
+        self.preferred_element_type = preferred_element_type
+
+    def __call__(self, inputs: ArrayLike, out_sharding: Any = None) -> jax.Array:
+        """Applies ``inputs @ kernel + bias`` over the last axis of ``inputs``.
+
+        Args:
+            inputs: array of shape ``(..., in_features)``.
+            out_sharding: accepted for signature compatibility with flax; must
+                be ``None`` (jaxext.linear takes no output sharding).
+
+        Returns:
+            Array of shape ``(..., out_features)``.
+
+        Raises:
+            ValueError: if ``out_sharding`` is given or the shapes do not match.
+        """
+        if out_sharding is not None:
+            raise ValueError(
+                "`out_sharding` is not supported by jaxext.nnx.Linear; got "
+                f"{out_sharding!r}. Shard the inputs/parameters instead."
+            )
+        kernel = self.kernel[...]
+        bias = self.bias[...] if self.bias is not None else None
+        inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
+        return _apply_kernel(
+            inputs,
+            kernel,
+            bias,
+            precision=self.precision,
+            preferred_element_type=self.preferred_element_type,
+        )
+
+
+class MulConstant(nnx.Module):
+    """Multiplies its input by a constant via :func:`jaxext.mul_constant`.
+
+    By default the constant is static (part of the module's structure, never a
+    parameter, receiving no gradient). With ``learnable=True`` it becomes an
+    ``nnx.Param`` named ``scale`` initialized to ``constant``, which receives its
+    true gradient ``sum(g * x)``.
+
+    Args:
+        constant: a Python or NumPy real/complex scalar (not a bool).
+        learnable: store the constant as a trainable scalar parameter.
+        param_dtype: dtype of the ``scale`` parameter when ``learnable``.
+
+    Raises:
+        TypeError: if ``constant`` is not a Python/NumPy scalar.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> import jaxext.nnx
+        >>> jaxext.nnx.MulConstant(3.0)(jnp.ones(2))
+        Array([3., 3.], dtype=float32)
+    """
+
+    def __init__(
+        self, constant: float, *, learnable: bool = False, param_dtype: Dtype = jnp.float32
+    ):
+        if not is_static_scalar(constant):
+            raise TypeError(
+                "`constant` must be a Python or NumPy scalar (not a bool); got "
+                f"{type(constant).__name__}. For an array factor call "
+                "jaxext.mul_constant directly."
+            )
+        self.constant = constant
+        self.learnable = learnable
+        self.scale: nnx.Param | None
+        if learnable:
+            self.scale = nnx.Param(jnp.asarray(constant, dtype=param_dtype))
+        else:
+            self.scale = nnx.data(None)
+
+    def __call__(self, inputs: ArrayLike) -> jax.Array:
+        """Returns ``inputs * constant`` (or ``inputs * scale`` when learnable)."""
+        if self.scale is not None:
+            return mul_constant(inputs, self.scale[...])
+        return mul_constant(inputs, self.constant)

@@ -1,0 +1,11 @@
+"""Flax Linen layers built on jaxext's custom-VJP ops.
+
+``jaxext.linen.Dense`` is a drop-in for ``flax.linen.Dense``; ``MulConstant``
+scales by a constant; ``uniform_range`` is a ``[low, high)`` initializer.
+"""
+
+from ._linen import Dense as Dense
+from ._linen import MulConstant as MulConstant
+from ._nnx import uniform_range as uniform_range
+
+__all__ = ["Dense", "MulConstant", "uniform_range"]
