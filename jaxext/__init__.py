@@ -5,6 +5,8 @@ checker with PyTorch-style diagnostics, Flax layers built on the ops, and a
 ``Function`` class for porting ``torch.autograd.Function`` code.
 """
 
+from ._function import Function as Function
+from ._function_ctx import once_differentiable as once_differentiable
 from ._linear import linear as linear
 from ._mul_constant import mul_constant as mul_constant
 from ._torch_interop import export_torch_linear as export_torch_linear

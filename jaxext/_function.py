@@ -1,0 +1,287 @@
+"""`Function`: PyTorch's ``torch.autograd.Function`` pattern, lowered onto ``jax.custom_vjp``.
+
+``Function.apply`` builds one ``custom_vjp`` per call. Array arguments are its
+differentiable inputs; every other argument (numbers, strings, ``None``,
+tuples of ints ...) is closed over as a static constant, so it never needs to
+be hashable, and ``jit`` retraces exactly when the caller's own static
+arguments change. ``symbolic_zeros=True`` gives ``CustomVJPPrimal.perturbed``,
+which becomes ``ctx.needs_input_grad``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
+
+from ._function_ctx import (
+    FunctionCtx,
+    call_blocking_derivatives,
+    is_array,
+    is_once_differentiable,
+    pack_ctx,
+    unpack_ctx,
+)
+from ._validation import Static
+
+__all__ = ["Function"]
+
+
+class Function:
+    """Base class for custom differentiable functions written the PyTorch way.
+
+    Subclass it with two static methods, then call ``YourFunction.apply``:
+
+    * ``forward(ctx, *args)`` computes the output(s) with ``jax.numpy``. Array
+      arguments (JAX or NumPy arrays, tracers) are differentiable inputs; any
+      other argument is static, like PyTorch's non-Tensor arguments. Stash what
+      the backward needs with ``ctx.save_for_backward(...)`` or as ``ctx``
+      attributes; ``ctx.mark_non_differentiable(out)`` and
+      ``ctx.set_materialize_grads(False)`` work as in PyTorch.
+    * ``backward(ctx, *grad_outputs)`` receives one cotangent per output (zeros
+      for outputs that get none) and returns one gradient per forward
+      argument: ``None`` means zero, extra trailing ``None`` are allowed, a
+      static argument must get ``None``. A gradient must have its input's
+      shape; a float gradient of another width is cast to the input's dtype.
+      ``ctx.saved_tensors`` and ``ctx.needs_input_grad`` (true exactly for
+      the arguments differentiated in this trace) are available.
+
+    The result works under ``jit``, ``vmap``, ``grad`` and ``jacrev``, and
+    under ``grad`` of ``grad`` when ``backward`` is made of ``jax.numpy`` ops.
+    Forward-mode AD (``jvp``, ``jacfwd``) is not available, as for any
+    ``jax.custom_vjp``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> import jaxext
+        >>> class MulConstant(jaxext.Function):
+        ...     @staticmethod
+        ...     def forward(ctx, tensor, constant):
+        ...         ctx.constant = constant
+        ...         return tensor * constant
+        ...     @staticmethod
+        ...     def backward(ctx, grad_output):
+        ...         return grad_output * ctx.constant, None
+        >>> jax.grad(lambda x: MulConstant.apply(x, 3.0).sum())(jnp.ones(2))
+        Array([3., 3.], dtype=float32)
+    """
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, *args: Any) -> Any:
+        raise NotImplementedError("Function subclasses must define a static `forward`.")
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, *grad_outputs: Any) -> Any:
+        raise NotImplementedError("Function subclasses must define a static `backward`.")
+
+    @classmethod
+    def apply(cls, *args: Any, **kwargs: Any) -> Any:
+        """Runs ``forward`` with the hand-written ``backward`` as its VJP.
+
+        Args:
+            *args: the forward arguments after ``ctx``.
+            **kwargs: forward arguments by name; allowed only when every earlier
+                argument is given too (as in PyTorch: defaults are not filled in).
+
+        Returns:
+            What ``forward`` returns: an array, or a tuple of arrays.
+
+        Raises:
+            TypeError: if ``forward``/``backward`` is not defined, a keyword
+                argument leaves a gap, a static argument contains arrays, or
+                ``forward`` returns something other than arrays.
+        """
+        name = cls.__name__
+        for method in ("forward", "backward"):
+            if getattr(cls, method) is getattr(Function, method):
+                raise TypeError(f"`{name}` must define a static `{method}` method.")
+        args = _bind(cls, args, kwargs)
+        diff_positions = tuple(i for i, arg in enumerate(args) if is_array(arg))
+        for i, arg in enumerate(args):
+            if i not in diff_positions and any(map(is_array, jax.tree_util.tree_leaves(arg))):
+                raise TypeError(
+                    f"`{name}.apply`: {_arg_label(cls, i)} is a {type(arg).__name__} holding "
+                    "arrays; pass each differentiable array as its own argument."
+                )
+        diff_values = [jnp.asarray(args[i]) for i in diff_positions]
+        return _lower(cls, args, diff_positions)(*diff_values)
+
+
+class _Meta(NamedTuple):
+    """Static residual data: everything bwd needs besides the arrays."""
+
+    needs_input_grad: tuple[bool, ...]
+    inputs: tuple[Any, ...]  # (shape, dtype) per argument, or the static value's type name
+    outputs: tuple[tuple[tuple[int, ...], Any, bool], ...]  # (shape, dtype, non-differentiable)
+    tuple_output: bool
+    ctx: Static
+
+
+def _lower(cls: type[Function], args: tuple[Any, ...], diff_positions: tuple[int, ...]):
+    """Builds the ``custom_vjp`` of ``cls`` for this call's static arguments."""
+    name = cls.__name__
+
+    def run_forward(diff_values, needs_input_grad):
+        full = list(args)
+        for i, value in zip(diff_positions, diff_values, strict=True):
+            full[i] = value
+        ctx = FunctionCtx(name, needs_input_grad)
+        raw = cls.forward(ctx, *full)
+        outputs, tuple_output = _check_outputs(name, raw)
+        non_diff = _non_differentiable_flags(name, ctx, raw if tuple_output else (raw,))
+        return ctx, outputs, tuple_output, non_diff
+
+    @jax.custom_vjp
+    def function(*diff_values):
+        _, outputs, tuple_output, _ = run_forward(diff_values, (False,) * len(args))
+        return tuple(outputs) if tuple_output else outputs[0]
+
+    def function_fwd(*primals):
+        values = [p.value for p in primals]
+        needs = [False] * len(args)
+        for i, p in zip(diff_positions, primals, strict=True):
+            needs[i] = bool(p.perturbed)
+        ctx, outputs, tuple_output, non_diff = run_forward(values, tuple(needs))
+        arrays, ctx_static = pack_ctx(ctx)
+        inputs = [type(arg).__name__ for arg in args]
+        for i, value in zip(diff_positions, values, strict=True):
+            inputs[i] = (value.shape, value.dtype)
+        meta = _Meta(
+            tuple(needs),
+            tuple(inputs),
+            tuple((o.shape, o.dtype, nd) for o, nd in zip(outputs, non_diff, strict=True)),
+            tuple_output,
+            ctx_static,
+        )
+        return (tuple(outputs) if tuple_output else outputs[0]), (Static(meta), arrays)
+
+    def function_bwd(residuals, cotangents):
+        meta, arrays = residuals[0].value, residuals[1]
+        cotangents = _materialize(meta, cotangents if meta.tuple_output else (cotangents,))
+        if cotangents is None:  # nothing flows back: skip the user's backward
+            return (None,) * len(diff_positions)
+        call = functools.partial(_run_backward, cls, meta)
+        if is_once_differentiable(cls.backward):
+            grads = call_blocking_derivatives(name, call, arrays, cotangents)
+        else:
+            grads = call(arrays, cotangents)
+        return tuple(grads[i] if meta.needs_input_grad[i] else None for i in diff_positions)
+
+    function.defvjp(function_fwd, function_bwd, symbolic_zeros=True)
+    return function
+
+
+def _materialize(meta: _Meta, cotangents: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """One cotangent per output, zeros (or None) where none flows; None if all are zero."""
+    result, any_nonzero = [], False
+    materialize = meta.ctx.value.materialize_grads
+    for ct, (shape, dtype, non_diff) in zip(cotangents, meta.outputs, strict=True):
+        zero = non_diff or not jnp.issubdtype(dtype, jnp.inexact) or isinstance(ct, SymbolicZero)
+        any_nonzero = any_nonzero or not zero
+        result.append((jnp.zeros(shape, dtype) if materialize else None) if zero else ct)
+    return tuple(result) if any_nonzero else None
+
+
+def _run_backward(cls, meta: _Meta, arrays, cotangents) -> list[Any]:
+    ctx = unpack_ctx(cls.__name__, meta.needs_input_grad, arrays, meta.ctx)
+    return _check_grads(cls, meta, cls.backward(ctx, *cotangents))
+
+
+def _check_grads(cls, meta: _Meta, grads: Any) -> list[Any]:
+    """Validates backward's result against the inputs; casts float widths."""
+    name, n = cls.__name__, len(meta.inputs)
+    grads = tuple(grads) if isinstance(grads, (tuple, list)) else (grads,)
+    if len(grads) < n or any(g is not None for g in grads[n:]):
+        raise ValueError(
+            f"`{name}.backward` returned {len(grads)} gradient(s); expected {n}, one per "
+            "argument given to forward (extra trailing values must be None)."
+        )
+    checked = []
+    for i, (g, spec) in enumerate(zip(grads[:n], meta.inputs, strict=True)):
+        label = _arg_label(cls, i)
+        if g is not None and isinstance(spec, str):
+            raise TypeError(
+                f"`{name}.backward` returned a gradient for {label}, but that argument is "
+                f"static (a {spec}, not an array); return None for it."
+            )
+        if g is not None and not is_array(g):
+            raise TypeError(
+                f"`{name}.backward`: the gradient for {label} must be an array or None; "
+                f"got {type(g).__name__}."
+            )
+        if g is None or isinstance(spec, str):
+            checked.append(None)
+            continue
+        shape, dtype = spec
+        if g.shape != shape:
+            raise ValueError(
+                f"`{name}.backward`: the gradient for {label} must have the input's shape "
+                f"{shape}; got shape {g.shape}."
+            )
+        if not jnp.issubdtype(dtype, jnp.inexact):  # integer/bool input: never differentiated
+            checked.append(None)
+            continue
+        complex_to_real = jnp.issubdtype(g.dtype, jnp.complexfloating) and not jnp.issubdtype(
+            dtype, jnp.complexfloating
+        )
+        if not jnp.issubdtype(g.dtype, jnp.inexact) or complex_to_real:
+            raise TypeError(
+                f"`{name}.backward`: the gradient for {label} must be a floating array "
+                f"matching the input's dtype {dtype}; got dtype {g.dtype}."
+            )
+        checked.append(jnp.asarray(g).astype(dtype))
+    return checked
+
+
+def _check_outputs(name: str, raw: Any) -> tuple[list[jax.Array], bool]:
+    tuple_output = isinstance(raw, (tuple, list))
+    items = tuple(raw) if tuple_output else (raw,)
+    if not items or not all(map(is_array, items)):
+        got = type(raw).__name__ if not tuple_output else [type(o).__name__ for o in items]
+        raise TypeError(f"`{name}.forward` must return an array or a tuple of arrays; got {got}.")
+    return [jnp.asarray(o) for o in items], tuple_output
+
+
+def _non_differentiable_flags(name: str, ctx: FunctionCtx, raw: tuple[Any, ...]):
+    marked = ctx._non_differentiable
+    for k, value in enumerate(marked):
+        if not any(value is o for o in raw):
+            raise ValueError(
+                f"`{name}.forward`: value {k} given to mark_non_differentiable is not one of "
+                "the returned outputs (pass the very array objects that forward returns)."
+            )
+    return tuple(any(o is m for m in marked) for o in raw)
+
+
+def _bind(cls, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """Maps keyword arguments onto forward's positions, without filling in defaults."""
+    if not kwargs:
+        return args
+    try:
+        bound = inspect.signature(cls.forward).bind(None, *args, **kwargs)
+    except TypeError as err:
+        raise TypeError(f"`{cls.__name__}.apply`: {err}.") from None
+    if bound.kwargs:
+        raise TypeError(
+            f"`{cls.__name__}.apply`: keyword argument(s) {sorted(bound.kwargs)} must come "
+            "with every earlier forward argument given as well."
+        )
+    return tuple(bound.args[1:])
+
+
+def _arg_label(cls, i: int) -> str:
+    """``argument 2 (`bias`)`` when forward's signature names position ``i``."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        params = []
+    if i < len(params) and params[i].kind in (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    ):
+        return f"argument {i} (`{params[i].name}`)"
+    return f"argument {i}"

@@ -1,0 +1,702 @@
+"""Tests for `jaxext.Function` and `jaxext.once_differentiable`.
+
+The two Functions of the "Extending PyTorch" note are ported line for line
+(torch ops replaced by ``jnp``), exactly as in ``docs/porting_from_pytorch.md``.
+References are independent of the code under test: plain ``jnp`` autodiff,
+``jax.test_util.check_grads`` (finite differences), hand-computed values and PyTorch.
+"""
+
+from __future__ import annotations
+
+import inspect
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, rand, reference_linear
+from jax.test_util import check_grads
+
+import jaxext
+
+# -- the seed's two Functions, ported line for line (same code as the porting guide) --------
+
+
+class LinearFunction(jaxext.Function):
+    @staticmethod
+    def forward(ctx, input, weight, bias=None):
+        ctx.save_for_backward(input, weight, bias)
+        output = input @ weight.T
+        if bias is not None:
+            output = output + bias
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight, bias = ctx.saved_tensors
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_input = grad_output @ weight
+        if ctx.needs_input_grad[1]:
+            grad_weight = grad_output.T @ input
+        if bias is not None and ctx.needs_input_grad[2]:
+            grad_bias = grad_output.sum(0)
+        return grad_input, grad_weight, grad_bias
+
+
+linear = LinearFunction.apply
+
+
+class MulConstant(jaxext.Function):
+    @staticmethod
+    def forward(ctx, tensor, constant):
+        ctx.constant = constant
+        return tensor * constant
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output * ctx.constant, None
+
+
+mul_constant = MulConstant.apply
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+recorded: list = []  # what recording backwards observed, appended at trace time
+
+
+@pytest.fixture(autouse=True)
+def _clear_seen():
+    recorded.clear()
+
+
+class RecordingLinear(LinearFunction):
+    """The ported LinearFunction, recording ``ctx.needs_input_grad`` in backward."""
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        recorded.append(ctx.needs_input_grad)
+        return LinearFunction.backward(ctx, grad_output)
+
+
+def linear_inputs(batch=5, in_features=3, out_features=4, dtype=np.float32, seed=0):
+    x = jnp.asarray(rand(seed, (batch, in_features), dtype))
+    w = jnp.asarray(rand(seed + 1, (out_features, in_features), dtype))
+    b = jnp.asarray(rand(seed + 2, (out_features,), dtype))
+    return x, w, b
+
+
+def loss_of(fn):
+    """A scalar whose gradient depends on every output entry (not just a sum)."""
+    return lambda *args: jnp.sum(jnp.sin(fn(*args)))
+
+
+# -- the seed ports against plain autodiff ----------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(5, 3, 4), (1, 2, 1), (7, 1, 3)], ids=str)
+@pytest.mark.parametrize("use_bias", [True, False], ids=["bias", "nobias"])
+def test_linear_port_values_and_grads_match_autodiff(shape, use_bias):
+    x, w, b = linear_inputs(*shape)
+    args = (x, w, b) if use_bias else (x, w)
+    assert_close(linear(*args), reference_linear(*args), rtol=1e-5, atol=1e-5)
+    argnums = tuple(range(len(args)))
+    got = jax.grad(loss_of(linear), argnums)(*args)
+    want = jax.grad(loss_of(reference_linear), argnums)(*args)
+    for g, r in zip(got, want, strict=True):
+        assert g.shape == r.shape and g.dtype == r.dtype
+        assert_close(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_port_float64(x64):
+    x, w, b = linear_inputs(dtype=np.float64)
+    got = jax.grad(loss_of(linear), (0, 1, 2))(x, w, b)
+    want = jax.grad(loss_of(reference_linear), (0, 1, 2))(x, w, b)
+    for g, r in zip(got, want, strict=True):
+        assert g.dtype == jnp.float64
+        assert_close(g, r, rtol=1e-12, atol=1e-12)
+
+
+def test_linear_port_matches_torch():
+    torch = pytest.importorskip("torch")
+    x, w, b = linear_inputs()
+    tx, tw, tb = (torch.tensor(np.asarray(a), requires_grad=True) for a in (x, w, b))
+    torch.sin(torch.nn.functional.linear(tx, tw, tb)).sum().backward()
+    got = jax.grad(loss_of(linear), (0, 1, 2))(x, w, b)
+    for g, t in zip(got, (tx, tw, tb), strict=True):
+        assert_close(g, t.grad.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("constant", [3.0, -2, np.float32(0.5)], ids=["float", "int", "np"])
+def test_mul_constant_port_static_constant(constant):
+    x = jnp.asarray(rand(3, (4, 2)))
+    assert_close(mul_constant(x, constant), np.asarray(x) * float(constant))
+    got = jax.grad(loss_of(mul_constant))(x, constant)
+    want = jax.grad(loss_of(lambda x, c: x * c))(x, constant)
+    assert_close(got, want)
+    # The constant is static: it is a trace-time Python value, also under jit.
+    jitted = jax.jit(jax.grad(loss_of(mul_constant)), static_argnums=1)
+    assert_close(jitted(x, constant), want)
+
+
+def test_mul_constant_static_argument_change_retraces_under_jit():
+    x = jnp.arange(3.0)
+    f = jax.jit(jax.grad(lambda x, c: mul_constant(x, c).sum()), static_argnums=1)
+    assert_close(f(x, 2.0), [2.0, 2.0, 2.0])
+    assert_close(f(x, 5.0), [5.0, 5.0, 5.0])
+
+
+# -- ctx.needs_input_grad ------------------------------------------------------------------------
+
+ARGNUMS = [0, 1, 2, (0, 1), (0, 2), (1, 2), (0, 1, 2)]
+
+
+@pytest.mark.parametrize("argnums", ARGNUMS, ids=str)
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_needs_input_grad_follows_argnums(argnums, jit):
+    x, w, b = linear_inputs()
+    grad_fn = jax.grad(loss_of(RecordingLinear.apply), argnums)
+    got = (jax.jit(grad_fn) if jit else grad_fn)(x, w, b)
+    wanted = (argnums,) if isinstance(argnums, int) else argnums
+    expected = tuple(i in wanted for i in range(3))
+    assert recorded == [expected]
+    want = jax.grad(loss_of(reference_linear), argnums)(x, w, b)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert_close(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_needs_input_grad_has_one_entry_per_passed_argument():
+    x, w, _ = linear_inputs()
+    jax.grad(loss_of(RecordingLinear.apply), 1)(x, w)  # bias left at its default
+    assert recorded == [(False, True)]
+
+
+def test_static_argument_never_needs_grad():
+    seen = []
+
+    class Scale(jaxext.Function):
+        @staticmethod
+        def forward(ctx, x, factor, name):
+            ctx.factor = factor
+            return x * factor
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(ctx.needs_input_grad)
+            return g * ctx.factor, None, None
+
+    got = jax.grad(lambda x: Scale.apply(x, 2.0, "label").sum())(jnp.ones(3))
+    assert seen == [(True, False, False)]
+    assert_close(got, [2.0, 2.0, 2.0])
+
+
+def test_keyword_arguments_bind_to_positions():
+    x, w, b = linear_inputs()
+    got = jax.grad(loss_of(lambda x, w, b: RecordingLinear.apply(x, w, bias=b)), 2)(x, w, b)
+    assert recorded == [(False, False, True)]
+    assert_close(got, jax.grad(loss_of(reference_linear), 2)(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_numpy_array_inputs_are_differentiable():
+    x, w, b = (np.asarray(a) for a in linear_inputs())
+    got = jax.grad(loss_of(linear), 1)(x, w, b)
+    assert_close(got, jax.grad(loss_of(reference_linear), 1)(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+# -- transforms ----------------------------------------------------------------------------------
+
+
+def test_jit_values_and_grads():
+    x, w, b = linear_inputs()
+    assert_close(jax.jit(linear)(x, w, b), reference_linear(x, w, b), rtol=1e-5, atol=1e-5)
+    got = jax.jit(jax.grad(loss_of(linear), (0, 1, 2)))(x, w, b)
+    want = jax.grad(loss_of(reference_linear), (0, 1, 2))(x, w, b)
+    for g, r in zip(got, want, strict=True):
+        assert_close(g, r, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("in_axes", [(0, None, None), (None, 0, None), (0, 0, 0)], ids=str)
+def test_vmap_of_grad(in_axes):
+    x, w, b = linear_inputs()
+    stacked = [
+        jnp.stack([a, 2 * a + 1]) if ax == 0 else a
+        for a, ax in zip((x, w, b), in_axes, strict=True)
+    ]
+    got = jax.vmap(jax.grad(loss_of(linear), (0, 1, 2)), in_axes)(*stacked)
+    want = jax.vmap(jax.grad(loss_of(reference_linear), (0, 1, 2)), in_axes)(*stacked)
+    for g, r in zip(got, want, strict=True):
+        assert_close(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_grad_of_grad_and_jacrev(x64):
+    x, w, b = linear_inputs(dtype=np.float64)
+
+    def second(fn):
+        return jax.grad(lambda w: jnp.sum(jax.grad(loss_of(fn), 0)(x, w, b) ** 2))
+
+    assert_close(second(linear)(w), second(reference_linear)(w), rtol=1e-10, atol=1e-10)
+    jac = jax.jacrev(linear, (0, 1, 2))(x, w, b)
+    ref = jax.jacrev(reference_linear, (0, 1, 2))(x, w, b)
+    for g, r in zip(jac, ref, strict=True):
+        assert_close(g, r, rtol=1e-12, atol=1e-12)
+
+
+def test_check_grads_finite_differences(x64):
+    x, w, b = linear_inputs(dtype=np.float64)
+    check_grads(linear, (x, w, b), order=2, modes=["rev"])
+    check_grads(lambda t: mul_constant(t, 1.5), (x,), order=2, modes=["rev"])
+
+
+# -- ctx attributes --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_ctx_attributes_reach_backward(jit):
+    seen = {}
+
+    class Affine(jaxext.Function):
+        @staticmethod
+        def forward(ctx, x, a, shift):
+            ctx.scale = 2.5  # static Python float
+            ctx.bag = {"a": a, "axes": [0], "pair": (x, "tag")}  # mixed, with a list
+            ctx.shift = shift
+            return ctx.scale * a * x + shift
+
+        @staticmethod
+        def backward(ctx, g):
+            seen["types"] = (type(ctx.scale), type(ctx.bag["axes"]), ctx.bag["pair"][1])
+            seen["a_is_array"] = isinstance(ctx.bag["a"], jax.Array)
+            a, x = ctx.bag["a"], ctx.bag["pair"][0]
+            return g * ctx.scale * a, jnp.sum(g * ctx.scale * x, axis=0), None
+
+    x = jnp.asarray(rand(0, (4, 3)))
+    a = jnp.asarray(rand(1, (3,)))
+    grad_fn = jax.grad(lambda x, a: jnp.sum(Affine.apply(x, a, 1.0) ** 2), (0, 1))
+    got = (jax.jit(grad_fn) if jit else grad_fn)(x, a)
+    want = jax.grad(lambda x, a: jnp.sum((2.5 * a * x + 1.0) ** 2), (0, 1))(x, a)
+    assert seen == {"types": (float, list, "tag"), "a_is_array": True}
+    for g, r in zip(got, want, strict=True):
+        assert_close(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_save_for_backward_rejects_python_values():
+    class Bad(jaxext.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x, 2.0)
+            return x
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    with pytest.raises(TypeError, match=r"`Bad`: save_for_backward .* value 1 is a float"):
+        Bad.apply(jnp.ones(2))
+
+
+# -- several outputs, mark_non_differentiable, set_materialize_grads -------------------------
+
+
+class SinCos(jaxext.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return jnp.sin(x), jnp.cos(x)
+
+    @staticmethod
+    def backward(ctx, grad_sin, grad_cos):
+        (x,) = ctx.saved_tensors
+        recorded.append((grad_sin, grad_cos))
+        return grad_sin * jnp.cos(x) - grad_cos * jnp.sin(x)
+
+
+def test_several_outputs():
+    x = jnp.asarray(rand(0, (5,)))
+    s, c = SinCos.apply(x)
+    assert_close(s, np.sin(np.asarray(x)), rtol=1e-6)
+    assert_close(c, np.cos(np.asarray(x)), rtol=1e-6)
+
+    def both(fn):
+        return lambda x: jnp.sum(fn(x)[0] * 3.0 + fn(x)[1] ** 2)
+
+    reference = lambda x: (jnp.sin(x), jnp.cos(x))  # noqa: E731
+    assert_close(jax.grad(both(SinCos.apply))(x), jax.grad(both(reference))(x), rtol=1e-5)
+
+
+def test_unused_output_gets_zero_cotangent():
+    x = jnp.asarray(rand(0, (5,)))
+    got = jax.grad(lambda x: jnp.sum(SinCos.apply(x)[0] * 2.0))(x)
+    assert_close(got, 2.0 * np.cos(np.asarray(x)), rtol=1e-5)
+    [(grad_sin, grad_cos)] = recorded
+    assert_close(grad_sin, np.full(5, 2.0))
+    assert grad_cos.shape == (5,) and not np.asarray(grad_cos).any()
+
+
+def test_set_materialize_grads_false_passes_none():
+    class SinCosLazy(SinCos):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.set_materialize_grads(False)
+            return SinCos.forward(ctx, x)
+
+        @staticmethod
+        def backward(ctx, grad_sin, grad_cos):
+            recorded.append(grad_cos)
+            (x,) = ctx.saved_tensors
+            return grad_sin * jnp.cos(x)
+
+    x = jnp.asarray(rand(0, (5,)))
+    got = jax.grad(lambda x: jnp.sum(SinCosLazy.apply(x)[0]))(x)
+    assert recorded == [None]
+    assert_close(got, np.cos(np.asarray(x)), rtol=1e-5)
+
+
+class SortWithIndices(jaxext.Function):
+    """Sorted values plus the permutation (integer, marked non-differentiable)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        idx = jnp.argsort(x)
+        values = x[idx]
+        ctx.mark_non_differentiable(idx)
+        ctx.save_for_backward(idx)
+        return values, idx
+
+    @staticmethod
+    def backward(ctx, grad_values, grad_idx):
+        (idx,) = ctx.saved_tensors
+        recorded.append(np.asarray(grad_idx))
+        return jnp.zeros_like(grad_values).at[idx].set(grad_values)
+
+
+class DoubleWithMarkedTriple(jaxext.Function):
+    @staticmethod
+    def forward(ctx, x):
+        doubled, tripled = 2 * x, 3 * x
+        ctx.mark_non_differentiable(tripled)
+        return doubled, tripled
+
+    @staticmethod
+    def backward(ctx, grad_doubled, grad_tripled):
+        recorded.append(np.asarray(grad_tripled))
+        return 2 * grad_doubled + 3 * grad_tripled  # the second term must vanish
+
+
+def test_mark_non_differentiable_blocks_gradient():
+    x = jnp.asarray(rand(1, (4,)))
+
+    def loss(x):
+        doubled, tripled = DoubleWithMarkedTriple.apply(x)
+        return jnp.sum((doubled + tripled) ** 2)
+
+    # Only the unmarked output carries gradient: d/dx of (2x + stop(3x))^2 = 2 * 5x * 2.
+    assert_close(jax.grad(loss)(x), 20.0 * np.asarray(x), rtol=1e-5)
+    [grad_tripled] = recorded
+    assert grad_tripled.shape == (4,) and not grad_tripled.any()
+
+
+def test_mark_non_differentiable_integer_output():
+    x = jnp.asarray(rand(2, (6,)))
+    values, idx = SortWithIndices.apply(x)
+    assert_close(values, np.sort(np.asarray(x)))
+    assert idx.dtype == jnp.argsort(x).dtype
+    weights = jnp.arange(6.0)
+    got = jax.grad(lambda x: jnp.sum(SortWithIndices.apply(x)[0] * weights))(x)
+    assert_close(got, jax.grad(lambda x: jnp.sum(jnp.sort(x) * weights))(x))
+    [grad_idx] = recorded
+    assert grad_idx.shape == (6,) and not grad_idx.any()
+
+
+def test_only_marked_output_used_skips_backward():
+    x = jnp.asarray(rand(1, (4,)))
+    got = jax.grad(lambda x: jnp.sum(DoubleWithMarkedTriple.apply(x)[1]))(x)
+    assert recorded == []
+    assert_close(got, np.zeros(4))
+
+
+def test_mark_non_differentiable_rejects_non_outputs():
+    class Bad(jaxext.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.mark_non_differentiable(x)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return 2 * g
+
+    with pytest.raises(ValueError, match=r"`Bad.forward`: value 0 .* not one of the returned"):
+        Bad.apply(jnp.ones(2))
+
+
+# -- once_differentiable -------------------------------------------------------------------------
+
+
+class OnceCube(jaxext.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    @jaxext.once_differentiable
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        return grad_output * 3 * x**2
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_once_differentiable_first_order(jit):
+    x = jnp.asarray(rand(0, (5,)))
+    grad_fn = jax.grad(lambda x: jnp.sum(jnp.sin(OnceCube.apply(x))))
+    got = (jax.jit(grad_fn) if jit else grad_fn)(x)
+    assert_close(got, jax.grad(lambda x: jnp.sum(jnp.sin(x**3)))(x), rtol=1e-5)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_once_differentiable_rejects_second_order(jit):
+    def grad_sum(x):
+        return jnp.sum(jax.grad(lambda x: jnp.sum(OnceCube.apply(x)))(x))
+
+    fn = jax.grad(grad_sum)
+    with pytest.raises(RuntimeError, match=r"`OnceCube.backward` is decorated with @once_diff"):
+        (jax.jit(fn) if jit else fn)(jnp.ones(3))
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        jax.jacrev(jax.grad(lambda x: jnp.sum(OnceCube.apply(x))))(jnp.ones(3))
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+
+def make_function(backward, forward=lambda ctx, x, c: x * c):
+    return type(
+        "Broken",
+        (jaxext.Function,),
+        {"forward": staticmethod(forward), "backward": staticmethod(backward)},
+    )
+
+
+def grad_of(function, x=None, c=2.0, jit=False):
+    x = jnp.ones((3, 2)) if x is None else x
+    grad_fn = jax.grad(lambda x: jnp.sum(function.apply(x, c)))
+    return (jax.jit(grad_fn) if jit else grad_fn)(x)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_error_gradient_for_static_argument(jit):
+    broken = make_function(lambda ctx, g: (g * 2.0, jnp.sum(g)))
+    with pytest.raises(TypeError, match=r"`Broken.backward` .* argument 1 \(`c`\).* static"):
+        grad_of(broken, jit=jit)
+
+
+@pytest.mark.parametrize(
+    "result", [lambda g: g, lambda g: (g,), lambda g: (g, None, g)], ids=["bare", "one", "three"]
+)
+def test_error_wrong_gradient_count(result):
+    broken = make_function(lambda ctx, g: result(g))
+    with pytest.raises(
+        ValueError, match=r"`Broken.backward` returned \d gradient\(s\); expected 2"
+    ):
+        grad_of(broken)
+
+
+def test_extra_trailing_nones_are_allowed():
+    fine = make_function(lambda ctx, g: (g * 2.0, None, None, None))
+    assert_close(grad_of(fine), np.full((3, 2), 2.0))
+
+
+@pytest.mark.parametrize("bad_shape", [(2, 3), (3,), (3, 2, 1)], ids=str)
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_error_wrong_gradient_shape(bad_shape, jit):
+    broken = make_function(lambda ctx, g: (jnp.ones(bad_shape), None))
+    with pytest.raises(
+        ValueError, match=r"`Broken.backward`: the gradient for argument 0 \(`x`\) must have"
+    ):
+        grad_of(broken, jit=jit)
+
+
+@pytest.mark.parametrize("bad", [jnp.int32, jnp.bool_, jnp.complex64], ids=str)
+def test_error_wrong_gradient_dtype_kind(bad):
+    broken = make_function(lambda ctx, g: (g.astype(bad), None))
+    with pytest.raises(TypeError, match=r"argument 0 \(`x`\) must be a floating array"):
+        grad_of(broken)
+
+
+def test_error_non_array_gradient():
+    broken = make_function(lambda ctx, g: ("oops", None))
+    with pytest.raises(TypeError, match=r"argument 0 \(`x`\) must be an array or None; got str"):
+        grad_of(broken)
+
+
+def test_float_gradient_is_cast_to_input_dtype(x64):
+    cast = make_function(lambda ctx, g: (g.astype(jnp.float64) * 2.0, None))
+    got = grad_of(cast, jnp.ones((3, 2), jnp.float32))
+    assert got.dtype == jnp.float32
+    assert_close(got, np.full((3, 2), 2.0))
+
+
+def test_error_forward_returns_non_array():
+    broken = make_function(lambda ctx, g: (g, None), forward=lambda ctx, x, c: float(c))
+    with pytest.raises(TypeError, match=r"`Broken.forward` must return an array or a tuple"):
+        broken.apply(jnp.ones(2), 2.0)
+
+
+def test_error_static_argument_holding_arrays():
+    with pytest.raises(TypeError, match=r"argument 1 \(`c`\) is a tuple holding arrays"):
+        make_function(lambda ctx, g: (g, None)).apply(jnp.ones(2), (jnp.ones(2),))
+
+
+def test_error_keyword_argument_gap():
+    class Defaults(jaxext.Function):
+        @staticmethod
+        def forward(ctx, x, a=1.0, b=2.0):
+            return x * a * b
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2.0
+
+    with pytest.raises(TypeError, match=r"`Defaults.apply`: keyword argument\(s\) \['b'\]"):
+        Defaults.apply(jnp.ones(2), b=3.0)
+    with pytest.raises(TypeError, match=r"`LinearFunction.apply`: missing .* 'weight'"):
+        linear(jnp.ones((2, 3)), bias=jnp.ones(4))
+
+
+def test_error_missing_backward():
+    class NoBackward(jaxext.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+    with pytest.raises(TypeError, match=r"`NoBackward` must define a static `backward`"):
+        NoBackward.apply(jnp.ones(2))
+
+
+def test_error_mark_dirty():
+    broken = make_function(lambda ctx, g: (g, None), forward=lambda ctx, x, c: ctx.mark_dirty(x))
+    with pytest.raises(TypeError, match="immutable"):
+        broken.apply(jnp.ones(2), 1.0)
+
+
+# -- jaxext.gradcheck / gradgradcheck ------------------------------------------------------------
+
+
+class WrongLinear(LinearFunction):
+    """The ported LinearFunction with a deliberately wrong weight gradient."""
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_input, grad_weight, grad_bias = LinearFunction.backward(ctx, grad_output)
+        return grad_input, 1.01 * grad_weight, grad_bias
+
+
+def float64_linear_inputs():
+    return tuple(np.asarray(a, np.float64) for a in linear_inputs(batch=3, out_features=2))
+
+
+def test_gradcheck_accepts_ported_functions():
+    # Without bias, the porting guide's own example runs the same two checks.
+    x, w, b = float64_linear_inputs()
+    assert jaxext.gradcheck(linear, (x, w, b), eps=1e-6, atol=1e-4)
+    assert jaxext.gradgradcheck(linear, (x, w, b), eps=1e-6, atol=1e-4)
+    assert jaxext.gradcheck(mul_constant, (x, 1.5), eps=1e-6, atol=1e-4)
+    assert jaxext.gradcheck(lambda t: SinCos.apply(t), (x,), eps=1e-6, atol=1e-4)
+
+
+def test_gradcheck_catches_a_wrong_backward():
+    with pytest.raises(jaxext.GradcheckError):
+        jaxext.gradcheck(WrongLinear.apply, float64_linear_inputs(), eps=1e-6, atol=1e-4)
+
+
+def test_gradcheck_with_once_differentiable():
+    x = np.linspace(0.5, 1.5, 5)
+    assert jaxext.gradcheck(OnceCube.apply, (x,))
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        jaxext.gradgradcheck(OnceCube.apply, (x,))
+
+
+# -- docs/porting_from_pytorch.md: every code block runs, and its ports are the ones above -----
+
+GUIDE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "porting_from_pytorch.md"
+
+
+def guide_blocks():
+    """The guide's ```python blocks, split into PyTorch ones and JAX ones."""
+    blocks = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), flags=re.DOTALL)
+    torch_blocks = [b for b in blocks if b.startswith("import torch")]
+    return torch_blocks, [b for b in blocks if not b.startswith("import torch")]
+
+
+@pytest.fixture(scope="module")
+def guide():
+    """Namespace after running the guide's JAX blocks in order (they assert as they go)."""
+    namespace: dict = {}
+    for block in guide_blocks()[1]:
+        exec(compile(block, str(GUIDE), "exec"), namespace)
+    return namespace
+
+
+def test_guide_ports_are_the_tested_ones():
+    text = GUIDE.read_text()
+    for cls in (LinearFunction, MulConstant):
+        assert inspect.getsource(cls) in text
+
+
+@pytest.mark.parametrize("use_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("batch_shape", [(5,), (2, 3)], ids=str)
+def test_guide_linear_custom_vjp(guide, use_bias, batch_shape):
+    x, w, b = linear_inputs()
+    x = jnp.asarray(rand(9, (*batch_shape, 3)))
+    args = (x, w, b) if use_bias else (x, w)
+    assert_close(guide["linear_vjp"](*args), reference_linear(*args), rtol=1e-5, atol=1e-5)
+    got = jax.grad(loss_of(guide["linear_vjp"]), tuple(range(len(args))))(*args)
+    want = jax.grad(loss_of(reference_linear), tuple(range(len(args))))(*args)
+    for g, r in zip(got, want, strict=True):
+        assert_close(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_guide_mul_constant_and_mul(guide):
+    x, y = jnp.asarray(rand(0, (4,))), jnp.asarray(rand(1, (4,)))
+    got = jax.grad(loss_of(guide["mul_constant_vjp"]))(x, 2.5)
+    assert_close(got, jax.grad(loss_of(lambda x, c: x * c))(x, 2.5), rtol=1e-6)
+    got = jax.grad(loss_of(guide["mul_constant"]))(x, 2.5)
+    assert_close(got, jax.grad(loss_of(lambda x, c: x * c))(x, 2.5), rtol=1e-6)
+    for argnums in (0, 1, (0, 1)):
+        got = jax.grad(loss_of(guide["mul"]), argnums)(x, y)
+        want = jax.grad(loss_of(lambda x, y: x * y), argnums)(x, y)
+        for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert_close(g, r, rtol=1e-6)
+
+
+def test_guide_module(guide):
+    layer = guide["Linear"](3, 2, rngs=guide["nnx"].Rngs(0))
+    x = jnp.asarray(rand(0, (4, 3)))
+    w, b = layer.weight[...], layer.bias[...]
+    assert_close(layer(x), reference_linear(x, w, b), rtol=1e-6)
+    bound = 1 / np.sqrt(3)
+    assert np.all(np.abs(np.asarray(w)) <= bound) and np.all(np.abs(np.asarray(b)) <= bound)
+    grads = guide["nnx"].grad(lambda layer: loss_of(layer)(x))(layer)
+    want = jax.grad(lambda w, b: loss_of(reference_linear)(x, w, b), (0, 1))(w, b)
+    assert_close(grads["weight"][...], want[0], rtol=1e-5, atol=1e-6)
+    assert_close(grads["bias"][...], want[1], rtol=1e-5, atol=1e-6)
+
+
+def test_guide_torch_originals_match_the_ports():
+    torch = pytest.importorskip("torch")
+    torch_blocks = guide_blocks()[0]
+    assert len(torch_blocks) == 2
+    namespace: dict = {}
+    for block in torch_blocks:
+        exec(compile(block, str(GUIDE), "exec"), namespace)
+    x, w, b = (np.asarray(a, np.float64) for a in linear_inputs())
+    tx, tw, tb = (torch.tensor(a, requires_grad=True) for a in (x, w, b))
+    torch.sin(namespace["LinearFunction"].apply(tx, tw, tb)).sum().backward()
+    got = jax.grad(loss_of(linear), (0, 1, 2))(x, w, b)
+    for g, t in zip(got, (tx, tw, tb), strict=True):
+        assert_close(g, t.grad.numpy(), rtol=1e-5, atol=1e-6)
+    tx.grad = None
+    torch.sin(namespace["MulConstant"].apply(tx, 2.5)).sum().backward()
+    assert_close(jax.grad(loss_of(mul_constant))(x, 2.5), tx.grad.numpy(), rtol=1e-5, atol=1e-6)
