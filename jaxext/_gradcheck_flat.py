@@ -1,0 +1,203 @@
+"""Pytree plumbing for ``jaxext.gradcheck``: the caller's function as ``R^n -> R^m``.
+
+``first_order`` turns ``func(*args)`` into a function of one flat float64
+vector, ``Problem.f``, whose input blocks are the floating-point array leaves of
+``args`` and whose output blocks are the floating-point leaves of the result.
+Each block is a ``Segment`` that remembers which input or output it came from,
+so failures can be reported in the caller's terms. ``second_order`` builds the
+function that ``gradgradcheck`` differentiates: the VJP of ``Problem.f`` as a
+function of the inputs and the cotangent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["Problem", "Segment", "first_order", "float_dtype", "second_order"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A block of the flat input or output vector: one array leaf of the caller's."""
+
+    index: int  # positional input index, or output leaf index
+    path: str  # key path (inputs: inside the positional argument; outputs: full)
+    shape: tuple[int, ...]
+    offset: int
+    label: str  # how messages name it, e.g. "input 1['w']"
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def slice(self) -> slice:
+        return slice(self.offset, self.offset + self.size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """A flat float64 function ``f: R^n -> R^m`` with labelled input/output blocks."""
+
+    f: Callable[[jax.Array], jax.Array]
+    x0: jax.Array
+    inputs: tuple[Segment, ...]
+    outputs: tuple[Segment, ...]
+    order: int
+    out_treedef: Any = None  # structure of func's output (first order only)
+    out_positions: tuple[int, ...] = ()  # leaf position of each output segment
+
+
+def float_dtype(leaf: Any, label: str) -> np.dtype | None:
+    """The dtype of a checked (real floating array) leaf, else ``None``."""
+    if not isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
+        return None  # Python/NumPy scalars and other objects are static
+    if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
+        raise TypeError(
+            f"{label} has complex dtype {leaf.dtype}; gradcheck supports real floating-point "
+            "arrays only (split complex values into real and imaginary parts)."
+        )
+    return leaf.dtype if jnp.issubdtype(leaf.dtype, jnp.floating) else None
+
+
+def first_order(func: Callable[..., Any], args: tuple) -> tuple[Problem, list[str], list[str]]:
+    """Flattens ``func`` at ``args`` into a ``Problem``.
+
+    Also returns the labels of the float inputs that are not float64 (they are
+    upcast) and of the float outputs that are not float64 (computed in lower
+    precision by ``func`` itself), for the caller to warn about.
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(args)
+    leaves = [leaf for _, leaf in flat]
+    segments, arrays, positions, low = [], [], [], []
+    offset = 0
+    for position, (path, leaf) in enumerate(flat):
+        index, sub = path[0].idx, jax.tree_util.keystr(path[1:])
+        label = f"input {index}{sub}"
+        dtype = float_dtype(leaf, label)
+        if dtype is None:
+            continue
+        if dtype != np.float64:
+            low.append(f"{label} ({dtype})")
+        array = np.asarray(leaf).astype(np.float64)
+        segments.append(Segment(index, sub, array.shape, offset, label))
+        arrays.append(array.ravel())
+        positions.append(position)
+        offset += array.size
+    if not segments:
+        raise ValueError(
+            "`inputs` holds no floating-point array to differentiate (Python and NumPy "
+            "scalars are constants: pass np.asarray(value) to differentiate one)."
+        )
+    x0 = jnp.asarray(np.concatenate(arrays))
+    out_positions: list[int] = []
+
+    def f_tree(x):
+        new = list(leaves)
+        for position, segment in zip(positions, segments, strict=True):
+            new[position] = x[segment.slice].reshape(segment.shape)
+        return func(*jax.tree_util.tree_unflatten(treedef, new))
+
+    def f(x):
+        outs = jax.tree_util.tree_leaves(f_tree(x))
+        parts = [jnp.ravel(outs[p]).astype(jnp.float64) for p in out_positions]
+        return jnp.concatenate(parts) if parts else jnp.zeros((0,))
+
+    example = jax.eval_shape(f_tree, x0)
+    outputs, offset, low_out = [], 0, []
+    example_leaves, out_treedef = jax.tree_util.tree_flatten_with_path(example)
+    for position, (path, leaf) in enumerate(example_leaves):
+        full = jax.tree_util.keystr(path)
+        shown = "" if full in ("", f"[{position}]") else full
+        dtype = float_dtype(leaf, f"output {position}{shown}")
+        if dtype is None:
+            continue  # integer and boolean outputs are not checked
+        if dtype != np.float64:
+            low_out.append(f"output {position}{shown} ({dtype})")
+        outputs.append(Segment(position, full, leaf.shape, offset, f"output {position}{shown}"))
+        out_positions.append(position)
+        offset += math.prod(leaf.shape)
+    if not outputs:
+        raise ValueError("`func` returned no floating-point array to check.")
+    problem = Problem(f, x0, tuple(segments), tuple(outputs), 1, out_treedef, tuple(out_positions))
+    return problem, low, low_out
+
+
+def _given_grad_outputs(grad_outputs: Any, first: Problem, low: list[str]) -> list[np.ndarray]:
+    treedef = first.out_treedef
+    single = jax.tree_util.treedef_is_leaf(treedef)
+    if single and isinstance(grad_outputs, (tuple, list)) and len(grad_outputs) == 1:
+        grad_outputs = grad_outputs[0]  # PyTorch habit: a 1-tuple for a single output
+    structure = jax.tree_util.tree_structure(grad_outputs)
+    if structure != treedef:
+        raise ValueError(
+            f"`grad_outputs` must have the structure of `func`'s output, {treedef}; "
+            f"got {structure}."
+        )
+    leaves = jax.tree_util.tree_leaves(grad_outputs)
+    cotangents = []
+    for segment, position in zip(first.outputs, first.out_positions, strict=True):
+        label = f"grad_outputs for {segment.label}"
+        dtype = float_dtype(leaves[position], label)
+        if dtype is None or np.shape(leaves[position]) != segment.shape:
+            raise ValueError(
+                f"`grad_outputs`: {label} must be a floating-point array of shape "
+                f"{segment.shape}; got {type(leaves[position]).__name__} of shape "
+                f"{np.shape(leaves[position])}."
+            )
+        if dtype != np.float64:
+            low.append(f"{label} ({dtype})")
+        cotangents.append(np.asarray(leaves[position]).astype(np.float64))
+    return cotangents
+
+
+def second_order(
+    first: Problem, grad_outputs: Any, num_args: int, seed: int
+) -> tuple[Problem, list[str]]:
+    """The problem ``(x, v) -> vjp(first.f, x)(v)``, inputs ``x`` then ``v``.
+
+    ``v`` is ``grad_outputs`` flattened, or standard-normal draws from ``seed``.
+    Also returns the labels of the ``grad_outputs`` that are upcast.
+    """
+    low: list[str] = []
+    if grad_outputs is None:
+        rng = np.random.default_rng(seed)
+        cotangents = [rng.standard_normal(segment.shape) for segment in first.outputs]
+    else:
+        cotangents = _given_grad_outputs(grad_outputs, first, low)
+    n_x = first.x0.shape[0]
+    # Like PyTorch, grad_outputs count as inputs after the positional ones.
+    ct_inputs = tuple(
+        Segment(
+            num_args + s.index,
+            s.path,
+            s.shape,
+            n_x + s.offset,
+            f"input {num_args + s.index} (grad_outputs for {s.label})",
+        )
+        for s in first.outputs
+    )
+    gradients = tuple(
+        Segment(
+            s.index,
+            s.path,
+            s.shape,
+            s.offset,
+            f"output {s.index}{s.path} (the gradient of {s.label})",
+        )
+        for s in first.inputs
+    )
+
+    def g(z):
+        _, vjp_fn = jax.vjp(first.f, z[:n_x])
+        return vjp_fn(z[n_x:])[0]
+
+    z0 = jnp.concatenate([first.x0, jnp.asarray(np.concatenate([c.ravel() for c in cotangents]))])
+    return Problem(g, z0, first.inputs + ct_inputs, gradients, order=2), low

@@ -1,0 +1,488 @@
+"""Tests for `jaxext.gradcheck` / `jaxext.gradgradcheck`.
+
+Correct ops (jaxext's and plain-jnp functions) must be accepted. A catalogue of
+deliberately broken ``custom_vjp`` variants of ``linear`` / ``mul_constant``
+must be rejected, each with the right input (and output) named: the broken
+ops are written here, so every expected failure is known independently of the
+checker.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import rand, reference_linear
+from jax.test_util import check_grads
+
+import jaxext
+from jaxext import _gradcheck
+
+
+def f64(seed, shape):
+    return rand(seed, shape, np.float64)
+
+
+# -- broken variants of linear (y = x @ w.T), as custom_vjp -------------------------------
+
+
+def make_linear(bwd_rule, primal_offset=0.0):
+    """A custom_vjp ``x @ w.T`` whose backward is ``bwd_rule(x, w, g)``.
+
+    ``primal_offset`` is added to the primal returned by the forward rule only.
+    """
+
+    @jax.custom_vjp
+    def op(x, w):
+        return jnp.matmul(x, jnp.transpose(w))
+
+    def op_fwd(x, w):
+        return op(x, w) + primal_offset, (x, w)
+
+    def op_bwd(residuals, g):
+        x, w = residuals
+        return bwd_rule(x, w, g)
+
+    op.defvjp(op_fwd, op_bwd)
+    return op
+
+
+def grad_x(x, w, g):
+    return jnp.matmul(g, w)
+
+
+def grad_w(x, w, g):
+    return jnp.matmul(jnp.transpose(g), x)
+
+
+CORRECT = make_linear(lambda x, w, g: (grad_x(x, w, g), grad_w(x, w, g)))
+
+# name -> (backward rule, index of the first wrong input)
+BROKEN_BACKWARDS = {
+    "scale_1pct": (lambda x, w, g: (grad_x(x, w, g), 1.01 * grad_w(x, w, g)), 1),
+    "wrong_sign": (lambda x, w, g: (-grad_x(x, w, g), grad_w(x, w, g)), 0),
+    "transposed": (lambda x, w, g: (grad_x(x, w, g), grad_w(x, w, g).T), 1),
+    "swapped": (lambda x, w, g: (grad_w(x, w, g), grad_x(x, w, g)), 0),
+    "ignores_cotangent": (
+        lambda x, w, g: (grad_x(x, w, jnp.ones_like(g)), grad_w(x, w, g)),
+        0,
+    ),
+    "one_element": (
+        lambda x, w, g: (grad_x(x, w, g), grad_w(x, w, g).at[0, 0].multiply(1.01)),
+        1,
+    ),
+}
+
+
+def one_element_wrong(scale):
+    return make_linear(lambda x, w, g: (grad_x(x, w, g), grad_w(x, w, g).at[0, 0].multiply(scale)))
+
+
+# -- mul_constant variants -----------------------------------------------------------------
+
+
+def make_mul(bwd_rule):
+    """A custom_vjp ``x * c`` (c broadcasts against x) whose backward is ``bwd_rule``."""
+
+    @jax.custom_vjp
+    def op(x, c):
+        return x * c
+
+    def op_fwd(x, c):
+        return op(x, c), (x, c)
+
+    def op_bwd(residuals, g):
+        x, c = residuals
+        return bwd_rule(x, c, g)
+
+    op.defvjp(op_fwd, op_bwd)
+    return op
+
+
+# Right at first order, but the gradient of c cuts the derivative through x.
+MUL_CUT_RESIDUAL = make_mul(lambda x, c, g: (g * c, jnp.sum(g * jax.lax.stop_gradient(x))))
+# Forgets x in the gradient of c.
+MUL_WRONG_CONSTANT_GRAD = make_mul(lambda x, c, g: (g * c, jnp.sum(g)))
+LINEAR_CUT_RESIDUAL = make_linear(
+    lambda x, w, g: (grad_x(x, w, g), grad_w(jax.lax.stop_gradient(x), w, g))
+)
+
+
+# -- correct ops are accepted --------------------------------------------------------------
+
+
+def test_seed_call_verbatim():
+    x, w = f64(0, (20, 20)), f64(1, (30, 20))
+    assert jaxext.gradcheck(jaxext.linear, (x, w), eps=1e-6, atol=1e-4) is True
+
+
+def test_seed_call_with_default_float32_arrays_warns_and_passes():
+    x, w = jnp.asarray(rand(0, (20, 20))), jnp.asarray(rand(1, (30, 20)))
+    with pytest.warns(UserWarning, match=r"input 0 \(float32\), input 1 \(float32\)"):
+        assert jaxext.gradcheck(jaxext.linear, (x, w), eps=1e-6, atol=1e-4)
+
+
+@pytest.mark.parametrize("x_shape", [(4,), (3, 4), (2, 3, 4)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_accepted(x_shape, with_bias):
+    inputs = (f64(0, x_shape), f64(1, (5, 4))) + ((f64(2, (5,)),) if with_bias else ())
+    assert jaxext.gradcheck(jaxext.linear, inputs)
+    assert jaxext.gradgradcheck(jaxext.linear, inputs)
+
+
+@pytest.mark.parametrize(
+    "constant",
+    [2.5, np.float64(-1.5), np.array(3.0), np.array([[0.5], [2.0], [-1.0]])],
+    ids=["python", "numpy_scalar", "array_0d", "array_broadcast"],
+)
+def test_mul_constant_accepted(constant):
+    x = f64(0, (3, 4))
+    assert jaxext.gradcheck(jaxext.mul_constant, (x, constant))
+    assert jaxext.gradgradcheck(jaxext.mul_constant, (x, constant))
+
+
+def test_static_constant_is_not_differentiated():
+    # A Python scalar is passed through unchanged, so the wrong gradient of c is
+    # not checked; the same value as an array is differentiated and caught.
+    broken = make_mul(lambda x, c, g: (g * c, jnp.zeros_like(c)))
+    assert jaxext.gradcheck(lambda x, c: broken(x, c), (f64(0, (3,)), 2.0))
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(broken, (f64(0, (3,)), np.array(2.0)))
+    assert info.value.input_index == 1
+
+
+def test_plain_jnp_function_both_modes():
+    inputs = (f64(0, (3, 4)), f64(1, (2, 4)), f64(2, (2,)))
+    assert jaxext.gradcheck(reference_linear, inputs, modes=("fwd", "rev"))
+
+
+def test_pytree_in_pytree_out():
+    def model(params, x, labels):
+        y = jaxext.linear(x, params["w"], params["b"])
+        return {"logits": y, "loss": jnp.sum(y**2) / 2, "argmax": jnp.argmax(y, axis=-1) + labels}
+
+    params = {"w": f64(0, (3, 4)), "b": f64(1, (3,))}
+    labels = np.arange(5)  # integer input: passed through, not differentiated
+    assert jaxext.gradcheck(model, (params, f64(2, (5, 4)), labels))
+    assert jaxext.gradgradcheck(model, (params, f64(2, (5, 4)), labels))
+
+
+def test_closure_over_constants():
+    w, b = jnp.asarray(f64(0, (3, 4))), 0.5
+
+    def f(x):
+        return jnp.tanh(jaxext.linear(x, w)) + b
+
+    assert jaxext.gradcheck(f, f64(1, (2, 4)))  # a single array as `inputs`
+    assert jaxext.gradgradcheck(f, [f64(1, (2, 4))])  # a list works too
+
+
+def test_correct_custom_vjp_reference_accepted():
+    # The harness used for the broken ops is itself fine when the backward is right.
+    x, w = f64(0, (4, 4)), f64(1, (4, 4))
+    assert jaxext.gradcheck(CORRECT, (x, w))
+    assert jaxext.gradgradcheck(CORRECT, (x, w))
+
+
+# -- the catalogue of broken backward rules --------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN_BACKWARDS))
+def test_broken_backward_rejected(name):
+    rule, wrong_input = BROKEN_BACKWARDS[name]
+    x, w = f64(0, (4, 4)), f64(1, (4, 4))  # square, so transposed/swapped still fit
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(make_linear(rule), (x, w))
+    err = info.value
+    assert isinstance(err, AssertionError)
+    assert (err.kind, err.order, err.mode, err.method) == ("jacobian", 1, "rev", "full")
+    assert err.output_index == 0
+    assert err.input_index == wrong_input
+    assert f"Jacobian mismatch for output 0 with respect to input {wrong_input}" in str(err)
+    assert err.abs_error > 1e-5 + 1e-3 * abs(err.numerical)
+
+
+def test_swapped_gradients_name_both_inputs():
+    rule, _ = BROKEN_BACKWARDS["swapped"]
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(make_linear(rule), (f64(0, (4, 4)), f64(1, (4, 4))))
+    assert info.value.mismatched_pairs == ((0, 0), (0, 1))
+    assert "also mismatched: output 0 w.r.t. input 1" in str(info.value)
+
+
+def test_single_wrong_element_is_located():
+    x, w = f64(0, (20, 20)), f64(1, (30, 20))
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(one_element_wrong(1.01), (x, w))  # default tolerances
+    err = info.value
+    assert err.input_index == 1
+    assert err.input_element == (0, 0)
+    # Only d y[b, 0] / d w[0, 0] = x[b, 0] is wrong: one entry per row b at most.
+    assert err.output_element[1] == 0
+    assert 1 <= err.num_mismatched <= 20
+    assert err.num_checked == 600 * 600
+    np.testing.assert_allclose(err.analytical, 1.01 * err.numerical, rtol=1e-7)
+    assert err.numerical == pytest.approx(x[err.output_element[0], 0], rel=1e-7)
+
+
+def test_check_grads_misses_single_wrong_element():
+    """``check_grads`` projects on one random direction and dilutes the error."""
+    x, w = f64(0, (20, 20)), f64(1, (30, 20))
+    op = one_element_wrong(1.01)
+    with jax.enable_x64(True):
+        # Same tolerances as gradcheck's defaults: accepted by check_grads.
+        check_grads(op, (jnp.asarray(x), jnp.asarray(w)), 1, modes=["rev"], atol=1e-5, rtol=1e-3)
+    # In float32 at check_grads' own defaults: accepted as well.
+    x32, w32 = jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32)
+    check_grads(op, (x32, w32), 1, modes=["rev"])
+    assert not jaxext.gradcheck(op, (x, w), raise_exception=False)
+    with pytest.warns(UserWarning, match="float32"):
+        assert not jaxext.gradcheck(op, (x32, w32), raise_exception=False)
+
+
+def test_primal_of_forward_rule_differs():
+    op = make_linear(lambda x, w, g: (grad_x(x, w, g), grad_w(x, w, g)), primal_offset=0.1)
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(op, (f64(0, (3, 4)), f64(1, (2, 4))))
+    err = info.value
+    assert err.kind == "primal"
+    assert (err.output_index, err.input_index) == (0, None)
+    assert err.num_mismatched == err.num_checked == 6
+    assert err.analytical - err.numerical == pytest.approx(0.1)
+    assert str(err).startswith("Primal mismatch for output 0")
+
+
+def test_wrong_constant_gradient_names_input_1():
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(MUL_WRONG_CONSTANT_GRAD, (f64(0, (3, 4)), np.array(1.5)))
+    assert (info.value.output_index, info.value.input_index) == (0, 1)
+    assert info.value.input_element == ()
+
+
+def test_pytree_input_named_by_key_path():
+    def bad_bias_grad(x, params):
+        # Leaves in order: x, params["b"], params["w"]; only b's gradient is wrong.
+        return MUL_WRONG_CONSTANT_GRAD(jaxext.linear(x, params["w"]), params["b"])
+
+    inputs = (f64(0, (5, 4)), {"b": np.array(0.5), "w": f64(1, (3, 4))})
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(bad_bias_grad, inputs)
+    err = info.value
+    assert (err.input_index, err.input_path) == (1, "['b']")
+    assert "with respect to input 1['b']" in str(err)
+
+
+def test_second_of_several_outputs_named():
+    def two_outputs(x, c):
+        return jaxext.linear(x, jnp.eye(4)), MUL_WRONG_CONSTANT_GRAD(x, c)
+
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(two_outputs, (f64(0, (3, 4)), np.array(2.0)))
+    assert (info.value.output_index, info.value.input_index) == (1, 1)
+
+
+def test_dict_output_named_by_key_path():
+    def outputs(x, c):
+        return {"bad": MUL_WRONG_CONSTANT_GRAD(x, c), "good": 2 * x}
+
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(outputs, (f64(0, (3,)), np.array(2.0)))
+    assert (info.value.output_index, info.value.output_path) == (0, "['bad']")
+    assert "output 0['bad'] with respect to input 1" in str(info.value)
+
+
+def test_raise_exception_false_returns_false():
+    rule, _ = BROKEN_BACKWARDS["wrong_sign"]
+    inputs = (f64(0, (4, 4)), f64(1, (4, 4)))
+    assert jaxext.gradcheck(make_linear(rule), inputs, raise_exception=False) is False
+    assert jaxext.gradcheck(CORRECT, inputs, raise_exception=False) is True
+
+
+def test_forward_mode_checks_custom_jvp():
+    @jax.custom_jvp
+    def square(x):
+        return x**2
+
+    @square.defjvp
+    def square_jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        return square(x), 2.02 * x * t  # 1% too large
+
+    x = f64(0, (5,))
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(square, (x,), modes=("fwd",))
+    assert (info.value.mode, info.value.input_index) == ("fwd", 0)
+    with pytest.raises(TypeError, match="'fwd'"):
+        jaxext.gradcheck(CORRECT, (x.reshape(5, 1), x.reshape(5, 1)), modes="fwd")
+
+
+# -- second order --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("op", "inputs", "cut_output", "cut_input"),
+    [
+        (MUL_CUT_RESIDUAL, (f64(0, (3, 4)), np.array(1.5)), 1, 0),
+        (LINEAR_CUT_RESIDUAL, (f64(0, (3, 4)), f64(1, (2, 4))), 1, 0),
+    ],
+    ids=["mul_constant", "linear"],
+)
+def test_cut_residual_passes_gradcheck_fails_gradgradcheck(op, inputs, cut_output, cut_input):
+    assert jaxext.gradcheck(op, inputs)
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradgradcheck(op, inputs)
+    err = info.value
+    assert (err.order, err.output_index, err.input_index) == (2, cut_output, cut_input)
+    assert err.analytical == 0.0  # the cut derivative
+    assert "order 2" in str(err)
+
+
+def test_gradgradcheck_grad_outputs():
+    x, c = f64(0, (3, 4)), np.array(1.5)
+    assert jaxext.gradgradcheck(jaxext.mul_constant, (x, c), f64(5, (3, 4)))
+    assert jaxext.gradgradcheck(jaxext.mul_constant, (x, c), (f64(5, (3, 4)),))
+    with pytest.raises(ValueError, match="`grad_outputs`"):
+        jaxext.gradgradcheck(jaxext.mul_constant, (x, c), f64(5, (4, 3)))
+    with pytest.raises(ValueError, match="`grad_outputs`"):
+        jaxext.gradgradcheck(jaxext.mul_constant, (x, c), {"y": f64(5, (3, 4))})
+
+
+def test_gradgradcheck_names_grad_outputs_after_inputs():
+    # grad_x = g * c is right, but stop_gradient hides that it depends on g.
+    broken = make_mul(lambda x, c, g: (jax.lax.stop_gradient(g) * c, jnp.sum(g * x)))
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradgradcheck(broken, (f64(0, (3,)), np.array(1.5)))
+    # The first mismatching pair, in output-major order: gradient of x w.r.t.
+    # grad_outputs[0], which comes after the two positional inputs.
+    assert (info.value.output_index, info.value.input_index) == (0, 2)
+    assert "grad_outputs for output 0" in str(info.value)
+
+
+# -- directional method for large inputs --------------------------------------------------
+
+
+def test_directional_method_on_large_input():
+    x, w = f64(0, (256, 64)), f64(1, (32, 64))  # 18432 input elements: above the limit
+    assert jaxext.gradcheck(jaxext.linear, (x, w))
+    rule, _ = BROKEN_BACKWARDS["wrong_sign"]
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(make_linear(rule), (x, w))
+    err = info.value
+    assert (err.method, err.input_index, err.output_index) == ("directional", 0, 0)
+    assert err.num_mismatched == err.num_checked == 3
+    assert err.numerical == pytest.approx(-err.analytical, rel=1e-6)
+
+
+def test_fast_mode_forces_the_method():
+    rule, _ = BROKEN_BACKWARDS["scale_1pct"]
+    inputs = (f64(0, (4, 4)), f64(1, (4, 4)))
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(make_linear(rule), inputs, fast_mode=True, num_directions=2)
+    assert (info.value.method, info.value.input_index, info.value.num_checked) == (
+        "directional",
+        1,
+        2,
+    )
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(make_linear(rule), inputs, fast_mode=False)
+    assert info.value.method == "full"
+
+
+# -- precision handling ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_caller_x64_setting_restored(enabled):
+    inputs = (f64(0, (4, 4)), f64(1, (4, 4)))
+    with jax.enable_x64(enabled):
+        assert jaxext.gradcheck(CORRECT, inputs)
+        assert jax.config.jax_enable_x64 is enabled
+        with pytest.raises(jaxext.GradcheckError):
+            jaxext.gradgradcheck(LINEAR_CUT_RESIDUAL, inputs)
+        assert jax.config.jax_enable_x64 is enabled
+        assert jnp.zeros(1).dtype == (jnp.float64 if enabled else jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+def test_low_precision_inputs_warn_then_upcast(dtype):
+    x = jnp.asarray(rand(0, (3, 4)), dtype)
+    with pytest.warns(UserWarning, match=f"input 0 \\({jnp.dtype(dtype).name}\\)"):
+        assert jaxext.gradcheck(jaxext.mul_constant, (x, 3.0))
+
+
+def test_float64_inputs_do_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert jaxext.gradcheck(jaxext.mul_constant, (f64(0, (3,)), 3.0))
+
+
+def test_low_precision_output_warns():
+    def downcasts(x):
+        return (x * 2).astype(jnp.float32)
+
+    with pytest.warns(UserWarning, match=r"output 0 \(float32\)"):
+        jaxext.gradcheck(downcasts, (f64(0, (3,)),), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize(
+    ("platform", "use_cpu", "precision"),
+    [("cpu", False, None), ("gpu", False, "highest"), ("cuda", False, "highest"),
+     ("tpu", True, "highest"), ("TPU", True, "highest")],
+)  # fmt: skip
+def test_numerics_plan(platform, use_cpu, precision):
+    plan = _gradcheck._numerics_plan(platform)
+    assert (plan.use_cpu, plan.matmul_precision) == (use_cpu, precision)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+def test_float64_numerics_context_restores_config(platform):
+    before = (jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision)
+    with _gradcheck._float64_numerics(platform):
+        assert jax.config.jax_enable_x64
+        assert jax.config.jax_default_matmul_precision == "highest"
+        assert jnp.zeros(2).dtype == jnp.float64
+        assert next(iter(jnp.zeros(2).devices())).platform == "cpu"
+    assert (jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision) == before
+
+
+# -- argument validation ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "name"),
+    [
+        ({"eps": 0.0}, ValueError, "`eps`"),
+        ({"eps": -1e-6}, ValueError, "`eps`"),
+        ({"eps": "small"}, TypeError, "`eps`"),
+        ({"atol": -1.0}, ValueError, "`atol`"),
+        ({"rtol": float("nan")}, ValueError, "`rtol`"),
+        ({"rtol": True}, TypeError, "`rtol`"),
+        ({"fast_mode": "yes"}, TypeError, "`fast_mode`"),
+        ({"modes": ("backward",)}, ValueError, "`modes`"),
+        ({"modes": ()}, ValueError, "`modes`"),
+        ({"num_directions": 0}, ValueError, "`num_directions`"),
+        ({"seed": 1.5}, TypeError, "`seed`"),
+    ],
+)
+def test_invalid_options(kwargs, error, name):
+    with pytest.raises(error, match=name):
+        jaxext.gradcheck(jaxext.mul_constant, (f64(0, (3,)), 2.0), **kwargs)
+    with pytest.raises(error, match=name):
+        jaxext.gradgradcheck(jaxext.mul_constant, (f64(0, (3,)), 2.0), **kwargs)
+
+
+def test_invalid_func_and_inputs():
+    x = f64(0, (3,))
+    with pytest.raises(TypeError, match="`func`"):
+        jaxext.gradcheck("linear", (x,))
+    with pytest.raises(ValueError, match="`inputs`"):
+        jaxext.gradcheck(jnp.sin, ())
+    with pytest.raises(ValueError, match="`inputs` holds no floating-point"):
+        jaxext.gradcheck(lambda i: i * 2.0, (np.arange(3),))
+    with pytest.raises(ValueError, match="`func` returned no floating-point"):
+        jaxext.gradcheck(lambda x: jnp.argmax(x), (x,))
+    with pytest.raises(TypeError, match="complex"):
+        jaxext.gradcheck(jnp.sin, (x.astype(np.complex128),))
