@@ -1,0 +1,90 @@
+"""The `python -m jaxext` main job: environment report, gradchecks, training demo."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import jax
+import pytest
+
+import jaxext
+from jaxext import __main__ as main_module
+
+pytest.importorskip("optax")
+pytest.importorskip("sklearn")
+
+
+def _accuracy_line(text: str) -> float:
+    match = re.search(r"^test accuracy: (\d\.\d{4})$", text, flags=re.MULTILINE)
+    assert match, f"no 'test accuracy: 0.xxxx' line in output:\n{text}"
+    return float(match.group(1))
+
+
+def test_main_job_reports_gradchecks_and_reaches_95_percent(capsys, tmp_path):
+    plot = tmp_path / "curves.png"
+    assert main_module.main(["--epochs", "20", "--seed", "0", "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert f"jax {jax.__version__}" in out
+    assert f"backend: {jax.default_backend()}" in out
+    assert re.search(r"^gradcheck linear\s+PASS$", out, flags=re.MULTILINE)
+    assert re.search(r"^gradcheck mul_constant\s+PASS$", out, flags=re.MULTILINE)
+    assert "FAIL" not in out
+    assert len(re.findall(r"^epoch +\d+/20 ", out, flags=re.MULTILINE)) == 20
+    assert _accuracy_line(out) >= 0.95
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_training_is_deterministic_for_a_seed():
+    from jaxext._demo import train_digits
+
+    first = train_digits(epochs=2, seed=3)
+    second = train_digits(epochs=2, seed=3)
+    other = train_digits(epochs=2, seed=4)
+    assert first.loss == second.loss
+    assert first.test_accuracy == second.test_accuracy
+    assert first.loss != other.loss
+
+
+@jax.custom_vjp
+def _linear_with_wrong_weight_grad(x, weight, bias=None):
+    y = x @ weight.T
+    return y if bias is None else y + bias
+
+
+def _wrong_fwd(x, weight, bias=None):
+    return _linear_with_wrong_weight_grad(x, weight, bias), (x, weight, bias)
+
+
+def _wrong_bwd(residuals, g):
+    x, weight, bias = residuals
+    grad_bias = None if bias is None else g.sum(0)
+    return g @ weight, -(g.T @ x), grad_bias  # sign error in the weight gradient
+
+
+_linear_with_wrong_weight_grad.defvjp(_wrong_fwd, _wrong_bwd)
+
+
+def test_failing_gradcheck_exits_non_zero(capsys, monkeypatch):
+    monkeypatch.setattr(jaxext, "linear", _linear_with_wrong_weight_grad)
+    assert main_module.main(["--epochs", "1"]) == 1
+    captured = capsys.readouterr()
+    assert re.search(r"^gradcheck linear\s+FAIL$", captured.out, flags=re.MULTILINE)
+    assert "input 1" in captured.out  # the diagnostic names the weight
+    assert "epoch" not in captured.out
+
+
+def test_bad_option_is_refused():
+    with pytest.raises(SystemExit) as exc:
+        main_module.main(["--epochs", "0"])
+    assert exc.value.code == 2
+
+
+def test_module_entry_point_runs_help():
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxext", "--help"], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    for option in ("--epochs", "--seed", "--plot"):
+        assert option in result.stdout
