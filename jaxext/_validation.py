@@ -16,12 +16,21 @@ def as_numeric_array(value: Any, name: str) -> jax.Array:
     """Converts ``value`` to a JAX array, refusing non-numeric input by name.
 
     Tracers pass through untouched, so this is safe under ``jit``/``grad``.
+    Python lists and tuples are refused, as ``jnp`` functions refuse them: an
+    implicit conversion would hide an element-by-element copy (and, under
+    ``jit``, one traced scalar per element). Wrap them in ``jnp.asarray``.
 
     Raises:
-        TypeError: if ``value`` is not an array-like of a numeric dtype.
+        TypeError: if ``value`` is not an array or scalar of a numeric
+            (integer, floating or complex, not bool) dtype.
     """
     if isinstance(value, (str, bytes)) or value is None:
         raise TypeError(f"`{name}` must be a numeric array; got {type(value).__name__}.")
+    if isinstance(value, (list, tuple)):
+        raise TypeError(
+            f"`{name}` must be a numeric array; got a Python {type(value).__name__} "
+            f"(wrap it with jnp.asarray)."
+        )
     try:
         array = jnp.asarray(value)
     except TypeError as err:

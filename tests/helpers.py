@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -26,4 +28,55 @@ def assert_close(actual, expected, *, rtol=1e-6, atol=1e-6, err_msg=""):
         rtol=rtol,
         atol=atol,
         err_msg=err_msg,
+    )
+
+
+def tolerance(dtype):
+    """``rtol``/``atol`` keyword arguments suited to comparisons at ``dtype``."""
+    dtype = np.dtype(dtype)
+    if dtype == np.float64:
+        return {"rtol": 1e-12, "atol": 1e-12}
+    if dtype == np.float32:
+        return {"rtol": 2e-5, "atol": 2e-5}
+    # bfloat16 / float16: 8 or 11 significant bits.
+    return {"rtol": 3e-2, "atol": 3e-2}
+
+
+_HLO_DOT = re.compile(r"=\s*\S+\s+dot\(")
+_HLO_MATMUL_CALL = re.compile(r"=\s*\S+\s+custom-call\(.*custom_call_target=\"[^\"]*(matmul|gemm)")
+
+
+def count_hlo_dots(hlo_text):
+    """Number of matrix-product *instructions* in compiled HLO text.
+
+    Counts instructions whose opcode is ``dot`` (and library matmul custom-calls,
+    which some backends rewrite dots into), not the many ``dot_general`` substrings
+    that appear in ``metadata={op_name=...}`` and instruction names.
+    """
+    return sum(
+        1
+        for line in hlo_text.splitlines()
+        if _HLO_DOT.search(line) or _HLO_MATMUL_CALL.search(line)
+    )
+
+
+def count_primitive(jaxpr, name):
+    """Number of equations of primitive ``name`` in ``jaxpr``, sub-jaxprs included."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)  # ClosedJaxpr -> Jaxpr
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += eqn.primitive.name == name
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    total += count_primitive(inner, name)
+    return total
+
+
+def contains_array(leaves, array):
+    """True if one of ``leaves`` has ``array``'s shape and values (a saved residual)."""
+    array = np.asarray(array)
+    return any(
+        np.shape(leaf) == array.shape and np.array_equal(np.asarray(leaf), array) for leaf in leaves
     )
