@@ -13,10 +13,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from jax.typing import ArrayLike, DTypeLike
 
+from ._gradspec import finish_grad, grad_spec
 from ._validation import Static, as_numeric_array
 
 __all__ = ["linear"]
@@ -54,7 +56,8 @@ def linear(
         Gradients come back in each input's own dtype.
 
     Raises:
-        TypeError: if an input is not a numeric array.
+        TypeError: if an input is not a numeric (non-bool) array, e.g. a string,
+            ``None`` for ``x``, a Python list, or ``bias=False`` (use ``None``).
         ValueError: if ``weight`` is not 2-D, ``x``'s last dimension differs
             from ``in_features``, or ``bias`` is not ``(out_features,)``.
 
@@ -69,6 +72,9 @@ def linear(
     """
     x = as_numeric_array(x, "x")
     weight = as_numeric_array(weight, "weight")
+    if isinstance(bias, (bool, np.bool_)):
+        # The seed's `bias=False` idiom: refuse it rather than read it as an array.
+        raise TypeError(f"`bias` must be an array of shape (out_features,) or None; got {bias!r}.")
     if bias is not None:
         bias = as_numeric_array(bias, "bias")
     _check_shapes(x, weight, bias)
@@ -134,27 +140,28 @@ def _linear_fwd(x, weight, bias, precision, preferred_element_type):
     xv, wv = x.value, weight.value
     bv = None if bias is None else bias.value
     y = _linear(xv, wv, bv, precision, preferred_element_type)
-    # Static record of which gradients are wanted and in which dtype (no data).
-    wanted = Static(
+    # Static: the type of each wanted gradient, None where it is not wanted.
+    specs = Static(
         (
-            xv.dtype if x.perturbed else None,
-            wv.dtype if weight.perturbed else None,
-            bv.dtype if bias is not None and bias.perturbed else None,
+            grad_spec(xv, x.perturbed),
+            grad_spec(wv, weight.perturbed),
+            grad_spec(bv, bias is not None and bias.perturbed),
         )
     )
     # grad_x needs weight; grad_weight needs x; grad_bias needs neither.
     w_for_x = wv if x.perturbed else None
     x_for_w = xv if weight.perturbed else None
-    return y, (wanted, w_for_x, x_for_w)
+    return y, (specs, w_for_x, x_for_w)
 
 
 def _linear_bwd(precision, preferred_element_type, residuals, g):
-    wanted, w_for_x, x_for_w = residuals
+    specs, w_for_x, x_for_w = residuals
+    x_spec, w_spec, b_spec = specs.value
     if isinstance(g, SymbolicZero):
         return None, None, None
     batch_axes = tuple(range(g.ndim - 1))
     grad_x = grad_w = grad_b = None
-    if wanted.value[0] is not None:
+    if x_spec is not None:
         # (..., out) x (out, in) -> (..., in)
         dtype = jnp.promote_types(g.dtype, w_for_x.dtype)
         grad_x = lax.dot_general(
@@ -162,8 +169,10 @@ def _linear_bwd(precision, preferred_element_type, residuals, g):
             w_for_x.astype(dtype),
             (((g.ndim - 1,), (0,)), ((), ())),
             precision=precision,
-        ).astype(wanted.value[0])
-    if wanted.value[1] is not None:
+            out_sharding=x_spec.sharding,  # needed when the contraction axis is sharded
+        )
+        grad_x = finish_grad(grad_x, x_spec)
+    if w_spec is not None:
         # Contract every leading (batch) axis: (..., out) x (..., in) -> (out, in).
         dtype = jnp.promote_types(g.dtype, x_for_w.dtype)
         grad_w = lax.dot_general(
@@ -171,10 +180,15 @@ def _linear_bwd(precision, preferred_element_type, residuals, g):
             x_for_w.astype(dtype),
             ((batch_axes, batch_axes), ((), ())),
             precision=precision,
-        ).astype(wanted.value[1])
-    if wanted.value[2] is not None:
-        # Sum over leading axes only: shape stays (out_features,) even when it is 1.
-        grad_b = jnp.sum(g, axis=batch_axes).astype(wanted.value[2])
+            out_sharding=w_spec.sharding,
+        )
+        grad_w = finish_grad(grad_w, w_spec)
+    if b_spec is not None:
+        # Sum over leading axes only, so the shape stays (out_features,) even when it
+        # is 1. lax.reduce with add is the reduction autodiff's transpose emits, in
+        # g's own dtype: bit-identical to flax's bias gradient, bfloat16 included.
+        grad_b = lax.reduce(g, np.zeros((), g.dtype), lax.add, batch_axes)
+        grad_b = finish_grad(grad_b, b_spec)
     return grad_x, grad_w, grad_b
 
 

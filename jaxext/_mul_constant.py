@@ -16,10 +16,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jax.typing import ArrayLike
 
-from ._validation import Static, as_numeric_array, is_static_scalar, unbroadcast
+from ._gradspec import finish_grad, grad_spec
+from ._validation import Static, as_numeric_array, is_static_scalar
 
 __all__ = ["mul_constant"]
 
@@ -31,14 +33,19 @@ def mul_constant(x: ArrayLike, constant: Any) -> jax.Array:
         x: numeric array of any shape.
         constant: a Python/NumPy scalar (static; receives no gradient), or an
             array broadcastable against ``x`` (differentiable; receives
-            ``sum(g * x)`` reduced to its shape).
+            ``sum(g * x)`` reduced to its shape). A NumPy array, 0-d included,
+            is handled like a JAX array: it is not traced, so nothing asks for
+            its gradient, but it is not a static (hashed) argument either.
+            Python lists are refused, as ``jnp`` functions refuse them; wrap
+            them with ``jnp.asarray``.
 
     Returns:
         ``x * constant`` with ``jnp`` type promotion (a Python scalar is weakly
         typed, so ``bfloat16`` input stays ``bfloat16``).
 
     Raises:
-        TypeError: if ``x`` or ``constant`` is not numeric (a string, ``None``, a bool ...).
+        TypeError: if ``x`` or ``constant`` is not numeric (a string, ``None``,
+            a bool or bool array, a Python list ...).
         ValueError: if ``constant``'s shape does not broadcast against ``x``'s.
 
     Example:
@@ -52,10 +59,11 @@ def mul_constant(x: ArrayLike, constant: Any) -> jax.Array:
     x = as_numeric_array(x, "x")
     if is_static_scalar(constant):
         return _mul_static(x, constant)
-    if isinstance(constant, (bool, jnp.bool_)) or not hasattr(constant, "dtype"):
+    if isinstance(constant, (bool, np.bool_)) or not hasattr(constant, "dtype"):
+        hint = " (wrap it with jnp.asarray)" if isinstance(constant, (list, tuple)) else ""
         raise TypeError(
             "`constant` must be a Python/NumPy number or a numeric array; "
-            f"got {type(constant).__name__}."
+            f"got {type(constant).__name__}{hint}."
         )
     constant = as_numeric_array(constant, "constant")
     try:
@@ -98,13 +106,8 @@ def _mul_array(x, constant):
 
 def _mul_array_fwd(x, constant):
     xv, cv = x.value, constant.value
-    # Static: the shape and dtype of each wanted gradient (None if not wanted).
-    wanted = Static(
-        (
-            (xv.shape, xv.dtype) if x.perturbed else None,
-            (cv.shape, cv.dtype) if constant.perturbed else None,
-        )
-    )
+    # Static: the type of each wanted gradient, None where it is not wanted.
+    wanted = Static((grad_spec(xv, x.perturbed), grad_spec(cv, constant.perturbed)))
     # grad_x needs the constant; grad_constant needs x.
     c_for_x = cv if x.perturbed else None
     x_for_c = xv if constant.perturbed else None
@@ -118,9 +121,9 @@ def _mul_array_bwd(residuals, g):
     x_spec, c_spec = wanted.value
     grad_x = grad_c = None
     if x_spec is not None:
-        grad_x = unbroadcast(g * c_for_x, x_spec[0]).astype(x_spec[1])
+        grad_x = finish_grad(g * c_for_x, x_spec)
     if c_spec is not None:
-        grad_c = unbroadcast(g * x_for_c, c_spec[0]).astype(c_spec[1])
+        grad_c = finish_grad(g * x_for_c, c_spec)
     return grad_x, grad_c
 
 

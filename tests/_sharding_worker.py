@@ -1,0 +1,286 @@
+"""Multi-device checks for ``tests/test_sharding.py``, run in a subprocess.
+
+JAX fixes its device count when it is first imported, and the pytest process has
+already imported it with one CPU device. ``test_sharding.py`` therefore runs this
+script with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` and reads the
+JSON it writes. The script only measures (losses, gradient differences against
+single-device references, shardings, collective counts); the assertions live in
+the test module. A check that raises is recorded with its traceback instead of
+aborting the others.
+
+Usage: ``python tests/_sharding_worker.py OUTPUT.json``
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+import json  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxext  # noqa: E402
+import jaxext.nnx  # noqa: E402
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+AXES = ("data", "model")
+
+
+def make_mesh(axis_type):
+    return jax.make_mesh((4, 2), AXES, axis_types=(axis_type,) * 2)
+
+
+def collective_counts(jitted, *args):
+    """Counts each collective op in the compiled (post-SPMD-partitioning) HLO."""
+    text = jitted.lower(*args).compile().as_text()
+    return {c: len(re.findall(rf"\b{c}(?:-start)?\(", text)) for c in COLLECTIVES}
+
+
+def max_abs_diff(a, b):
+    return max(
+        float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def specs(tree):
+    """Per-leaf partition specs padded to the array rank (``P()`` == ``P(None,)``)."""
+    out = []
+    for leaf in jax.tree.leaves(tree):
+        spec = tuple(leaf.sharding.spec)
+        out.append(str(spec + (None,) * (leaf.ndim - len(spec))))
+    return out
+
+
+def shard_map(f, mesh, in_specs, out_specs, check):
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
+    from jax.experimental.shard_map import shard_map as legacy  # older JAX
+
+    return legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check)
+
+
+def rand(seed, shape):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+# --------------------------------------------------------------------------- linear
+
+
+def _plain_loss(params, x, t):
+    h = x
+    for w, b in params:
+        h = jnp.tanh(h @ w.T + b)
+    return jnp.mean((h - t) ** 2)
+
+
+def _jaxext_loss(params, x, t):
+    h = x
+    for w, b in params:
+        h = jnp.tanh(jaxext.linear(h, w, b))
+    return jnp.mean((h - t) ** 2)
+
+
+def check_linear(axis_type, layout):
+    """One SGD step of a jaxext.linear model on sharded arrays vs one device."""
+    mesh = make_mesh(axis_type)
+    if layout in ("single", "replicated_bias"):  # batch over data, out features over model
+        shapes = [(6, 12)]
+        w_specs = [(P("model", None), P("model") if layout == "single" else P())]
+        x_shape, x_spec = (16, 12), P("data", None)
+        t_shape, t_spec = (16, 6), P("data", "model")
+    else:  # "mlp": column- then row-parallel (Megatron), 3-D input
+        shapes = [(8, 12), (6, 8)]
+        w_specs = [(P("model", None), P("model")), (P(None, "model"), P())]
+        x_shape, x_spec = (8, 3, 12), P("data", None, None)
+        t_shape, t_spec = (8, 3, 6), P("data", None, None)
+    params = [(rand(i, s), rand(10 + i, s[:1])) for i, s in enumerate(shapes)]
+    x, t = rand(20, x_shape), rand(21, t_shape)
+
+    def put(a, spec):
+        return jax.device_put(a, NamedSharding(mesh, spec))
+
+    params_s = [(put(w, ws), put(b, bs)) for (w, b), (ws, bs) in zip(params, w_specs, strict=True)]
+    x_s, t_s = put(x, x_spec), put(t, t_spec)
+
+    def make_step(loss):
+        def step(params, x, t):
+            value, grads = jax.value_and_grad(loss)(params, x, t)
+            new = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+            return value, grads, new
+
+        return jax.jit(step)
+
+    step_j, step_p = make_step(_jaxext_loss), make_step(_plain_loss)
+    loss_s, grads_s, new_s = step_j(params_s, x_s, t_s)
+    loss_p, grads_p, _ = step_p(params_s, x_s, t_s)  # plain autodiff, same shardings
+    loss_1, grads_1, new_1 = step_p(params, x, t)  # plain autodiff, one device
+    return {
+        "loss": [float(loss_s), float(loss_1)],
+        "grad_diff": max_abs_diff(grads_s, grads_1),
+        "update_diff": max_abs_diff(new_s, new_1),
+        "grad_scale": max(float(np.max(np.abs(g))) for g in jax.tree.leaves(grads_1)),
+        "grad_specs": specs(grads_s),
+        "plain_grad_specs": specs(grads_p),
+        "param_specs": specs(params_s),
+        "collectives": collective_counts(step_j, params_s, x_s, t_s),
+        "plain_collectives": collective_counts(step_p, params_s, x_s, t_s),
+        "n_devices": len({d for g in jax.tree.leaves(grads_s) for d in g.sharding.device_set}),
+    }
+
+
+# ----------------------------------------------------------------------------- nnx
+
+
+class MLP(nnx.Module):
+    """Two layers of ``linear_cls`` with kernels annotated by ``nnx.with_partitioning``."""
+
+    def __init__(self, linear_cls, second_kernel_spec, first_bias_spec, *, rngs):
+        lecun, normal = nnx.initializers.lecun_normal(), nnx.initializers.normal(0.5)
+        self.l1 = linear_cls(
+            12,
+            8,
+            kernel_init=nnx.with_partitioning(lecun, (None, "model")),
+            bias_init=nnx.with_partitioning(normal, first_bias_spec) if first_bias_spec else normal,
+            rngs=rngs,
+        )
+        self.l2 = linear_cls(
+            8, 4, kernel_init=nnx.with_partitioning(lecun, second_kernel_spec), rngs=rngs
+        )
+
+    def __call__(self, x):
+        return self.l2(jnp.tanh(self.l1(x)))
+
+
+def _model_loss(model, x, t):
+    return jnp.mean((model(x) - t) ** 2)
+
+
+def check_nnx(axis_type):
+    """Sharded jaxext.nnx.Linear / flax.nnx.Linear models vs a one-device flax model."""
+    mesh = make_mesh(axis_type)
+    # Explicit mode types the row-parallel second kernel as ambiguous for flax too.
+    second = ("model", None) if axis_type == AxisType.Auto else (None, None)
+    # Explicit: a replicated bias on a column-sharded output (its gradient is gathered).
+    first_bias = ("model",) if axis_type == AxisType.Auto else None
+    x, t = rand(30, (16, 12)), rand(31, (16, 4))
+    with nnx.use_eager_sharding(False):
+        reference = MLP(nnx.Linear, second, first_bias, rngs=nnx.Rngs(0))
+    loss_1, grads_1 = nnx.jit(nnx.value_and_grad(_model_loss))(reference, x, t)
+    ref_params = nnx.to_pure_dict(nnx.state(reference, nnx.Param))
+    out = {}
+    for name, cls in (("jaxext", jaxext.nnx.Linear), ("flax", nnx.Linear)):
+        with jax.set_mesh(mesh):
+            model = MLP(cls, second, first_bias, rngs=nnx.Rngs(0))
+            x_s = jax.device_put(x, NamedSharding(mesh, P("data", None)))
+            t_s = jax.device_put(t, NamedSharding(mesh, P("data", None)))
+            loss, grads = nnx.jit(nnx.value_and_grad(_model_loss))(model, x_s, t_s)
+            graphdef, state = nnx.split(model)
+
+            def grad_step(state, x, t, graphdef=graphdef):
+                return jax.value_and_grad(lambda s: _model_loss(nnx.merge(graphdef, s), x, t))(
+                    state
+                )
+
+            counts = collective_counts(jax.jit(grad_step), state, x_s, t_s)
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        grads = nnx.to_pure_dict(grads)
+        out[name] = {
+            "param_diff": max_abs_diff(params, ref_params),
+            "param_specs": specs(params),
+            "loss": [float(loss), float(loss_1)],
+            "grad_diff": max_abs_diff(grads, nnx.to_pure_dict(grads_1)),
+            "grad_specs": specs(grads),
+            "collectives": counts,
+            "grads": grads,
+        }
+    out["jaxext_vs_flax_grad_diff"] = max_abs_diff(out["jaxext"]["grads"], out["flax"]["grads"])
+    for name in ("jaxext", "flax"):
+        del out[name]["grads"]
+    return out
+
+
+# ------------------------------------------------------------------------ shard_map
+
+
+def check_shard_map(layout, check_vma):
+    """jaxext.linear inside shard_map (with psum) vs plain jnp on whole arrays."""
+    mesh = make_mesh(AxisType.Explicit)
+    x, w, b, t = rand(40, (16, 12)), rand(41, (6, 12)), rand(42, (6,)), rand(43, (16, 6))
+    n = x.shape[0]
+
+    def reference(w, b, x, t):
+        return jnp.sum((jnp.tanh(x @ w.T + b) - t) ** 2) / n
+
+    if layout == "row":
+        # In-features split over `model`: each device computes a partial matmul,
+        # psum completes it; the replicated bias is added after the psum.
+        in_specs = (P(None, "model"), P(), P("data", "model"), P("data", None))
+
+        def local(w, b, x, t):
+            y = jax.lax.psum(jaxext.linear(x, w), "model") + b
+            return jax.lax.psum(jnp.sum((jnp.tanh(y) - t) ** 2), "data") / n
+
+    else:
+        # Out-features split over `model` (bias too): x is replicated over
+        # `model`, so its gradient is a psum of per-shard contributions.
+        in_specs = (P("model", None), P("model"), P("data", None), P("data", "model"))
+
+        def local(w, b, x, t):
+            y = jaxext.linear(x, w, b)
+            return jax.lax.psum(jnp.sum((jnp.tanh(y) - t) ** 2), AXES) / n
+
+    arrays = (w, b, x, t)
+    args = [
+        jax.device_put(a, NamedSharding(mesh, spec))
+        for a, spec in zip(arrays, in_specs, strict=True)
+    ]
+    mapped = shard_map(local, mesh, in_specs, P(), check_vma)
+    loss, grads = jax.jit(jax.value_and_grad(mapped, argnums=(0, 1, 2)))(*args)
+    loss_1, grads_1 = jax.value_and_grad(reference, argnums=(0, 1, 2))(w, b, x, t)
+    return {
+        "loss": [float(loss), float(loss_1)],
+        "grad_diff": max_abs_diff(grads, grads_1),
+        "grad_scale": max(float(np.max(np.abs(g))) for g in grads_1),
+    }
+
+
+CHECKS = {
+    "linear_explicit_single": lambda: check_linear(AxisType.Explicit, "single"),
+    "linear_explicit_replicated_bias": lambda: check_linear(AxisType.Explicit, "replicated_bias"),
+    "linear_auto_single": lambda: check_linear(AxisType.Auto, "single"),
+    "linear_auto_mlp": lambda: check_linear(AxisType.Auto, "mlp"),
+    "nnx_explicit": lambda: check_nnx(AxisType.Explicit),
+    "nnx_auto": lambda: check_nnx(AxisType.Auto),
+    "shard_map_row_vma": lambda: check_shard_map("row", True),
+    "shard_map_row_novma": lambda: check_shard_map("row", False),
+    "shard_map_column_vma": lambda: check_shard_map("column", True),
+    "shard_map_column_novma": lambda: check_shard_map("column", False),
+}
+
+
+def main(path):
+    results = {"device_count": jax.device_count(), "checks": {}}
+    for name, check in CHECKS.items():
+        try:
+            results["checks"][name] = check()
+        except Exception:  # recorded, reported by the test that reads it
+            results["checks"][name] = {"error": traceback.format_exc()}
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

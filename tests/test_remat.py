@@ -1,0 +1,237 @@
+"""Rematerialization (``jax.checkpoint`` / ``nnx.remat``) and saved residuals.
+
+Gradients under remat are compared with plain ``jnp`` autodiff. What the forward
+saves for the backward is read with the public ``jax.ad_checkpoint.
+print_saved_residuals`` (and cross-checked with the leaves of the ``jax.vjp``
+closure) and compared, as a multiset of ``(dtype, dims)``, with what plain
+autodiff of ``x @ w.T + b`` (or ``flax.nnx.Linear``) saves. Dims are compared
+sorted because plain autodiff saves ``w.T`` where jaxext saves ``w``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import io
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, rand, reference_linear
+from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
+
+import jaxext
+
+POLICIES = {
+    "default": None,
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "everything_saveable": jax.checkpoint_policies.everything_saveable,
+    "save_only_h": jax.checkpoint_policies.save_only_these_names("h"),
+}
+
+_RESIDUAL = re.compile(r"^(\w+)\[([\d,]*)\]")
+
+
+def saved_residuals(fn, *args):
+    """Multiset of ``(dtype, sorted dims)`` that ``print_saved_residuals`` reports."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        print_saved_residuals(fn, *args)
+    found = collections.Counter()
+    for line in buf.getvalue().splitlines():
+        match = _RESIDUAL.match(line.strip())
+        assert match, f"unexpected print_saved_residuals line: {line!r}"
+        dims = tuple(sorted(int(d) for d in match.group(2).split(",") if d))
+        found[(match.group(1), dims)] += 1
+    return found
+
+
+def vjp_residuals(fn, *args):
+    """Multiset of sorted dims of the array leaves of the ``jax.vjp`` closure."""
+    _, vjp_fn = jax.vjp(fn, *args)
+    leaves = [np.shape(leaf) for leaf in jax.tree.leaves(vjp_fn) if np.ndim(leaf) > 0]
+    return collections.Counter(tuple(sorted(shape)) for shape in leaves)
+
+
+def _mlp(linear, name_hidden=False):
+    def f(x, w1, b1, w2):
+        h = linear(x, w1, b1)
+        if name_hidden:
+            h = checkpoint_name(h, "h")
+        return jnp.sum(jnp.tanh(linear(jnp.sin(h), w2, None)))
+
+    return f
+
+
+JAXEXT_MLP, PLAIN_MLP = _mlp(jaxext.linear), _mlp(reference_linear)
+
+
+def _mlp_args(x_shape=(4, 16)):
+    return rand(0, x_shape), rand(1, (8, 16)), rand(2, (8,)), rand(3, (3, 8))
+
+
+def _restrict(fn, args, argnums):
+    """``fn`` as a function of ``args[i] for i in argnums`` only (others closed over)."""
+
+    def restricted(*diff_args):
+        full = list(args)
+        for i, value in zip(argnums, diff_args, strict=True):
+            full[i] = value
+        return fn(*full)
+
+    return restricted, tuple(args[i] for i in argnums)
+
+
+@pytest.mark.parametrize("argnums", [(0, 1, 2, 3), (1, 2, 3), (0,), (2,), (1,)])
+@pytest.mark.parametrize("x_shape", [(4, 16), (2, 3, 16)])
+def test_linear_saves_what_plain_autodiff_saves(x_shape, argnums):
+    args = _mlp_args(x_shape)
+    ours, ours_args = _restrict(JAXEXT_MLP, args, argnums)
+    plain, plain_args = _restrict(PLAIN_MLP, args, argnums)
+    expected = saved_residuals(plain, *plain_args)
+    assert saved_residuals(ours, *ours_args) == expected
+    from_vjp = vjp_residuals(ours, *ours_args)
+    assert from_vjp == vjp_residuals(plain, *plain_args)
+    assert sum(from_vjp.values()) == sum(expected.values())
+
+
+def test_single_linear_saves_only_needed_inputs():
+    x, w, b = rand(0, (4, 16)), rand(1, (8, 16)), rand(2, (8,))
+
+    def loss(linear):
+        return lambda x, w, b: jnp.sum(linear(x, w, b))
+
+    # Gradient w.r.t. the bias only: nothing to save (the cotangent is all it needs).
+    ours, ours_args = _restrict(loss(jaxext.linear), (x, w, b), (2,))
+    plain, plain_args = _restrict(loss(reference_linear), (x, w, b), (2,))
+    assert saved_residuals(ours, *ours_args) == saved_residuals(plain, *plain_args)
+    assert sum(saved_residuals(ours, *ours_args).values()) == 0
+    # Gradient w.r.t. the weight only: x alone.
+    ours, ours_args = _restrict(loss(jaxext.linear), (x, w, b), (1,))
+    assert saved_residuals(ours, *ours_args) == collections.Counter({("f32", (4, 16)): 1})
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_checkpointed_linear_gradients_match(policy):
+    args = _mlp_args((2, 3, 16))
+    argnums = (0, 1, 2, 3)
+    expected = jax.grad(PLAIN_MLP, argnums)(*args)
+    plain_named = _mlp(jaxext.linear, name_hidden=True)
+    remat = jax.checkpoint(plain_named, policy=POLICIES[policy])
+    no_remat = jax.grad(plain_named, argnums)(*args)
+    for grads in (jax.grad(remat, argnums)(*args), jax.jit(jax.grad(remat, argnums))(*args)):
+        for g, g_plain, g_no_remat in zip(grads, expected, no_remat, strict=True):
+            assert_close(g, g_plain, rtol=1e-5, atol=1e-6)
+            assert_close(g, g_no_remat, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "policy", ["default", "nothing_saveable", "everything_saveable", "save_only_h"]
+)
+def test_checkpointed_linear_saves_what_plain_autodiff_saves(policy):
+    args = _mlp_args()
+    ours = jax.checkpoint(_mlp(jaxext.linear, True), policy=POLICIES[policy])
+    plain = jax.checkpoint(_mlp(reference_linear, True), policy=POLICIES[policy])
+    assert saved_residuals(ours, *args) == saved_residuals(plain, *args)
+
+
+def test_dots_saveable_does_not_see_inside_custom_vjp():
+    # A checkpoint policy inspects the primitives of the function; jaxext.linear is
+    # one custom_vjp call, not a dot_general, so `dots_saveable` recomputes it where
+    # it would save a plain matmul. jaxext never saves more than plain autodiff, and
+    # naming the output (`checkpoint_name` + `save_only_these_names`) restores the
+    # plain behaviour (test above).
+    args = _mlp_args()
+    policy = POLICIES["dots_saveable"]
+    ours = saved_residuals(jax.checkpoint(JAXEXT_MLP, policy=policy), *args)
+    plain = saved_residuals(jax.checkpoint(PLAIN_MLP, policy=policy), *args)
+    assert not ours - plain  # a sub-multiset
+    inputs_only = saved_residuals(
+        jax.checkpoint(JAXEXT_MLP, policy=POLICIES["nothing_saveable"]), *args
+    )
+    assert ours == inputs_only
+
+
+# ----------------------------------------------------------------------------- nnx
+
+nnx = pytest.importorskip("flax.nnx")
+import jaxext.nnx  # noqa: E402
+
+
+class _MLP(nnx.Module):
+    def __init__(self, linear_cls, rngs):
+        init = nnx.initializers.normal(0.5)
+        self.l1 = linear_cls(16, 8, bias_init=init, rngs=rngs)
+        self.l2 = linear_cls(8, 4, bias_init=init, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(jnp.tanh(self.l1(x)))
+
+
+def _functional(linear_cls):
+    """``(loss(params, x), params)`` for a fresh ``_MLP``; params is a plain dict."""
+    graphdef, state = nnx.split(_MLP(linear_cls, nnx.Rngs(0)))
+
+    def loss(params, x):
+        layer_state = jax.tree.map(lambda leaf: leaf, state)
+        nnx.replace_by_pure_dict(layer_state, params)
+        return jnp.sum(nnx.merge(graphdef, layer_state)(x) ** 2)
+
+    return loss, nnx.to_pure_dict(state)
+
+
+@pytest.mark.parametrize("policy", ["default", "nothing_saveable", "dots_saveable"])
+def test_nnx_remat_gradients_match_flax(policy):
+    x = rand(4, (5, 16))
+
+    def grads(linear_cls, remat):
+        model = _MLP(linear_cls, nnx.Rngs(0))
+
+        def forward(model, x):
+            return model(x)
+
+        if remat:
+            forward = nnx.remat(forward, policy=POLICIES[policy])
+        loss = lambda model, x: jnp.sum(forward(model, x) ** 2)  # noqa: E731
+        return nnx.to_pure_dict(nnx.grad(loss)(model, x))
+
+    expected = grads(nnx.Linear, remat=False)
+    for remat in (True, False):
+        got = grads(jaxext.nnx.Linear, remat)
+        jax.tree.map(lambda a, b: assert_close(a, b, rtol=1e-5, atol=1e-6), got, expected)
+
+
+@pytest.mark.parametrize("policy", [None, "default", "nothing_saveable", "everything_saveable"])
+def test_nnx_linear_saves_what_flax_saves(policy):
+    x = rand(5, (5, 16))
+    counts = []
+    for linear_cls in (jaxext.nnx.Linear, nnx.Linear):
+        loss, params = _functional(linear_cls)
+        if policy is not None:
+            loss = jax.checkpoint(loss, policy=POLICIES[policy])
+        counts.append(saved_residuals(loss, params, x))
+    ours, flax_counts = counts
+    assert ours == flax_counts
+    assert sum(ours.values()) > 0
+
+
+def test_nnx_linear_remat_in_jitted_train_step():
+    # nnx.remat inside nnx.jit: an optimizer-free SGD step, compared with flax.
+    x, t = rand(6, (8, 16)), rand(7, (8, 4))
+
+    def step(model, x, t):
+        forward = nnx.remat(lambda m, x: m(x))
+        grads = nnx.grad(lambda m: jnp.mean((forward(m, x) - t) ** 2))(model)
+        params = nnx.state(model, nnx.Param)
+        nnx.update(model, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads))
+
+    models = [_MLP(cls, nnx.Rngs(0)) for cls in (jaxext.nnx.Linear, nnx.Linear)]
+    for model in models:
+        nnx.jit(step)(model, x, t)
+    ours, theirs = (nnx.to_pure_dict(nnx.state(m, nnx.Param)) for m in models)
+    jax.tree.map(lambda a, b: assert_close(a, b, rtol=1e-5, atol=1e-6), ours, theirs)
+    before = nnx.to_pure_dict(nnx.state(_MLP(nnx.Linear, nnx.Rngs(0)), nnx.Param))
+    assert not np.allclose(ours["l1"]["kernel"], before["l1"]["kernel"])

@@ -1,0 +1,128 @@
+"""jaxext under multi-device sharding: NamedSharding, nnx.with_partitioning, shard_map.
+
+The checks need 8 devices, and this pytest process already imported JAX with one
+CPU device, so they run once in a subprocess (``tests/_sharding_worker.py``,
+8 forced host devices) that writes JSON; the tests here assert on that JSON. The
+references are independent: plain ``jnp`` autodiff or ``flax.nnx.Linear`` on a
+single device, and plain autodiff compiled with identical shardings for the
+collective counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("_sharding_worker.py")
+REPO_ROOT = WORKER.parent.parent
+
+LINEAR_CASES = [
+    "linear_explicit_single",
+    "linear_explicit_replicated_bias",
+    "linear_auto_single",
+    "linear_auto_mlp",
+]
+NNX_CASES = ["nnx_explicit", "nnx_auto"]
+SHARD_MAP_CASES = [
+    "shard_map_row_vma",
+    "shard_map_row_novma",
+    "shard_map_column_vma",
+    "shard_map_column_novma",
+]
+
+
+@pytest.fixture(scope="module")
+def worker_results(tmp_path_factory):
+    pytest.importorskip("flax")
+    out = tmp_path_factory.mktemp("sharding") / "results.json"
+    env = dict(os.environ)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), str(out)],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"sharding worker failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(out.read_text())
+
+
+def _check(results, name):
+    result = results["checks"][name]
+    assert "error" not in result, f"{name} raised in the worker:\n{result['error']}"
+    return result
+
+
+def _assert_loss_close(loss_pair, rtol=1e-5):
+    sharded, reference = loss_pair
+    assert sharded == pytest.approx(reference, rel=rtol)
+
+
+def test_worker_sees_eight_devices(worker_results):
+    assert worker_results["device_count"] == 8
+    assert set(worker_results["checks"]) == set(LINEAR_CASES + NNX_CASES + SHARD_MAP_CASES)
+
+
+@pytest.mark.parametrize("name", LINEAR_CASES)
+def test_linear_sharded_step_matches_single_device(worker_results, name):
+    result = _check(worker_results, name)
+    _assert_loss_close(result["loss"])
+    # Gradients are O(0.1); sharded reductions only reorder float32 sums.
+    assert result["grad_scale"] > 1e-2
+    assert result["grad_diff"] <= 1e-6
+    assert result["update_diff"] <= 1e-6
+    assert result["n_devices"] == 8
+
+
+@pytest.mark.parametrize("name", LINEAR_CASES)
+def test_linear_gradients_keep_parameter_shardings(worker_results, name):
+    result = _check(worker_results, name)
+    assert result["grad_specs"] == result["plain_grad_specs"]
+    assert result["grad_specs"] == result["param_specs"]
+
+
+@pytest.mark.parametrize("name", LINEAR_CASES)
+def test_linear_backward_adds_no_collectives(worker_results, name):
+    result = _check(worker_results, name)
+    assert result["collectives"] == result["plain_collectives"]
+    # The data-parallel weight gradient needs a reduction: the count is not vacuous.
+    assert result["plain_collectives"]["all-reduce"] >= 1
+
+
+@pytest.mark.parametrize("name", NNX_CASES)
+def test_nnx_with_partitioning_step_matches_single_device(worker_results, name):
+    result = _check(worker_results, name)
+    for layer in ("jaxext", "flax"):
+        # Same Rngs: the sharded models hold the single-device model's parameters.
+        assert result[layer]["param_diff"] == 0.0
+        assert result[layer]["param_specs"] == result["flax"]["param_specs"]
+        _assert_loss_close(result[layer]["loss"])
+        assert result[layer]["grad_diff"] <= 1e-6
+    assert result["jaxext_vs_flax_grad_diff"] <= 1e-6
+    assert "'model'" in "".join(result["jaxext"]["param_specs"])
+
+
+@pytest.mark.parametrize("name", NNX_CASES)
+def test_nnx_gradients_and_collectives_match_flax(worker_results, name):
+    result = _check(worker_results, name)
+    jaxext_layer, flax_layer = result["jaxext"], result["flax"]
+    assert jaxext_layer["grad_specs"] == flax_layer["grad_specs"]
+    assert jaxext_layer["grad_specs"] == jaxext_layer["param_specs"]
+    assert jaxext_layer["collectives"] == flax_layer["collectives"]
+    assert flax_layer["collectives"]["all-reduce"] >= 1
+
+
+@pytest.mark.parametrize("name", SHARD_MAP_CASES)
+def test_linear_in_shard_map_matches_unsharded(worker_results, name):
+    result = _check(worker_results, name)
+    _assert_loss_close(result["loss"])
+    assert result["grad_scale"] > 1e-2
+    assert result["grad_diff"] <= 1e-5
