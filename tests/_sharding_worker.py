@@ -257,6 +257,36 @@ def check_shard_map(layout, check_vma):
     }
 
 
+def check_shard_map_mul_constant():
+    """shard_map with linear and an array-constant mul_constant.
+
+    The constant is replicated (invariant over `data`) while x is sharded, so its
+    gradient must be psum-ed over `data` by the backward rule.
+    """
+    mesh = make_mesh(AxisType.Explicit)
+    x, w, c = rand(50, (16, 12)), rand(51, (6, 12)), rand(52, (6,))
+    in_specs = (P(), P(), P("data", None))
+
+    def reference(w, c, x):
+        return jnp.sum(jnp.tanh(x @ w.T) * c)
+
+    def local(w, c, x):
+        return jax.lax.psum(jnp.sum(jaxext.mul_constant(jnp.tanh(jaxext.linear(x, w)), c)), "data")
+
+    args = [
+        jax.device_put(a, NamedSharding(mesh, spec))
+        for a, spec in zip((w, c, x), in_specs, strict=True)
+    ]
+    mapped = shard_map(local, mesh, in_specs, P(), True)
+    loss, grads = jax.jit(jax.value_and_grad(mapped, argnums=(0, 1, 2)))(*args)
+    loss_1, grads_1 = jax.value_and_grad(reference, argnums=(0, 1, 2))(w, c, x)
+    return {
+        "loss": [float(loss), float(loss_1)],
+        "grad_diff": max_abs_diff(grads, grads_1),
+        "grad_scale": max(float(np.max(np.abs(g))) for g in grads_1),
+    }
+
+
 CHECKS = {
     "linear_explicit_single": lambda: check_linear(AxisType.Explicit, "single"),
     "linear_explicit_replicated_bias": lambda: check_linear(AxisType.Explicit, "replicated_bias"),
@@ -268,6 +298,7 @@ CHECKS = {
     "shard_map_row_novma": lambda: check_shard_map("row", False),
     "shard_map_column_vma": lambda: check_shard_map("column", True),
     "shard_map_column_novma": lambda: check_shard_map("column", False),
+    "shard_map_with_mul_constant": check_shard_map_mul_constant,
 }
 
 
