@@ -14,3 +14,7 @@ def x64():
     """Enables ``jax_enable_x64`` for the duration of one test."""
     with jax.enable_x64(True):
         yield
+
+
+# Run by test_sharding.py in a subprocess with 8 CPU devices; never import it here.
+collect_ignore = ["_sharding_worker.py"]
