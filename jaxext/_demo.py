@@ -119,9 +119,9 @@ def train_digits(
         ValueError: if ``epochs`` or ``batch_size`` is not positive.
 
     Example:
-        >>> result = train_digits(epochs=1)  # doctest: +SKIP
-        >>> 0.0 <= result.final_test_accuracy <= 1.0  # doctest: +SKIP
-        True
+        >>> result = train_digits(epochs=1, seed=0)
+        >>> len(result.loss), result.final_test_accuracy > 0.5
+        (1, True)
     """
     import optax
 
