@@ -80,3 +80,36 @@ def contains_array(leaves, array):
     return any(
         np.shape(leaf) == array.shape and np.array_equal(np.asarray(leaf), array) for leaf in leaves
     )
+
+
+def assert_bias_grad_exact_and_right(g_bias, g_bias_ref, y_ref):
+    """Bias gradient of a layer vs flax's (bit-identical) and vs a hand reference.
+
+    The loss is ``sum(sin(y.astype(float32)))``; the hand reference sums its output
+    cotangent over the batch axes in float32, so bfloat16 gets a bfloat16-sized
+    tolerance there while the comparison with flax stays exact.
+    """
+    import jax
+
+    assert g_bias.dtype == g_bias_ref.dtype and g_bias.shape == g_bias_ref.shape
+    # Bit-identical to flax, bfloat16 compute included: the backward reduces the
+    # cotangent in its own dtype, as autodiff's transpose of the broadcast does.
+    np.testing.assert_array_equal(
+        np.asarray(g_bias, np.float64), np.asarray(g_bias_ref, np.float64)
+    )
+    g_y = jax.grad(lambda y: jnp.sum(jnp.sin(y.astype(jnp.float32))))(y_ref)
+    expected = jnp.sum(g_y.astype(jnp.float32), axis=tuple(range(g_y.ndim - 1)))
+    low = jnp.bfloat16 in (y_ref.dtype, g_bias.dtype)
+    tol = 2**-6 if low else 1e-6
+    assert_close(g_bias, expected, rtol=tol, atol=tol)
+
+
+def assert_first_and_second_order_close(actual, expected, *, tol=1e-12):
+    """Compares ``(grads, hessian rows)`` pairs from two implementations."""
+    (grads, hess), (grads_ref, hess_ref) = actual, expected
+    for g, g_ref in zip(grads, grads_ref, strict=True):
+        assert_close(g, g_ref, rtol=tol, atol=tol)
+    for row, row_ref in zip(hess, hess_ref, strict=True):
+        for h, h_ref in zip(row, row_ref, strict=True):
+            assert h.shape == h_ref.shape
+            assert_close(h, h_ref, rtol=tol, atol=tol)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from helpers import (
     assert_close,
+    assert_first_and_second_order_close,
     contains_array,
     count_hlo_dots,
     count_primitive,
@@ -345,16 +346,7 @@ def test_grad_of_grad_and_jacrev_jacrev_match_jnp(x_shape, out_features, use_bia
 
         return jax.jit(both)(*args)
 
-    (grads, hess), (grads_ref, hess_ref) = (
-        second_order(jaxext.linear),
-        second_order(reference_linear),
-    )
-    for g, g_ref in zip(grads, grads_ref, strict=True):
-        assert_close(g, g_ref, rtol=1e-12, atol=1e-12)
-    for row, row_ref in zip(hess, hess_ref, strict=True):
-        for h, h_ref in zip(row, row_ref, strict=True):
-            assert h.shape == h_ref.shape
-            assert_close(h, h_ref, rtol=1e-12, atol=1e-12)
+    assert_first_and_second_order_close(second_order(jaxext.linear), second_order(reference_linear))
 
 
 # -- PyTorch ----------------------------------------------------------------------------

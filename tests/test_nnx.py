@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import rand
+from helpers import assert_bias_grad_exact_and_right, rand
 from jax.sharding import PartitionSpec as P
 
 import jaxext.nnx
@@ -130,18 +130,7 @@ def test_outputs_and_gradients_identical_to_flax(config, x_shape):
     if ours.bias is None:
         return
     g_bias, g_bias_ref = g_params.bias[...], g_params_ref.bias[...]
-    # Bit-identical to flax, bfloat16 compute included: the backward reduces the
-    # cotangent in its own dtype, as autodiff's transpose of the broadcast does.
-    _assert_trees_equal(g_bias, g_bias_ref)
-    # And right, not merely equal to flax: the output cotangent summed over the batch
-    # axes (a float32 hand reference, so bfloat16 gets a bfloat16-sized tolerance).
-    g_y = jax.grad(lambda y: jnp.sum(jnp.sin(y.astype(jnp.float32))))(y_ref)
-    batch_axes = tuple(range(g_y.ndim - 1))
-    expected = jnp.sum(g_y.astype(jnp.float32), axis=batch_axes)
-    rtol = 2**-6 if BF16 in (y.dtype, g_bias.dtype) else 1e-6
-    np.testing.assert_allclose(
-        np.asarray(g_bias, np.float64), np.asarray(expected, np.float64), rtol=rtol, atol=rtol
-    )
+    assert_bias_grad_exact_and_right(g_bias, g_bias_ref, y_ref)
 
 
 def test_integer_inputs_promoted_like_flax():
