@@ -26,6 +26,7 @@ from ._function_ctx import (
     pack_ctx,
     unpack_ctx,
 )
+from ._residuals import pack, unpack
 from ._validation import Static
 
 __all__ = ["Function"]
@@ -151,16 +152,20 @@ def _lower(cls: type[Function], args: tuple[Any, ...], diff_positions: tuple[int
         for i, value in zip(diff_positions, values, strict=True):
             inputs[i] = (value.shape, value.dtype)
         meta = _Meta(
-            tuple(needs),
+            (),  # filled in by the backward from the residual token: see _residuals.py
             tuple(inputs),
             tuple((o.shape, o.dtype, nd) for o, nd in zip(outputs, non_diff, strict=True)),
             tuple_output,
             ctx_static,
         )
-        return (tuple(outputs) if tuple_output else outputs[0]), (Static(meta), arrays)
+        # copy=True: user code chooses what is saved, so no residual may be a
+        # forwarded input (its layout could then depend on needs_input_grad).
+        residuals = pack(needs, arrays, Static(meta), copy=True)
+        return (tuple(outputs) if tuple_output else outputs[0]), residuals
 
     def function_bwd(residuals, cotangents):
-        meta, arrays = residuals[0].value, residuals[1]
+        needs, arrays, meta = unpack(residuals, f"`{name}.backward`")
+        meta = meta.value._replace(needs_input_grad=needs)
         cotangents = _materialize(meta, cotangents if meta.tuple_output else (cotangents,))
         if cotangents is None:  # nothing flows back: skip the user's backward
             return (None,) * len(diff_positions)

@@ -37,9 +37,9 @@ def _varying_axes(value: Any) -> frozenset[Any]:
     return frozenset(varying)
 
 
-def grad_spec(value: Any, wanted: bool = True) -> GradSpec | None:
-    """Records ``value``'s type for its gradient, or ``None`` when it is not wanted."""
-    if value is None or not wanted:
+def grad_spec(value: Any) -> GradSpec | None:
+    """Records ``value``'s type for its gradient; ``None`` for an absent input."""
+    if value is None:
         return None
     sharding = jax.typeof(value).sharding
     return GradSpec(tuple(value.shape), value.dtype, sharding, _varying_axes(value))

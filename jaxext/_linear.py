@@ -19,6 +19,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.typing import ArrayLike, DTypeLike
 
 from ._gradspec import finish_grad, grad_spec
+from ._residuals import pack, unpack
 from ._validation import Static, as_numeric_array
 
 __all__ = ["linear"]
@@ -140,28 +141,24 @@ def _linear_fwd(x, weight, bias, precision, preferred_element_type):
     xv, wv = x.value, weight.value
     bv = None if bias is None else bias.value
     y = _linear(xv, wv, bv, precision, preferred_element_type)
-    # Static: the type of each wanted gradient, None where it is not wanted.
-    specs = Static(
-        (
-            grad_spec(xv, x.perturbed),
-            grad_spec(wv, weight.perturbed),
-            grad_spec(bv, bias is not None and bias.perturbed),
-        )
-    )
-    # grad_x needs weight; grad_weight needs x; grad_bias needs neither.
-    w_for_x = wv if x.perturbed else None
-    x_for_w = xv if weight.perturbed else None
-    return y, (specs, w_for_x, x_for_w)
+    perturbed = (x.perturbed, weight.perturbed, bias is not None and bias.perturbed)
+    # grad_x needs weight and grad_weight needs x. Both are saved whatever is
+    # perturbed, as references to the inputs (no copies): a layout that depends on
+    # `perturbed` breaks under JAX's jit caching (see _residuals.py). The backward
+    # reads, and computes, only what `perturbed` asks for; under jit XLA removes
+    # the rest.
+    specs = Static((grad_spec(xv), grad_spec(wv), grad_spec(bv)))
+    return y, pack(perturbed, (wv, xv), specs)
 
 
 def _linear_bwd(precision, preferred_element_type, residuals, g):
-    specs, w_for_x, x_for_w = residuals
+    (x_wanted, w_wanted, b_wanted), (w_for_x, x_for_w), specs = unpack(residuals, "jaxext.linear")
     x_spec, w_spec, b_spec = specs.value
     if isinstance(g, SymbolicZero):
         return None, None, None
     batch_axes = tuple(range(g.ndim - 1))
     grad_x = grad_w = grad_b = None
-    if x_spec is not None:
+    if x_wanted:
         # (..., out) x (out, in) -> (..., in)
         dtype = jnp.promote_types(g.dtype, w_for_x.dtype)
         grad_x = lax.dot_general(
@@ -172,7 +169,7 @@ def _linear_bwd(precision, preferred_element_type, residuals, g):
             out_sharding=x_spec.sharding,  # needed when the contraction axis is sharded
         )
         grad_x = finish_grad(grad_x, x_spec)
-    if w_spec is not None:
+    if w_wanted:
         # Contract every leading (batch) axis: (..., out) x (..., in) -> (out, in).
         dtype = jnp.promote_types(g.dtype, x_for_w.dtype)
         grad_w = lax.dot_general(
@@ -183,7 +180,7 @@ def _linear_bwd(precision, preferred_element_type, residuals, g):
             out_sharding=w_spec.sharding,
         )
         grad_w = finish_grad(grad_w, w_spec)
-    if b_spec is not None:
+    if b_wanted:
         # Sum over leading axes only, so the shape stays (out_features,) even when it
         # is 1. lax.reduce with add is the reduction autodiff's transpose emits, in
         # g's own dtype: bit-identical to flax's bias gradient, bfloat16 included.

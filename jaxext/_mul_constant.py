@@ -21,6 +21,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.typing import ArrayLike
 
 from ._gradspec import finish_grad, grad_spec
+from ._residuals import pack, unpack
 from ._validation import Static, as_numeric_array, is_static_scalar
 
 __all__ = ["mul_constant"]
@@ -106,24 +107,20 @@ def _mul_array(x, constant):
 
 def _mul_array_fwd(x, constant):
     xv, cv = x.value, constant.value
-    # Static: the type of each wanted gradient, None where it is not wanted.
-    wanted = Static((grad_spec(xv, x.perturbed), grad_spec(cv, constant.perturbed)))
-    # grad_x needs the constant; grad_constant needs x.
-    c_for_x = cv if x.perturbed else None
-    x_for_c = xv if constant.perturbed else None
-    return _mul_array(xv, cv), (wanted, c_for_x, x_for_c)
+    # grad_x needs the constant and grad_constant needs x. Both are saved as input
+    # references whatever is perturbed (see _linear_fwd and _residuals.py); only
+    # the wanted gradients are computed.
+    specs = Static((grad_spec(xv), grad_spec(cv)))
+    return _mul_array(xv, cv), pack((x.perturbed, constant.perturbed), (cv, xv), specs)
 
 
 def _mul_array_bwd(residuals, g):
-    wanted, c_for_x, x_for_c = residuals
+    (x_wanted, c_wanted), (c_for_x, x_for_c), specs = unpack(residuals, "jaxext.mul_constant")
     if isinstance(g, SymbolicZero):
         return None, None
-    x_spec, c_spec = wanted.value
-    grad_x = grad_c = None
-    if x_spec is not None:
-        grad_x = finish_grad(g * c_for_x, x_spec)
-    if c_spec is not None:
-        grad_c = finish_grad(g * x_for_c, c_spec)
+    x_spec, c_spec = specs.value
+    grad_x = finish_grad(g * c_for_x, x_spec) if x_wanted else None
+    grad_c = finish_grad(g * x_for_c, c_spec) if c_wanted else None
     return grad_x, grad_c
 
 

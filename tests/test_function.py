@@ -700,3 +700,75 @@ def test_guide_torch_originals_match_the_ports():
     tx.grad = None
     torch.sin(namespace["MulConstant"].apply(tx, 2.5)).sum().backward()
     assert_close(jax.grad(loss_of(mul_constant))(x, 2.5), tx.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+# -- a jitted Function reused with different inputs differentiated -------------------------
+
+
+def test_jitted_function_reused_with_different_differentiated_inputs():
+    # Layer 1's input is data, layer 2's is differentiated: with square shapes a
+    # layout mix-up between the two backward passes could go unnoticed.
+    helper = jax.jit(LinearFunction.apply)
+    x = jnp.asarray(rand(0, (5, 3)))
+    w1, w2 = jnp.asarray(rand(1, (3, 3))), jnp.asarray(rand(2, (3, 3)))
+
+    def loss(op):
+        return lambda w1, w2, x: jnp.sum(jnp.sin(op(op(x, w1), w2)))
+
+    for argnums in [(0, 1), (0,), (1,), (0, 1, 2)]:
+        got = jax.grad(loss(helper), argnums)(w1, w2, x)
+        want = jax.grad(loss(reference_linear), argnums)(w1, w2, x)
+        for g, r in zip(got, want, strict=True):
+            assert_close(g, r, rtol=1e-5, atol=1e-6)
+
+
+class SavesOnlyWhatIsNeeded(jaxext.Function):
+    """Saves a different set of values depending on needs_input_grad."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.kinds = tuple(k for k, need in zip("xw", ctx.needs_input_grad, strict=True) if need)
+        ctx.save_for_backward(*(w if k == "x" else x for k in ctx.kinds))
+        return x @ w.T
+
+    @staticmethod
+    def backward(ctx, g):
+        grads = {"x": None, "w": None}
+        for kind, saved in zip(ctx.kinds, ctx.saved_tensors, strict=True):
+            grads[kind] = g @ saved if kind == "x" else g.T @ saved
+        return grads["x"], grads["w"]
+
+
+def _reuse_setup():
+    helper = jax.jit(SavesOnlyWhatIsNeeded.apply)
+    x = jnp.asarray(rand(0, (5, 3)))
+    w1, w2 = jnp.asarray(rand(1, (3, 3))), jnp.asarray(rand(2, (3, 3)))
+
+    def loss(op):
+        # Differentiating w1 only: use 1 saves x (for w's gradient), use 2 saves w2
+        # (for its input's gradient): one array each, different static data.
+        return lambda w1: jnp.sum(jnp.sin(op(op(x, w1), w2)))
+
+    return helper, loss, w1
+
+
+def test_layout_depending_on_needs_input_grad_fails_loudly_when_reused_under_jit():
+    helper, loss, w1 = _reuse_setup()
+    # The backward would get the other use's layout: refused, not a wrong gradient.
+    with pytest.raises(RuntimeError, match="laid out for another call"):
+        jax.grad(loss(helper))(w1)
+
+
+def test_layout_depending_on_needs_input_grad_is_never_silently_wrong():
+    helper, loss, w1 = _reuse_setup()
+    want = jax.grad(loss(lambda x, w: x @ w.T))(w1)
+    # Each use alone (this also primes the jit cache) ...
+    alone = jax.grad(lambda w: jnp.sum(jnp.sin(helper(w1, w))))(w1)
+    assert_close(alone, jax.grad(lambda w: jnp.sum(jnp.sin(w1 @ w.T)))(w1), rtol=1e-5, atol=1e-6)
+    # ... then both: whether JAX reuses the cached trace or not, the result is either
+    # a loud error or the right gradient.
+    try:
+        got = jax.grad(loss(helper))(w1)
+    except (RuntimeError, AssertionError):
+        return
+    assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -174,20 +174,50 @@ def test_backward_computes_only_the_wanted_gradient(argnum, n_dots):
 
 
 @pytest.mark.parametrize("argnum", [0, 1, 2])
-def test_residuals_hold_only_what_the_backward_needs(argnum):
-    x, w, b = make_inputs((5, 3), 4, True, jnp.float32)
+def test_residuals_are_input_references_and_compiled_memory_matches(argnum):
+    x, w, b = make_inputs((64, 32), 16, True, jnp.float32)
     args = [x, w, b]
 
     def f(v):
         return jaxext.linear(*args[:argnum], v, *args[argnum + 1 :])
 
     _, vjp_fn = jax.vjp(f, args[argnum])
-    leaves = jax.tree_util.tree_leaves(vjp_fn)
-    # grad_x needs weight only; grad_weight needs x only; grad_bias needs nothing.
-    assert contains_array(leaves, w) == (argnum == 0)
-    assert contains_array(leaves, x) == (argnum == 1)
+    leaves = [leaf for leaf in jax.tree_util.tree_leaves(vjp_fn) if np.size(leaf) > 0]
+    # Residuals are x and w themselves (no copies, nothing derived): the layout must
+    # not depend on what is differentiated (jaxext/_residuals.py).
     assert not contains_array(leaves, b)
-    assert sum(np.size(leaf) for leaf in leaves) == {0: w.size, 1: x.size, 2: 0}[argnum]
+    assert sum(np.size(leaf) for leaf in leaves) <= x.size + w.size
+
+    # Under jit, what the backward does not read is gone: same memory as autodiff.
+    def loss(op):
+        return lambda *a: jnp.sum(jnp.sin(op(*a)))
+
+    def temp_bytes(op):
+        grad = jax.jit(jax.grad(loss(op), argnums=argnum))
+        return grad.lower(x, w, b).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes(jaxext.linear) <= temp_bytes(reference_linear)
+
+
+@pytest.mark.parametrize("square", [True, False])
+def test_jitted_linear_reused_with_different_differentiated_inputs(square):
+    # A jitted helper used by two layers in one differentiated computation: layer 1's
+    # input is data (not differentiated), layer 2's is. With a residual layout that
+    # depends on what is perturbed, JAX 0.10 gives one backward the other's layout:
+    # an internal error, or (square shapes) swapped residuals. Reference: jnp autodiff.
+    helper = jax.jit(lambda x, w: jaxext.linear(x, w))
+    n = 3 if square else 4
+    x = jnp.asarray(rand(0, (5, 3)))
+    w1, w2 = jnp.asarray(rand(1, (n, 3))), jnp.asarray(rand(2, (3, n)))
+
+    def loss(op):
+        return lambda w1, w2, x: jnp.sum(jnp.sin(op(op(x, w1), w2)))
+
+    for argnums in [(0, 1), (0,), (1,), (2,), (0, 1, 2)]:
+        got = jax.grad(loss(helper), argnums)(w1, w2, x)
+        want = jax.grad(loss(lambda x, w: x @ w.T), argnums)(w1, w2, x)
+        for g, r in zip(got, want, strict=True):
+            assert_close(g, r, rtol=1e-5, atol=1e-6)
 
 
 # -- dtypes ---------------------------------------------------------------------------

@@ -13,7 +13,6 @@ import pytest
 from helpers import (
     assert_close,
     assert_first_and_second_order_close,
-    contains_array,
     rand,
     tolerance,
 )
@@ -210,19 +209,50 @@ def test_grad_of_grad_and_jacrev_jacrev_match_jnp(x_shape, c_shape, x64):
 
 
 @pytest.mark.parametrize("argnum", [0, 1])
-def test_residuals_hold_only_what_the_backward_needs(argnum):
-    x, c = _array_inputs((5, 3), (3,), jnp.float32)
+def test_residuals_are_input_references_and_compiled_memory_matches(argnum):
+    x, c = _array_inputs((64, 32), (32,), jnp.float32)
     args = [x, c]
 
     def f(v):
         return jaxext.mul_constant(*(v if i == argnum else a for i, a in enumerate(args)))
 
     _, vjp_fn = jax.vjp(f, args[argnum])
-    leaves = jax.tree_util.tree_leaves(vjp_fn)
-    # grad_x needs the constant only; grad_constant needs x only.
-    assert contains_array(leaves, c) == (argnum == 0)
-    assert contains_array(leaves, x) == (argnum == 1)
-    assert sum(np.size(leaf) for leaf in leaves) == (c.size if argnum == 0 else x.size)
+    leaves = [leaf for leaf in jax.tree_util.tree_leaves(vjp_fn) if np.size(leaf) > 0]
+    # The residuals are the two operands themselves (no copies, nothing derived):
+    # the layout must not depend on what is differentiated (jaxext/_residuals.py).
+    assert sum(np.size(leaf) for leaf in leaves) <= x.size + c.size
+
+    # Under jit, what the backward does not read is gone: same memory as autodiff.
+    def loss(op):
+        return lambda *a: jnp.sum(jnp.sin(op(*a)))
+
+    def temp_bytes(op):
+        grad = jax.jit(jax.grad(loss(op), argnums=argnum))
+        return grad.lower(x, c).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes(jaxext.mul_constant) <= temp_bytes(lambda x, c: x * c)
+
+
+def test_jitted_op_reused_with_different_differentiated_inputs():
+    # One jitted helper, called twice in one differentiated computation with a
+    # different operand perturbed each time. With a residual layout that depends on
+    # what is perturbed, JAX 0.10 hands one backward the other's layout and the
+    # gradient of x came back as zeros. Reference: plain jnp autodiff.
+    helper = jax.jit(jaxext.mul_constant)
+    x, c, d = jnp.arange(1.0, 4.0), jnp.array(2.0), jnp.array(3.0)
+
+    def loss(op):
+        def f(x, c):
+            y = op(x, d)  # x perturbed, the constant not
+            z = op(jnp.ones(3) * 5, c)  # the constant perturbed, x not
+            return jnp.sum(y) + jnp.sum(z)
+
+        return f
+
+    got = jax.grad(loss(helper), argnums=(0, 1))(x, c)
+    want = jax.grad(loss(lambda a, b: a * b), argnums=(0, 1))(x, c)
+    for g, w in zip(got, want, strict=True):
+        assert_close(g, w)
 
 
 # -- dtypes and NumPy constants --------------------------------------------------------------
