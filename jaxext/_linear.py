@@ -1,9 +1,10 @@
 """`linear`: an affine map ``x @ weight.T + bias`` with a hand-written VJP.
 
-The forward keeps only the residuals the backward needs for the inputs that are
-actually being differentiated (JAX's answer to PyTorch's ``ctx.needs_input_grad``):
-``CustomVJPPrimal.perturbed`` tells the forward which inputs carry tangents, and
-the backward computes gradients for those inputs alone.
+``CustomVJPPrimal.perturbed`` tells the forward which inputs carry tangents (JAX's
+answer to PyTorch's ``ctx.needs_input_grad``) and the backward computes gradients
+for those inputs alone. The residuals are references to the operands, laid out the
+same whatever is differentiated (see ``_residuals.py`` for why); under ``jit`` XLA
+drops whatever the backward does not read.
 """
 
 from __future__ import annotations
