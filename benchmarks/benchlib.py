@@ -50,7 +50,8 @@ def interleaved_times(
         warmup: number of discarded calls per contender before calibration.
         target_s: wall time one measurement should last (sets ``inner``).
         budget_s: if given, the number of rounds is reduced so that the measured
-            rounds take about this long, but never below ``min_rounds``.
+            rounds take about this long, but never below ``min_rounds``; rounds
+            also stop (once ``min_rounds`` are done) when twice the budget is spent.
         min_rounds: lower bound on the rounds kept when ``budget_s`` applies.
         max_inner: upper bound on the calls per measurement.
 
@@ -75,18 +76,26 @@ def interleaved_times(
 def _measure(fns, names, rounds, target_s, budget_s, min_rounds, max_inner) -> dict[str, Any]:
     inner, single = {}, {}
     for name in names:
-        single[name] = min(_timed(fns[name], 1) for _ in range(3))
+        single[name] = sorted(_timed(fns[name], 1) for _ in range(3))[1]  # median of 3
         inner[name] = int(max(1, min(max_inner, round(target_s / max(single[name], 1e-9)))))
     if budget_s is not None:
         per_round = sum((inner[n] + 1) * single[n] for n in names)
         rounds = max(min_rounds, min(rounds, int(budget_s / max(per_round, 1e-9))))
     times: dict[str, list[float]] = {name: [] for name in names}
+    start = time.perf_counter()
     for r in range(rounds):
+        if budget_s is not None and r >= min_rounds and r % 2 == 0 and _over(start, budget_s):
+            rounds = r  # the machine got slower than calibrated: stop at twice the budget
+            break
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
             fns[name]()  # untimed: absorbs the switch from the previous contender
             times[name].append(_timed(fns[name], inner[name]))
     return {"times": times, "inner": inner, "rounds": rounds}
+
+
+def _over(start: float, budget_s: float) -> bool:
+    return time.perf_counter() - start > 2 * budget_s
 
 
 def _timed(fn: Callable[[], Any], inner: int) -> float:

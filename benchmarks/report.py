@@ -209,7 +209,8 @@ def _mlp_section(res: dict[str, Any], unit: str, scale: float) -> list[str]:
     header = ["size", "jaxext.nnx ms", "flax.nnx ms", "jaxext.nnx / flax.nnx"]
     if has_torch:
         header += ["torch ms", "jaxext.nnx / torch"]
-    header += [f"jaxext.nnx {unit}", "compile ratio", "temp jaxext / flax", "residuals j / f"]
+    header += [f"jaxext.nnx {unit}", "compile ratio", "of which lowering ratio"]
+    header += ["temp jaxext / flax", "residuals j / f"]
     header += ["load avg"]
     body = []
     for r in rows:
@@ -222,6 +223,7 @@ def _mlp_section(res: dict[str, Any], unit: str, scale: float) -> list[str]:
                 _ratio(r["ratio"].get("jaxext.nnx/torch_nn.Linear")),
             ]
         line += [_rate(t["jaxext.nnx"], scale), _ratio(r["compile"]["ratio"])]
+        line += [_ratio(r["compile"].get("lower_ratio"))]
         mem, rs = r["memory"], r["residuals"]
         line += [
             f"{fmt_bytes(mem['jaxext.nnx']['temp_size_in_bytes'])} / "
