@@ -113,3 +113,15 @@ def assert_first_and_second_order_close(actual, expected, *, tol=1e-12):
         for h, h_ref in zip(row, row_ref, strict=True):
             assert h.shape == h_ref.shape
             assert_close(h, h_ref, rtol=tol, atol=tol)
+
+
+def assert_trees_equal(actual, expected):
+    """Same tree structure, and every leaf bit-identical with the same dtype and shape."""
+    import jax
+
+    leaves_a, tree_a = jax.tree.flatten(actual)
+    leaves_e, tree_e = jax.tree.flatten(expected)
+    assert tree_a == tree_e
+    for a, e in zip(leaves_a, leaves_e, strict=True):
+        assert a.dtype == e.dtype and a.shape == e.shape
+        np.testing.assert_array_equal(np.asarray(a, np.float64), np.asarray(e, np.float64))

@@ -9,19 +9,11 @@ import optax
 import pytest
 from flax import linen as nn
 from helpers import assert_bias_grad_exact_and_right, rand
+from helpers import assert_trees_equal as _assert_trees_equal
 
 import jaxext.linen
 
 BF16 = jnp.bfloat16
-
-
-def _assert_trees_equal(actual, expected):
-    leaves_a, tree_a = jax.tree.flatten(actual)
-    leaves_e, tree_e = jax.tree.flatten(expected)
-    assert tree_a == tree_e
-    for a, e in zip(leaves_a, leaves_e, strict=True):
-        assert a.dtype == e.dtype and a.shape == e.shape
-        np.testing.assert_array_equal(np.asarray(a, np.float64), np.asarray(e, np.float64))
 
 
 def _init_pair(x, seed=0, **kwargs):

@@ -13,6 +13,7 @@ import optax
 import pytest
 from flax import nnx
 from helpers import assert_bias_grad_exact_and_right, rand
+from helpers import assert_trees_equal as _assert_trees_equal
 from jax.sharding import PartitionSpec as P
 
 import jaxext.nnx
@@ -25,15 +26,6 @@ def _pair(in_features, out_features, seed=0, **kwargs):
     ours = jaxext.nnx.Linear(in_features, out_features, rngs=nnx.Rngs(seed), **kwargs)
     ref = nnx.Linear(in_features, out_features, rngs=nnx.Rngs(seed), **kwargs)
     return ours, ref
-
-
-def _assert_trees_equal(actual, expected):
-    leaves_a, tree_a = jax.tree.flatten(actual)
-    leaves_e, tree_e = jax.tree.flatten(expected)
-    assert tree_a == tree_e
-    for a, e in zip(leaves_a, leaves_e, strict=True):
-        assert a.dtype == e.dtype and a.shape == e.shape
-        np.testing.assert_array_equal(np.asarray(a, np.float64), np.asarray(e, np.float64))
 
 
 def _loss(model, x):
