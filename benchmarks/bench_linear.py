@@ -168,13 +168,26 @@ def _memory(compiled: Any) -> dict[str, int | None]:
 
 
 def _residuals(fn: Callable[..., Any], *primals: Any) -> dict[str, Any]:
-    """Arrays held by the closure ``jax.vjp`` returns: what the backward keeps alive."""
+    """Arrays held by the closure ``jax.vjp`` returns: what the backward keeps alive.
+
+    ``bytes`` sums them all; ``new_bytes`` leaves out those sharing a buffer with a
+    primal input (references to inputs the caller holds anyway).
+    """
     _, vjp_fn = jax.vjp(fn, *primals)
     leaves = [leaf for leaf in jax.tree_util.tree_leaves(vjp_fn) if isinstance(leaf, jax.Array)]
+    inputs = {_buffer(a) for a in jax.tree_util.tree_leaves(primals) if isinstance(a, jax.Array)}
     return {
         "bytes": int(sum(leaf.nbytes for leaf in leaves)),
+        "new_bytes": int(sum(leaf.nbytes for leaf in leaves if _buffer(leaf) not in inputs)),
         "arrays": [f"{leaf.dtype}{list(leaf.shape)}" for leaf in leaves],
     }
+
+
+def _buffer(array: jax.Array) -> Any:
+    try:
+        return array.unsafe_buffer_pointer() if array.nbytes else None
+    except Exception:  # e.g. an array spread over several devices
+        return id(array)
 
 
 def _compile_times(
