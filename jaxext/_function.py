@@ -158,9 +158,7 @@ def _lower(cls: type[Function], args: tuple[Any, ...], diff_positions: tuple[int
             tuple_output,
             ctx_static,
         )
-        # copy=True: user code chooses what is saved, so no residual may be a
-        # forwarded input (its layout could then depend on needs_input_grad).
-        residuals = pack(needs, arrays, Static(meta), copy=True)
+        residuals = pack(needs, arrays, Static(meta))
         return (tuple(outputs) if tuple_output else outputs[0]), residuals
 
     def function_bwd(residuals, cotangents):

@@ -106,8 +106,12 @@ class _CtxState(NamedTuple):
 
 def pack_ctx(ctx: FunctionCtx) -> tuple[list[jax.Array], Static]:
     """Splits ``ctx``'s saved values and attributes into residual arrays and static data."""
-    leaves, treedef = jax.tree_util.tree_flatten((ctx._saved, dict(vars(ctx))))
-    mask = tuple(is_array(leaf) for leaf in leaves)
+    # A None is an array slot left empty, so that saving `x if needed else None`
+    # keeps the same layout whatever is differentiated (see _residuals.py).
+    leaves, treedef = jax.tree_util.tree_flatten(
+        (ctx._saved, dict(vars(ctx))), is_leaf=lambda v: v is None
+    )
+    mask = tuple(leaf is None or is_array(leaf) for leaf in leaves)
     arrays = [leaf for leaf, is_arr in zip(leaves, mask, strict=True) if is_arr]
     static = tuple(None if is_arr else leaf for leaf, is_arr in zip(leaves, mask, strict=True))
     return arrays, Static(_CtxState(treedef, static, mask, ctx._materialize_grads))

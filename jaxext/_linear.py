@@ -2,9 +2,8 @@
 
 ``CustomVJPPrimal.perturbed`` tells the forward which inputs carry tangents (JAX's
 answer to PyTorch's ``ctx.needs_input_grad``) and the backward computes gradients
-for those inputs alone. The residuals are references to the operands, laid out the
-same whatever is differentiated (see ``_residuals.py`` for why); under ``jit`` XLA
-drops whatever the backward does not read.
+for those inputs alone; the forward keeps only the operands those gradients need,
+as references (see ``_residuals.py`` for how they are laid out).
 """
 
 from __future__ import annotations
@@ -82,7 +81,26 @@ def linear(
     _check_shapes(x, weight, bias)
     if preferred_element_type is not None:
         preferred_element_type = jnp.dtype(preferred_element_type)
-    return _linear(x, weight, bias, precision, preferred_element_type)
+    return _linear(x, weight, bias, precision, preferred_element_type, False)
+
+
+def dense(
+    x: jax.Array,
+    kernel: jax.Array,
+    bias: jax.Array | None,
+    *,
+    precision: PrecisionLike,
+    preferred_element_type: DTypeLike | None,
+) -> jax.Array:
+    """``x @ kernel + bias`` with ``kernel`` in Flax's ``(in_features, out_features)`` layout.
+
+    The same custom VJP as :func:`linear`, for the Flax layers: the kernel is used
+    (and, when needed, kept for the backward) as it is, never transposed. The
+    layers check their inputs themselves.
+    """
+    if preferred_element_type is not None:
+        preferred_element_type = jnp.dtype(preferred_element_type)
+    return _linear(x, kernel, bias, precision, preferred_element_type, True)
 
 
 def _check_shapes(x: jax.Array, weight: jax.Array, bias: jax.Array | None) -> None:
@@ -114,10 +132,10 @@ def _result_dtype(x, weight, bias, preferred_element_type):
     return jnp.result_type(*operands)
 
 
-def _matmul(x, weight, precision, out_dtype):
-    """``x @ weight.T`` contracting the last axis of ``x`` with axis 1 of ``weight``."""
+def _matmul(x, weight, precision, out_dtype, flax_layout):
+    """``x @ weight.T`` (or ``x @ kernel``): contracts ``x``'s last axis with in_features."""
     dtype = jnp.promote_types(x.dtype, weight.dtype)
-    dims = (((x.ndim - 1,), (1,)), ((), ()))
+    dims = (((x.ndim - 1,), (0 if flax_layout else 1,)), ((), ()))
     return lax.dot_general(
         x.astype(dtype),
         weight.astype(dtype),
@@ -127,32 +145,34 @@ def _matmul(x, weight, precision, out_dtype):
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _linear(x, weight, bias, precision, preferred_element_type):
+# flax_layout: False for torch's (out, in) `weight`, True for flax's (in, out) `kernel`.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _linear(x, weight, bias, precision, preferred_element_type, flax_layout):
     out_dtype = _result_dtype(x, weight, bias, preferred_element_type)
-    y = _matmul(x, weight, precision, out_dtype)
+    y = _matmul(x, weight, precision, out_dtype, flax_layout)
     if bias is not None:
         y = y + bias.astype(out_dtype)
     return y.astype(out_dtype)
 
 
-def _linear_fwd(x, weight, bias, precision, preferred_element_type):
+def _linear_fwd(x, weight, bias, precision, preferred_element_type, flax_layout):
     # With symbolic_zeros=True every differentiable argument arrives wrapped in a
     # CustomVJPPrimal carrying `.value` and `.perturbed`.
     xv, wv = x.value, weight.value
     bv = None if bias is None else bias.value
-    y = _linear(xv, wv, bv, precision, preferred_element_type)
+    y = _linear(xv, wv, bv, precision, preferred_element_type, flax_layout)
     perturbed = (x.perturbed, weight.perturbed, bias is not None and bias.perturbed)
-    # grad_x needs weight and grad_weight needs x. Both are saved whatever is
-    # perturbed, as references to the inputs (no copies): a layout that depends on
-    # `perturbed` breaks under JAX's jit caching (see _residuals.py). The backward
-    # reads, and computes, only what `perturbed` asks for; under jit XLA removes
-    # the rest.
+    # grad_x needs weight and grad_weight needs x; grad_bias needs neither. Only
+    # those are kept (references to the inputs, no copies); `pack` stores a
+    # zero-size placeholder for the other, so that the residual structure is the
+    # same whatever is perturbed (JAX's jit caching requires it: _residuals.py).
+    w_for_x = wv if x.perturbed else None
+    x_for_w = xv if weight.perturbed else None
     specs = Static((grad_spec(xv), grad_spec(wv), grad_spec(bv)))
-    return y, pack(perturbed, (wv, xv), specs)
+    return y, pack(perturbed, (w_for_x, x_for_w), specs)
 
 
-def _linear_bwd(precision, preferred_element_type, residuals, g):
+def _linear_bwd(precision, preferred_element_type, flax_layout, residuals, g):
     (x_wanted, w_wanted, b_wanted), (w_for_x, x_for_w), specs = unpack(residuals, "jaxext.linear")
     x_spec, w_spec, b_spec = specs.value
     if isinstance(g, SymbolicZero):
@@ -160,22 +180,24 @@ def _linear_bwd(precision, preferred_element_type, residuals, g):
     batch_axes = tuple(range(g.ndim - 1))
     grad_x = grad_w = grad_b = None
     if x_wanted:
-        # (..., out) x (out, in) -> (..., in)
+        # (..., out) x (out, in) -> (..., in); the kernel's out axis is 1.
         dtype = jnp.promote_types(g.dtype, w_for_x.dtype)
         grad_x = lax.dot_general(
             g.astype(dtype),
             w_for_x.astype(dtype),
-            (((g.ndim - 1,), (0,)), ((), ())),
+            (((g.ndim - 1,), (1 if flax_layout else 0,)), ((), ())),
             precision=precision,
             out_sharding=x_spec.sharding,  # needed when the contraction axis is sharded
         )
         grad_x = finish_grad(grad_x, x_spec)
     if w_wanted:
-        # Contract every leading (batch) axis: (..., out) x (..., in) -> (out, in).
+        # Contract every leading (batch) axis: (..., out) x (..., in) -> (out, in),
+        # or (..., in) x (..., out) -> (in, out) for a kernel.
         dtype = jnp.promote_types(g.dtype, x_for_w.dtype)
+        lhs, rhs = (x_for_w, g) if flax_layout else (g, x_for_w)
         grad_w = lax.dot_general(
-            g.astype(dtype),
-            x_for_w.astype(dtype),
+            lhs.astype(dtype),
+            rhs.astype(dtype),
             ((batch_axes, batch_axes), ((), ())),
             precision=precision,
             out_sharding=w_spec.sharding,

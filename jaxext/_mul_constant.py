@@ -107,11 +107,12 @@ def _mul_array(x, constant):
 
 def _mul_array_fwd(x, constant):
     xv, cv = x.value, constant.value
-    # grad_x needs the constant and grad_constant needs x. Both are saved as input
-    # references whatever is perturbed (see _linear_fwd and _residuals.py); only
-    # the wanted gradients are computed.
+    # grad_x needs the constant and grad_constant needs x: only those are kept
+    # (see _linear_fwd and _residuals.py).
+    c_for_x = cv if x.perturbed else None
+    x_for_c = xv if constant.perturbed else None
     specs = Static((grad_spec(xv), grad_spec(cv)))
-    return _mul_array(xv, cv), pack((x.perturbed, constant.perturbed), (cv, xv), specs)
+    return _mul_array(xv, cv), pack((x.perturbed, constant.perturbed), (c_for_x, x_for_c), specs)
 
 
 def _mul_array_bwd(residuals, g):

@@ -2,13 +2,13 @@
 
 :class:`Linear` mirrors ``flax.nnx.Linear`` (constructor, parameter names, shapes,
 initializers, dtype promotion), so a model can swap one for the other and keep its
-checkpoints; only the computation differs: it calls :func:`jaxext.linear`.
+checkpoints; only the computation differs: it runs :func:`jaxext.linear`'s custom VJP
+on the kernel as stored.
 :class:`MulConstant` wraps :func:`jaxext.mul_constant`.
 """
 
 from __future__ import annotations
 
-import functools
 import operator
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -22,9 +22,9 @@ from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
-from ._linear import linear
+from ._linear import dense
 from ._mul_constant import mul_constant
-from ._validation import is_static_scalar
+from ._validation import as_numeric_array, is_static_scalar
 
 __all__ = ["Linear", "MulConstant", "uniform_range"]
 
@@ -65,14 +65,23 @@ def uniform_range(low: float = -0.1, high: float = 0.1) -> Initializer:
     return init
 
 
-@functools.partial(jax.jit, static_argnames=("precision", "preferred_element_type"))
 def _apply_kernel(inputs, kernel, bias, *, precision, preferred_element_type):
-    # jaxext.linear wants the torch layout (out, in); flax stores (in, out). Inside
-    # this jit XLA folds the transpose into the dot's dimension numbers (forward and
-    # backward), so no transposed copy of the kernel is materialised.
-    return linear(
+    """``inputs @ kernel + bias`` through jaxext's custom VJP, for the Flax layers.
+
+    The kernel stays in Flax's ``(in_features, out_features)`` layout: it is used,
+    and kept for the backward, as it is (no transposed copy).
+    """
+    inputs = as_numeric_array(inputs, "inputs")
+    in_features = kernel.shape[0]
+    if inputs.ndim == 0 or inputs.shape[-1] != in_features:
+        got = "a scalar" if inputs.ndim == 0 else f"shape {inputs.shape}"
+        raise ValueError(
+            f"`inputs` must have shape (..., in_features) = (..., {in_features}) to match "
+            f"the kernel of shape {kernel.shape}; got {got}."
+        )
+    return dense(
         inputs,
-        kernel.T,
+        kernel,
         bias,
         precision=precision,
         preferred_element_type=preferred_element_type,
@@ -200,6 +209,7 @@ class Linear(nnx.Module):
                 "`out_sharding` is not supported by jaxext.nnx.Linear; got "
                 f"{out_sharding!r}. Shard the inputs/parameters instead."
             )
+        inputs = as_numeric_array(inputs, "inputs")
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)

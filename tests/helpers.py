@@ -74,14 +74,6 @@ def count_primitive(jaxpr, name):
     return total
 
 
-def contains_array(leaves, array):
-    """True if one of ``leaves`` has ``array``'s shape and values (a saved residual)."""
-    array = np.asarray(array)
-    return any(
-        np.shape(leaf) == array.shape and np.array_equal(np.asarray(leaf), array) for leaf in leaves
-    )
-
-
 def assert_bias_grad_exact_and_right(g_bias, g_bias_ref, y_ref):
     """Bias gradient of a layer vs flax's (bit-identical) and vs a hand reference.
 

@@ -194,6 +194,14 @@ def test_custom_dot_general_refused(kwargs):
         jaxext.linen.Dense(features=2, **kwargs).init(jax.random.key(0), jnp.ones((1, 3)))
 
 
+def test_bad_inputs_refused_by_name():
+    module = jaxext.linen.Dense(features=2)
+    with pytest.raises(TypeError, match="`inputs`"):
+        module.init(jax.random.key(0), "not an array")
+    with pytest.raises(ValueError, match="`inputs`.*scalar"):
+        module.init(jax.random.key(0), jnp.float32(1.0))
+
+
 def test_default_dot_general_accepted():
     module = jaxext.linen.Dense(features=2, dot_general=jax.lax.dot_general)
     v = module.init(jax.random.key(0), jnp.ones((1, 3)))

@@ -84,8 +84,12 @@ def test_out_sharding_refused():
 
 def test_wrong_input_features_raises():
     layer = jaxext.nnx.Linear(3, 2, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="in_features=3"):
+    with pytest.raises(ValueError, match=r"`inputs`.*\(\.\.\., 3\).*got shape \(4, 5\)"):
         layer(jnp.ones((4, 5)))
+    with pytest.raises(ValueError, match="`inputs`.*got a scalar"):
+        layer(jnp.float32(1.0))
+    with pytest.raises(TypeError, match="`inputs`"):
+        layer("not an array")
 
 
 # -- forward and backward against flax.nnx.Linear ----------------------------------------
