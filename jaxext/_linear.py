@@ -9,7 +9,7 @@ as references (see ``_residuals.py`` for how they are laid out).
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,7 @@ from ._validation import Static, as_numeric_array
 __all__ = ["linear"]
 
 PrecisionLike = Any  # None, str, lax.Precision, or a pair of them (hashable)
+OutSharding = Any  # None, jax.sharding.PartitionSpec or jax.sharding.NamedSharding
 
 
 def linear(
@@ -34,6 +35,7 @@ def linear(
     *,
     precision: PrecisionLike = None,
     preferred_element_type: DTypeLike | None = None,
+    out_sharding: OutSharding = None,
 ) -> jax.Array:
     """Applies ``y = x @ weight.T + bias`` with a custom VJP.
 
@@ -50,6 +52,10 @@ def linear(
         preferred_element_type: accumulation and result dtype of the matmul
             (e.g. ``jnp.float32`` for bfloat16 inputs). Defaults to the promoted
             dtype of the inputs.
+        out_sharding: sharding of the result (a ``PartitionSpec`` under
+            ``jax.set_mesh``, or a ``NamedSharding``), as for ``jnp.matmul``:
+            needed on meshes with explicit axes when ``in_features`` is sharded
+            (row parallelism). The gradients keep their inputs' shardings.
 
     Returns:
         Array of shape ``(..., out_features)``. Its dtype is the ``jnp``
@@ -58,7 +64,8 @@ def linear(
 
     Raises:
         TypeError: if an input is not a numeric (non-bool) array, e.g. a string,
-            ``None`` for ``x``, a Python list, or ``bias=False`` (use ``None``).
+            ``None`` for ``x``, a Python list, or ``bias=False`` (use ``None``);
+            or if ``out_sharding`` is not a sharding.
         ValueError: if ``weight`` is not 2-D, ``x``'s last dimension differs
             from ``in_features``, or ``bias`` is not ``(out_features,)``.
 
@@ -79,9 +86,8 @@ def linear(
     if bias is not None:
         bias = as_numeric_array(bias, "bias")
     _check_shapes(x, weight, bias)
-    if preferred_element_type is not None:
-        preferred_element_type = jnp.dtype(preferred_element_type)
-    return _linear(x, weight, bias, precision, preferred_element_type, False)
+    config = _config(precision, preferred_element_type, False, out_sharding)
+    return _linear(x, weight, bias, config)
 
 
 def dense(
@@ -91,6 +97,7 @@ def dense(
     *,
     precision: PrecisionLike,
     preferred_element_type: DTypeLike | None,
+    out_sharding: OutSharding,
 ) -> jax.Array:
     """``x @ kernel + bias`` with ``kernel`` in Flax's ``(in_features, out_features)`` layout.
 
@@ -98,9 +105,30 @@ def dense(
     (and, when needed, kept for the backward) as it is, never transposed. The
     layers check their inputs themselves.
     """
+    config = _config(precision, preferred_element_type, True, out_sharding)
+    return _linear(x, kernel, bias, config)
+
+
+class _Config(NamedTuple):
+    """The static (non-differentiable, hashable) arguments of the custom VJP."""
+
+    precision: PrecisionLike
+    preferred_element_type: Any  # a numpy dtype or None
+    flax_layout: bool  # False: torch's (out, in) `weight`; True: flax's (in, out) `kernel`
+    out_sharding: OutSharding
+
+
+def _config(precision, preferred_element_type, flax_layout, out_sharding) -> _Config:
+    if out_sharding is not None and not isinstance(
+        out_sharding, (jax.sharding.PartitionSpec, jax.sharding.NamedSharding)
+    ):
+        raise TypeError(
+            "`out_sharding` must be None, a jax.sharding.PartitionSpec or a "
+            f"jax.sharding.NamedSharding; got {type(out_sharding).__name__} {out_sharding!r}."
+        )
     if preferred_element_type is not None:
         preferred_element_type = jnp.dtype(preferred_element_type)
-    return _linear(x, kernel, bias, precision, preferred_element_type, True)
+    return _Config(precision, preferred_element_type, flax_layout, out_sharding)
 
 
 def _check_shapes(x: jax.Array, weight: jax.Array, bias: jax.Array | None) -> None:
@@ -132,35 +160,35 @@ def _result_dtype(x, weight, bias, preferred_element_type):
     return jnp.result_type(*operands)
 
 
-def _matmul(x, weight, precision, out_dtype, flax_layout):
+def _matmul(x, weight, config, out_dtype):
     """``x @ weight.T`` (or ``x @ kernel``): contracts ``x``'s last axis with in_features."""
     dtype = jnp.promote_types(x.dtype, weight.dtype)
-    dims = (((x.ndim - 1,), (0 if flax_layout else 1,)), ((), ()))
+    dims = (((x.ndim - 1,), (0 if config.flax_layout else 1,)), ((), ()))
     return lax.dot_general(
         x.astype(dtype),
         weight.astype(dtype),
         dims,
-        precision=precision,
+        precision=config.precision,
         preferred_element_type=out_dtype,
+        out_sharding=config.out_sharding,
     )
 
 
-# flax_layout: False for torch's (out, in) `weight`, True for flax's (in, out) `kernel`.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _linear(x, weight, bias, precision, preferred_element_type, flax_layout):
-    out_dtype = _result_dtype(x, weight, bias, preferred_element_type)
-    y = _matmul(x, weight, precision, out_dtype, flax_layout)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _linear(x, weight, bias, config):
+    out_dtype = _result_dtype(x, weight, bias, config.preferred_element_type)
+    y = _matmul(x, weight, config, out_dtype)
     if bias is not None:
         y = y + bias.astype(out_dtype)
     return y.astype(out_dtype)
 
 
-def _linear_fwd(x, weight, bias, precision, preferred_element_type, flax_layout):
+def _linear_fwd(x, weight, bias, config):
     # With symbolic_zeros=True every differentiable argument arrives wrapped in a
     # CustomVJPPrimal carrying `.value` and `.perturbed`.
     xv, wv = x.value, weight.value
     bv = None if bias is None else bias.value
-    y = _linear(xv, wv, bv, precision, preferred_element_type, flax_layout)
+    y = _linear(xv, wv, bv, config)
     perturbed = (x.perturbed, weight.perturbed, bias is not None and bias.perturbed)
     # grad_x needs weight and grad_weight needs x; grad_bias needs neither. Only
     # those are kept (references to the inputs, no copies); `pack` stores a
@@ -172,7 +200,7 @@ def _linear_fwd(x, weight, bias, precision, preferred_element_type, flax_layout)
     return y, pack(perturbed, (w_for_x, x_for_w), specs)
 
 
-def _linear_bwd(precision, preferred_element_type, flax_layout, residuals, g):
+def _linear_bwd(config, residuals, g):
     (x_wanted, w_wanted, b_wanted), (w_for_x, x_for_w), specs = unpack(residuals, "jaxext.linear")
     x_spec, w_spec, b_spec = specs.value
     if isinstance(g, SymbolicZero):
@@ -185,8 +213,8 @@ def _linear_bwd(precision, preferred_element_type, flax_layout, residuals, g):
         grad_x = lax.dot_general(
             g.astype(dtype),
             w_for_x.astype(dtype),
-            (((g.ndim - 1,), (1 if flax_layout else 0,)), ((), ())),
-            precision=precision,
+            (((g.ndim - 1,), (1 if config.flax_layout else 0,)), ((), ())),
+            precision=config.precision,
             out_sharding=x_spec.sharding,  # needed when the contraction axis is sharded
         )
         grad_x = finish_grad(grad_x, x_spec)
@@ -194,12 +222,12 @@ def _linear_bwd(precision, preferred_element_type, flax_layout, residuals, g):
         # Contract every leading (batch) axis: (..., out) x (..., in) -> (out, in),
         # or (..., in) x (..., out) -> (in, out) for a kernel.
         dtype = jnp.promote_types(g.dtype, x_for_w.dtype)
-        lhs, rhs = (x_for_w, g) if flax_layout else (g, x_for_w)
+        lhs, rhs = (x_for_w, g) if config.flax_layout else (g, x_for_w)
         grad_w = lax.dot_general(
             lhs.astype(dtype),
             rhs.astype(dtype),
             ((batch_axes, batch_axes), ((), ())),
-            precision=precision,
+            precision=config.precision,
             out_sharding=w_spec.sharding,
         )
         grad_w = finish_grad(grad_w, w_spec)

@@ -65,7 +65,7 @@ def uniform_range(low: float = -0.1, high: float = 0.1) -> Initializer:
     return init
 
 
-def _apply_kernel(inputs, kernel, bias, *, precision, preferred_element_type):
+def _apply_kernel(inputs, kernel, bias, *, precision, preferred_element_type, out_sharding=None):
     """``inputs @ kernel + bias`` through jaxext's custom VJP, for the Flax layers.
 
     The kernel stays in Flax's ``(in_features, out_features)`` layout: it is used,
@@ -85,6 +85,7 @@ def _apply_kernel(inputs, kernel, bias, *, precision, preferred_element_type):
         bias,
         precision=precision,
         preferred_element_type=preferred_element_type,
+        out_sharding=out_sharding,
     )
 
 
@@ -195,20 +196,18 @@ class Linear(nnx.Module):
 
         Args:
             inputs: array of shape ``(..., in_features)``.
-            out_sharding: accepted for signature compatibility with flax; must
-                be ``None`` (jaxext.linear takes no output sharding).
+            out_sharding: sharding of the result, as in ``flax.nnx.Linear``
+                (e.g. a ``PartitionSpec`` under ``jax.set_mesh``; needed for a
+                row-parallel layer on a mesh with explicit axes).
 
         Returns:
             Array of shape ``(..., out_features)``.
 
         Raises:
-            ValueError: if ``out_sharding`` is given or the shapes do not match.
+            TypeError: if ``inputs`` is not a numeric array or ``out_sharding`` is
+                not a sharding.
+            ValueError: if the last dimension of ``inputs`` is not ``in_features``.
         """
-        if out_sharding is not None:
-            raise ValueError(
-                "`out_sharding` is not supported by jaxext.nnx.Linear; got "
-                f"{out_sharding!r}. Shard the inputs/parameters instead."
-            )
         inputs = as_numeric_array(inputs, "inputs")
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
@@ -219,6 +218,7 @@ class Linear(nnx.Module):
             bias,
             precision=self.precision,
             preferred_element_type=self.preferred_element_type,
+            out_sharding=out_sharding,
         )
 
 

@@ -79,18 +79,20 @@ def rand(seed, shape):
 # --------------------------------------------------------------------------- linear
 
 
-def _plain_loss(params, x, t):
-    h = x
-    for w, b in params:
-        h = jnp.tanh(h @ w.T + b)
-    return jnp.mean((h - t) ** 2)
+def _make_loss(kind, out_shardings):
+    """MSE of a tanh MLP; layer i's matmul gets ``out_shardings[i]``."""
 
+    def loss(params, x, t):
+        h = x
+        for (w, b), out_sharding in zip(params, out_shardings, strict=True):
+            if kind == "jaxext":
+                y = jaxext.linear(h, w, b, out_sharding=out_sharding)
+            else:
+                y = jnp.matmul(h, w.T, out_sharding=out_sharding) + b
+            h = jnp.tanh(y)
+        return jnp.mean((h - t) ** 2)
 
-def _jaxext_loss(params, x, t):
-    h = x
-    for w, b in params:
-        h = jnp.tanh(jaxext.linear(h, w, b))
-    return jnp.mean((h - t) ** 2)
+    return loss
 
 
 def check_linear(axis_type, layout):
@@ -106,6 +108,11 @@ def check_linear(axis_type, layout):
         w_specs = [(P("model", None), P("model")), (P(None, "model"), P())]
         x_shape, x_spec = (8, 3, 12), P("data", None, None)
         t_shape, t_spec = (8, 3, 6), P("data", None, None)
+    # The row-parallel layer contracts a sharded axis: explicit axes ask for its
+    # output sharding, for plain jnp and jaxext alike.
+    out_shardings = [None] * len(shapes)
+    if layout == "mlp" and axis_type == AxisType.Explicit:
+        out_shardings[1] = P("data", None, None)
     params = [(rand(i, s), rand(10 + i, s[:1])) for i, s in enumerate(shapes)]
     x, t = rand(20, x_shape), rand(21, t_shape)
 
@@ -123,10 +130,15 @@ def check_linear(axis_type, layout):
 
         return jax.jit(step)
 
-    step_j, step_p = make_step(_jaxext_loss), make_step(_plain_loss)
-    loss_s, grads_s, new_s = step_j(params_s, x_s, t_s)
-    loss_p, grads_p, _ = step_p(params_s, x_s, t_s)  # plain autodiff, same shardings
-    loss_1, grads_1, new_1 = step_p(params, x, t)  # plain autodiff, one device
+    step_j = make_step(_make_loss("jaxext", out_shardings))
+    step_p = make_step(_make_loss("plain", out_shardings))
+    with jax.set_mesh(mesh):
+        loss_s, grads_s, new_s = step_j(params_s, x_s, t_s)
+        loss_p, grads_p, _ = step_p(params_s, x_s, t_s)  # plain autodiff, same shardings
+        counts = collective_counts(step_j, params_s, x_s, t_s)
+        plain_counts = collective_counts(step_p, params_s, x_s, t_s)
+    step_1 = make_step(_make_loss("plain", [None] * len(shapes)))
+    loss_1, grads_1, new_1 = step_1(params, x, t)  # plain autodiff, one device
     return {
         "loss": [float(loss_s), float(loss_1)],
         "grad_diff": max_abs_diff(grads_s, grads_1),
@@ -135,8 +147,8 @@ def check_linear(axis_type, layout):
         "grad_specs": specs(grads_s),
         "plain_grad_specs": specs(grads_p),
         "param_specs": specs(params_s),
-        "collectives": collective_counts(step_j, params_s, x_s, t_s),
-        "plain_collectives": collective_counts(step_p, params_s, x_s, t_s),
+        "collectives": counts,
+        "plain_collectives": plain_counts,
         "n_devices": len({d for g in jax.tree.leaves(grads_s) for d in g.sharding.device_set}),
     }
 
@@ -160,19 +172,21 @@ class MLP(nnx.Module):
             8, 4, kernel_init=nnx.with_partitioning(lecun, second_kernel_spec), rngs=rngs
         )
 
-    def __call__(self, x):
-        return self.l2(jnp.tanh(self.l1(x)))
+    def __call__(self, x, out_sharding=None):
+        return self.l2(jnp.tanh(self.l1(x)), out_sharding=out_sharding)
 
 
-def _model_loss(model, x, t):
-    return jnp.mean((model(x) - t) ** 2)
+def _model_loss(model, x, t, out_sharding=None):
+    return jnp.mean((model(x, out_sharding) - t) ** 2)
 
 
-def check_nnx(axis_type):
+def check_nnx(axis_type, row_parallel=False):
     """Sharded jaxext.nnx.Linear / flax.nnx.Linear models vs a one-device flax model."""
     mesh = make_mesh(axis_type)
-    # Explicit mode types the row-parallel second kernel as ambiguous for flax too.
-    second = ("model", None) if axis_type == AxisType.Auto else (None, None)
+    # A row-parallel second kernel contracts a sharded axis; explicit axes then ask
+    # for the layer's out_sharding (flax's too).
+    second = ("model", None) if axis_type == AxisType.Auto or row_parallel else (None, None)
+    out_sharding = P("data", None) if row_parallel else None
     # Explicit: a replicated bias on a column-sharded output (its gradient is gathered).
     first_bias = ("model",) if axis_type == AxisType.Auto else None
     x, t = rand(30, (16, 12)), rand(31, (16, 4))
@@ -186,13 +200,16 @@ def check_nnx(axis_type):
             model = MLP(cls, second, first_bias, rngs=nnx.Rngs(0))
             x_s = jax.device_put(x, NamedSharding(mesh, P("data", None)))
             t_s = jax.device_put(t, NamedSharding(mesh, P("data", None)))
-            loss, grads = nnx.jit(nnx.value_and_grad(_model_loss))(model, x_s, t_s)
+            loss, grads = nnx.jit(nnx.value_and_grad(_model_loss), static_argnames="out_sharding")(
+                model, x_s, t_s, out_sharding=out_sharding
+            )
             graphdef, state = nnx.split(model)
 
             def grad_step(state, x, t, graphdef=graphdef):
-                return jax.value_and_grad(lambda s: _model_loss(nnx.merge(graphdef, s), x, t))(
-                    state
-                )
+                def loss_of_state(s):
+                    return _model_loss(nnx.merge(graphdef, s), x, t, out_sharding)
+
+                return jax.value_and_grad(loss_of_state)(state)
 
             counts = collective_counts(jax.jit(grad_step), state, x_s, t_s)
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
@@ -292,7 +309,9 @@ CHECKS = {
     "linear_explicit_replicated_bias": lambda: check_linear(AxisType.Explicit, "replicated_bias"),
     "linear_auto_single": lambda: check_linear(AxisType.Auto, "single"),
     "linear_auto_mlp": lambda: check_linear(AxisType.Auto, "mlp"),
+    "linear_explicit_mlp_out_sharding": lambda: check_linear(AxisType.Explicit, "mlp"),
     "nnx_explicit": lambda: check_nnx(AxisType.Explicit),
+    "nnx_explicit_row_out_sharding": lambda: check_nnx(AxisType.Explicit, row_parallel=True),
     "nnx_auto": lambda: check_nnx(AxisType.Auto),
     "shard_map_row_vma": lambda: check_shard_map("row", True),
     "shard_map_row_novma": lambda: check_shard_map("row", False),

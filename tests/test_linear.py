@@ -290,6 +290,27 @@ def test_precision_is_accepted_and_hashable_under_jit():
     assert_close(g, jax.grad(lambda w: reference_linear(x, w, b).sum())(w), **tolerance(F32))
 
 
+def test_out_sharding_sets_the_result_sharding_and_is_checked():
+    # One device here; tests/test_sharding.py covers row parallelism on 8 devices.
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    x, w, b = make_inputs((4, 3), 2, True, F32)
+    spec = jax.sharding.PartitionSpec("data", None)
+    seen = []
+
+    def f(x, w, b):
+        y = jaxext.linear(x, w, b, out_sharding=spec)
+        seen.append(jax.typeof(y).sharding.spec)  # the result's type carries the sharding
+        return y
+
+    with jax.set_mesh(mesh):
+        y = jax.jit(f)(x, w, b)
+        assert jax.typeof(jax.jit(lambda x: x @ w.T)(x)).sharding.spec != spec
+    assert seen == [spec]
+    assert_close(y, reference_linear(x, w, b), **tolerance(F32))
+    with pytest.raises(TypeError, match="`out_sharding`.*got tuple"):
+        jaxext.linear(x, w, b, out_sharding=("data", None))
+
+
 def test_complex_vjp_matches_jnp(x64):
     x = jnp.asarray(rand(0, (4, 3), F64) + 1j * rand(1, (4, 3), F64))
     w = jnp.asarray(rand(2, (2, 3), F64) - 1j * rand(3, (2, 3), F64))

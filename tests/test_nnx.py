@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import assert_bias_grad_exact_and_right, rand
+from helpers import assert_bias_grad_exact_and_right, assert_close, rand
 from helpers import assert_trees_equal as _assert_trees_equal
 from jax.sharding import PartitionSpec as P
 
@@ -76,10 +76,19 @@ def test_custom_dot_general_refused():
         jaxext.nnx.Linear(3, 2, dot_general=my_dot, rngs=nnx.Rngs(0))
 
 
-def test_out_sharding_refused():
-    layer = jaxext.nnx.Linear(3, 2, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="out_sharding"):
-        layer(jnp.ones((1, 3)), out_sharding=jax.sharding.PartitionSpec())
+def test_out_sharding_is_passed_through_like_flax():
+    # One device here; tests/test_sharding.py runs a row-parallel layer on 8.
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    x = jnp.asarray(rand(0, (4, 3)))
+    ours = jaxext.nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    theirs = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    spec = P("data", None)
+    with jax.set_mesh(mesh):
+        y = ours(x, out_sharding=spec)
+        assert_close(y, theirs(x, out_sharding=spec), rtol=1e-6)
+        assert y.sharding.spec == theirs(x, out_sharding=spec).sharding.spec
+    with pytest.raises(TypeError, match="`out_sharding`.*got str"):
+        ours(x, out_sharding="data")
 
 
 def test_wrong_input_features_raises():

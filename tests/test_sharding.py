@@ -26,8 +26,9 @@ LINEAR_CASES = [
     "linear_explicit_replicated_bias",
     "linear_auto_single",
     "linear_auto_mlp",
+    "linear_explicit_mlp_out_sharding",  # row-parallel layer: explicit axes need out_sharding
 ]
-NNX_CASES = ["nnx_explicit", "nnx_auto"]
+NNX_CASES = ["nnx_explicit", "nnx_auto", "nnx_explicit_row_out_sharding"]
 SHARD_MAP_CASES = [
     "shard_map_row_vma",
     "shard_map_row_novma",
