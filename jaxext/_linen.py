@@ -17,8 +17,8 @@ from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
 from jax.typing import ArrayLike
 
 from ._mul_constant import mul_constant
-from ._nnx import _apply_kernel, _refuse_dot_general
-from ._validation import as_numeric_array, is_static_scalar
+from ._nnx import _apply_kernel, _as_inputs, _refuse_dot_general
+from ._validation import is_static_scalar
 
 __all__ = ["Dense", "MulConstant"]
 
@@ -86,9 +86,7 @@ class Dense(nn.Module):
                 "`dot_general_cls` cannot be set for jaxext's linen.Dense (its matmul is "
                 f"jaxext.linear's custom VJP); got {self.dot_general_cls!r}."
             )
-        inputs = as_numeric_array(inputs, "inputs")
-        if inputs.ndim == 0:
-            raise ValueError("`inputs` must have shape (..., in_features); got a scalar.")
+        inputs = _as_inputs(inputs)
         kernel = self.param(
             "kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype
         )

@@ -65,19 +65,26 @@ def uniform_range(low: float = -0.1, high: float = 0.1) -> Initializer:
     return init
 
 
+def _as_inputs(inputs: Any) -> jax.Array:
+    """The Flax layers' ``inputs`` as an array of rank >= 1, refused by name otherwise."""
+    inputs = as_numeric_array(inputs, "inputs")
+    if inputs.ndim == 0:
+        raise ValueError("`inputs` must have shape (..., in_features); got a scalar.")
+    return inputs
+
+
 def _apply_kernel(inputs, kernel, bias, *, precision, preferred_element_type, out_sharding=None):
     """``inputs @ kernel + bias`` through jaxext's custom VJP, for the Flax layers.
 
-    The kernel stays in Flax's ``(in_features, out_features)`` layout: it is used,
-    and kept for the backward, as it is (no transposed copy).
+    ``inputs`` comes from :func:`_as_inputs`. The kernel stays in Flax's
+    ``(in_features, out_features)`` layout: it is used, and kept for the backward,
+    as it is (no transposed copy).
     """
-    inputs = as_numeric_array(inputs, "inputs")
     in_features = kernel.shape[0]
-    if inputs.ndim == 0 or inputs.shape[-1] != in_features:
-        got = "a scalar" if inputs.ndim == 0 else f"shape {inputs.shape}"
+    if inputs.shape[-1] != in_features:
         raise ValueError(
             f"`inputs` must have shape (..., in_features) = (..., {in_features}) to match "
-            f"the kernel of shape {kernel.shape}; got {got}."
+            f"the kernel of shape {kernel.shape}; got shape {inputs.shape}."
         )
     return dense(
         inputs,
@@ -208,7 +215,7 @@ class Linear(nnx.Module):
                 not a sharding.
             ValueError: if the last dimension of ``inputs`` is not ``in_features``.
         """
-        inputs = as_numeric_array(inputs, "inputs")
+        inputs = _as_inputs(inputs)
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
