@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -72,6 +73,12 @@ def count_primitive(jaxpr, name):
                 if hasattr(inner, "eqns"):
                     total += count_primitive(inner, name)
     return total
+
+
+def vjp_kept(fn, *primals):
+    """The arrays a ``jax.vjp`` closure of ``fn`` holds (zero-size placeholders left out)."""
+    _, vjp_fn = jax.vjp(fn, *primals)
+    return [leaf for leaf in jax.tree.leaves(vjp_fn) if np.size(leaf) > 0]
 
 
 def assert_bias_grad_exact_and_right(g_bias, g_bias_ref, y_ref):

@@ -19,6 +19,7 @@ from helpers import (
     rand,
     reference_linear,
     tolerance,
+    vjp_kept,
 )
 
 import jaxext
@@ -180,8 +181,7 @@ def test_forward_keeps_only_what_the_wanted_gradient_needs(argnum, needed):
     def f(v):
         return jaxext.linear(*args[:argnum], v, *args[argnum + 1 :])
 
-    _, vjp_fn = jax.vjp(f, args[argnum])
-    leaves = [leaf for leaf in jax.tree_util.tree_leaves(vjp_fn) if np.size(leaf) > 0]
+    leaves = vjp_kept(f, args[argnum])
     # grad_x needs w, grad_w needs x, grad_b needs nothing (PyTorch's
     # needs_input_grad pattern); what is kept is the operand itself.
     expected = {"x": [x], "w": [w], None: []}[needed]

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, rand, reference_linear
+from helpers import assert_close, rand, reference_linear, vjp_kept
 from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
 
 import jaxext
@@ -54,9 +54,7 @@ def saved_residuals(fn, *args):
 
 def vjp_residuals(fn, *args):
     """Multiset of sorted dims of the array leaves of the ``jax.vjp`` closure."""
-    _, vjp_fn = jax.vjp(fn, *args)
-    leaves = [np.shape(leaf) for leaf in jax.tree.leaves(vjp_fn) if np.size(leaf) > 0]
-    return collections.Counter(tuple(sorted(shape)) for shape in leaves)
+    return collections.Counter(tuple(sorted(np.shape(leaf))) for leaf in vjp_kept(fn, *args))
 
 
 def _mlp(linear, name_hidden=False):
@@ -245,8 +243,7 @@ def test_nnx_linear_eager_vjp_keeps_what_flax_keeps(wrt):
         loss, params = _functional(linear_cls)
         argnums = {"params": (0,), "inputs": (1,), "both": (0, 1)}[wrt]
         restricted, diff_args = _restrict(loss, (params, x), argnums)
-        _, vjp_fn = jax.vjp(restricted, *diff_args)
-        leaves = [leaf for leaf in jax.tree.leaves(vjp_fn) if np.size(leaf) > 0]
+        leaves = vjp_kept(restricted, *diff_args)
         kept.append(collections.Counter((np.shape(leaf), str(leaf.dtype)) for leaf in leaves))
     ours, flax_kept = kept
     assert ours == flax_kept
