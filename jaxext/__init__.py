@@ -5,6 +5,7 @@ checker with PyTorch-style diagnostics, Flax layers built on the ops, and a
 ``Function`` class for porting ``torch.autograd.Function`` code.
 """
 
+from ._custom_vjp import custom_vjp as custom_vjp
 from ._function import Function as Function
 from ._function_ctx import once_differentiable as once_differentiable
 from ._gradcheck import GradcheckError as GradcheckError
