@@ -5,7 +5,11 @@ checker with PyTorch-style diagnostics, Flax layers built on the ops, and a
 ``Function`` class for porting ``torch.autograd.Function`` code.
 """
 
+# The op-writing API first: the ops below are built on it (`from jaxext import ...`).
 from ._custom_vjp import custom_vjp as custom_vjp
+from ._validation import check_array as check_array
+
+# isort: split
 from ._function import Function as Function
 from ._function_ctx import once_differentiable as once_differentiable
 from ._gradcheck import GradcheckError as GradcheckError
