@@ -456,9 +456,7 @@ class _Linear:
 
 def _match_type(grad: jax.Array, aval: Any) -> jax.Array:
     """Sums over mesh axes ``grad`` varies over but its input does not; reshards like it."""
-    varying = set(getattr(jax.typeof(grad), "vma", ()) or ())
-    wanted = set(getattr(aval, "vma", ()) or ())
-    extra = tuple(sorted(varying - wanted, key=str))
+    extra = tuple(sorted(_varying_axes(jax.typeof(grad)) - _varying_axes(aval), key=str))
     if extra:
         grad = jax.lax.psum(grad, extra)
     sharding = getattr(aval, "sharding", None)
@@ -467,6 +465,14 @@ def _match_type(grad: jax.Array, aval: Any) -> jax.Array:
     if explicit and jax.typeof(grad).sharding != sharding:
         grad = jax.sharding.reshard(grad, sharding)
     return grad
+
+
+def _varying_axes(aval: Any) -> frozenset[Any]:
+    """Manual (``shard_map``) mesh axes a value varies over; empty outside one."""
+    varying = getattr(aval, "vma", None)  # JAX releases before 0.10
+    if varying is None:  # JAX 0.10
+        varying = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
+    return frozenset(varying)
 
 
 # -- the tangent primitive: linear in its tangent operands ----------------------------
