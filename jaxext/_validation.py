@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Static", "as_numeric_array", "check_array", "is_static_scalar", "unbroadcast"]
+__all__ = ["as_numeric_array", "check_array", "is_static_scalar"]
 
 
 def check_array(value: Any, name: str) -> jax.Array:
@@ -67,25 +66,3 @@ def is_static_scalar(value: Any) -> bool:
     if isinstance(value, (bool, np.bool_)):
         return False
     return isinstance(value, (int, float, complex, np.number))
-
-
-def unbroadcast(g: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Sums ``g`` down to ``shape``, undoing NumPy broadcasting."""
-    extra = g.ndim - len(shape)
-    axes = tuple(range(extra)) + tuple(
-        extra + i for i, n in enumerate(shape) if n == 1 and g.shape[extra + i] != 1
-    )
-    g = jnp.sum(g, axis=axes, keepdims=True) if axes else g
-    return g.reshape(shape)
-
-
-@jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True)
-class Static:
-    """A residual that is trace-time data (dtypes, shapes, flags), never an array.
-
-    Registered as a static pytree: it passes through ``custom_vjp`` residuals
-    as part of the tree structure, so it costs nothing at run time.
-    """
-
-    value: Any
