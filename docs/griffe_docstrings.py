@@ -9,6 +9,9 @@ mkdocstrings parses them:
   build, as any broken cross-reference does.
 - An ``Args:`` entry naming several arguments at once (``eps, atol, rtol: as for
   gradcheck.``) becomes one entry per argument with the same description.
+- ``Example:`` (the house style's heading for the doctest run by the suite) is read as
+  Google style's ``Examples:`` section, whose ``>>>`` lines render as code with their
+  output; as a plain admonition, Markdown would read ``>>>`` as nested quotes.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ _GROUPED_ENTRY = re.compile(
     r"^(?P<indent>[ \t]+)(?P<names>\w+(?:,\s+\w+)+):(?P<text>.*(?:\n(?P=indent)[ \t]+.*)*)",
     re.MULTILINE,
 )
+_EXAMPLE_HEADING = re.compile(r"^Example:[ \t]*$", re.MULTILINE)
 
 
 def _split_grouped_entries(section: re.Match[str]) -> str:
@@ -48,4 +52,5 @@ class DocstringHabits(griffe.Extension):
             return f"[`{target}`][{target}]"
 
         text = _ROLE.sub(link, obj.docstring.value)
-        obj.docstring.value = _SECTION.sub(_split_grouped_entries, text)
+        text = _SECTION.sub(_split_grouped_entries, text)
+        obj.docstring.value = _EXAMPLE_HEADING.sub("Examples:", text)
