@@ -21,7 +21,7 @@ from ._torch_interop import export_torch_linear as export_torch_linear
 from ._torch_interop import load_torch_linear as load_torch_linear
 from ._torch_interop import torch_linear_to_params as torch_linear_to_params
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # Flax layer namespaces load lazily: `import jaxext` does not import flax.
 _LAZY_SUBMODULES = ("nnx", "linen")
