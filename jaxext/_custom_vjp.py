@@ -41,7 +41,7 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
     """A drop-in for ``jax.custom_vjp`` that also supports forward-mode AD.
 
     Decorate the primal function, then attach ``fwd`` and ``bwd`` with
-    :meth:`defvjp`, exactly as with ``jax.custom_vjp``. Reverse mode runs the
+    ``defvjp``, exactly as with ``jax.custom_vjp``. Reverse mode runs the
     hand-written ``bwd``. Forward mode (``jax.jvp``, ``jax.jacfwd``,
     ``jax.linearize``, ``jax.hessian``) is derived by transposing ``bwd``, which
     is linear in its cotangent, or comes from an optional ``jvp`` rule.
