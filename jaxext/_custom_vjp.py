@@ -437,7 +437,7 @@ class _Linear:
         """``J t`` for the float outputs: from the user's ``jvp`` or by transposing ``bwd``."""
         if self.op.spec.jvp is not None:
             return self.user_jvp(res_arrays, t_in)
-        examples = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.ct_avals]
+        examples = [_example(a) for a in self.ct_avals]
         try:
             transposed = jax.linear_transpose(lambda cts: self.backward(res_arrays, cts), examples)
             (out,) = transposed(list(t_in))
@@ -488,6 +488,14 @@ def _match_type(grad: jax.Array, aval: Any) -> jax.Array:
     if explicit and jax.typeof(grad).sharding != sharding:
         grad = jax.sharding.reshard(grad, sharding)
     return grad
+
+
+def _example(aval: Any) -> jax.ShapeDtypeStruct:
+    """A stand-in for a value of type ``aval``, keeping its ``shard_map`` variance."""
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, manual_axis_type=manual)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
 
 
 def _varying_axes(aval: Any) -> frozenset[Any]:
