@@ -123,7 +123,16 @@ class Function:
                     f"`{name}.apply`: {_arg_label(cls, i)} is a {type(arg).__name__} holding "
                     "arrays; pass each differentiable array as its own argument."
                 )
-        diff_values = [jnp.asarray(args[i]) for i in diff_positions]
+        diff_values = [
+            args[i] if isinstance(args[i], jax.Array) else jnp.asarray(args[i])
+            for i in diff_positions
+        ]
+        if not any(isinstance(v, jax.core.Tracer) for v in diff_values):
+            # Nothing is traced, so nothing can differentiate this call: run forward alone.
+            _, outputs, tuple_output, _ = _run_forward(
+                cls, args, diff_positions, diff_values, (False,) * len(args)
+            )
+            return tuple(outputs) if tuple_output else outputs[0]
         return _lower(cls, args, diff_positions)(*diff_values)
 
 
@@ -144,21 +153,7 @@ class _Meta(NamedTuple):
 def _lower(cls: type[Function], args: tuple[Any, ...], diff_positions: tuple[int, ...]):
     """Builds the ``jaxext.custom_vjp`` of ``cls`` for this call's static arguments."""
     name = cls.__name__
-    setup_style = _overrides(cls, "setup_context")
-
-    def run_forward(diff_values, needs_input_grad):
-        full = list(args)
-        for i, value in zip(diff_positions, diff_values, strict=True):
-            full[i] = value
-        ctx = FunctionCtx(name, needs_input_grad)
-        if setup_style:
-            raw = cls.forward(*full)
-            cls.setup_context(ctx, tuple(full), raw)
-        else:
-            raw = cls.forward(ctx, *full)
-        outputs, tuple_output = _check_outputs(name, raw)
-        non_diff = _non_differentiable_flags(name, ctx, raw if tuple_output else (raw,))
-        return ctx, outputs, tuple_output, non_diff
+    run_forward = functools.partial(_run_forward, cls, args, diff_positions)
 
     def function(*diff_values):
         _, outputs, tuple_output, _ = run_forward(diff_values, (False,) * len(args))
@@ -215,6 +210,23 @@ def _lower(cls: type[Function], args: tuple[Any, ...], diff_positions: tuple[int
     jvp = function_jvp if _overrides(cls, "jvp") else None
     op.defvjp(function_fwd, function_bwd, symbolic_zeros=True, jvp=jvp)
     return op
+
+
+def _run_forward(cls, args, diff_positions, diff_values, needs_input_grad):
+    """Runs the user's forward (and setup_context): ``(ctx, outputs, tuple?, non-diff flags)``."""
+    name = cls.__name__
+    full = list(args)
+    for i, value in zip(diff_positions, diff_values, strict=True):
+        full[i] = value
+    ctx = FunctionCtx(name, needs_input_grad)
+    if _overrides(cls, "setup_context"):
+        raw = cls.forward(*full)
+        cls.setup_context(ctx, tuple(full), raw)
+    else:
+        raw = cls.forward(ctx, *full)
+    outputs, tuple_output = _check_outputs(name, raw)
+    non_diff = _non_differentiable_flags(name, ctx, raw if tuple_output else (raw,))
+    return ctx, outputs, tuple_output, non_diff
 
 
 def _rebuild_ctx(name: str, meta: _Meta, saved: tuple, attributes: dict) -> FunctionCtx:
@@ -321,7 +333,7 @@ def _check_outputs(name: str, raw: Any) -> tuple[list[jax.Array], bool]:
     if not items or not all(map(is_array, items)):
         got = type(raw).__name__ if not tuple_output else [type(o).__name__ for o in items]
         raise TypeError(f"`{name}.forward` must return an array or a tuple of arrays; got {got}.")
-    return [jnp.asarray(o) for o in items], tuple_output
+    return [o if isinstance(o, jax.Array) else jnp.asarray(o) for o in items], tuple_output
 
 
 def _non_differentiable_flags(name: str, ctx: FunctionCtx, raw: tuple[Any, ...]):

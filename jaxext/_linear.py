@@ -87,7 +87,11 @@ def linear(
         bias = check_array(bias, "bias")
     _check_shapes(x, weight, bias)
     config = _config(precision, preferred_element_type, False, out_sharding)
-    return _linear(x, weight, bias, config)
+    if any(isinstance(a, jax.core.Tracer) for a in (x, weight, bias)):
+        return _linear(x, weight, bias, config)
+    # An eager call (nothing traced, so nothing to differentiate) runs as one compiled
+    # program, as jax.numpy's functions do, rather than dispatching op by op.
+    return _linear_compiled(x, weight, bias, config)
 
 
 def dense(
@@ -238,6 +242,7 @@ def _linear_bwd(config, res, g):
 
 
 _linear.defvjp(_linear_fwd, _linear_bwd, symbolic_zeros=True)
+_linear_compiled = jax.jit(_linear, static_argnums=3)
 
 
 class _Type(NamedTuple):

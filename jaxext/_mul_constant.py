@@ -63,7 +63,8 @@ def mul_constant(x: ArrayLike, constant: Any) -> jax.Array:
     if isinstance(constant, (int, float, complex, np.number)) and not isinstance(
         constant, (bool, np.bool_)
     ):
-        return _mul_static(x, constant)
+        op = _mul_static if isinstance(x, jax.core.Tracer) else _mul_static_compiled
+        return op(x, constant)
     if isinstance(constant, (bool, np.bool_)) or not hasattr(constant, "dtype"):
         hint = " (wrap it with jnp.asarray)" if isinstance(constant, (list, tuple)) else ""
         raise TypeError(
@@ -78,7 +79,10 @@ def mul_constant(x: ArrayLike, constant: Any) -> jax.Array:
             f"`constant` of shape {constant.shape} does not broadcast against `x` of "
             f"shape {x.shape}."
         ) from None
-    return _mul_array(x, constant)
+    traced = isinstance(x, jax.core.Tracer) or isinstance(constant, jax.core.Tracer)
+    # An eager call (nothing traced, so nothing to differentiate) runs as one compiled
+    # program, as jax.numpy's functions do, rather than dispatching op by op.
+    return (_mul_array if traced else _mul_array_compiled)(x, constant)
 
 
 def _as_grad(g: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
@@ -116,6 +120,7 @@ def _mul_static_bwd(constant, res, g):
 
 
 _mul_static.defvjp(_mul_static_fwd, _mul_static_bwd)
+_mul_static_compiled = jax.jit(_mul_static, static_argnums=1)
 
 
 # -- array constant: both operands are differentiable -------------------------------
@@ -148,3 +153,4 @@ def _mul_array_bwd(res, g):
 
 
 _mul_array.defvjp(_mul_array_fwd, _mul_array_bwd, symbolic_zeros=True)
+_mul_array_compiled = jax.jit(_mul_array)

@@ -40,6 +40,12 @@ def check_array(value: Any, name: str) -> jax.Array:
         ...
         TypeError: `x` must be a numeric array; got str.
     """
+    if (
+        isinstance(value, jax.Array)
+        and not isinstance(value, jax.core.Tracer)
+        and jnp.issubdtype(value.dtype, jnp.number)
+    ):
+        return value  # a concrete array passes as it is: no conversion to pay for eagerly
     if isinstance(value, (str, bytes)) or value is None:
         raise TypeError(f"`{name}` must be a numeric array; got {type(value).__name__}.")
     if isinstance(value, (list, tuple)):
