@@ -381,9 +381,9 @@ def test_ops_refuse_bad_input(x64):
     with pytest.raises(TypeError, match="`weight` must have `x`'s dtype float32; got float64"):
         ops.linear(x, w.astype(jnp.float64))
     with pytest.raises(ValueError, match=r"`x` must have shape \(\.\.\., 3\)"):
-        ops.linear(jnp.ones((2, 5)), w)
+        ops.linear(jnp.ones((2, 5), jnp.float32), w)
     with pytest.raises(ValueError, match=r"`bias` must have shape \(4,\)"):
-        ops.linear(x, w, jnp.ones(3))
+        ops.linear(x, w, jnp.ones(3, jnp.float32))
     with pytest.raises(TypeError, match="`constant` must be a Python or NumPy real scalar"):
         ops.mul_constant(x, jnp.array(2.0))
 
