@@ -235,8 +235,10 @@ def test_missing_source_file(tmp_path):
 
 # -- jaxext's ops in C++: values and gradients against float64 references ---------------
 
-BATCH_SHAPES = [(), (1,), (7,), (2, 3), (0,)]
-FEATURES = [(3, 4), (17, 5), (1, 1)]  # (in_features, out_features)
+BATCH_SHAPES = [(), (1,), (7,), (2, 9), (0,)]
+# (in_features, out_features): the kernels' edge cases, tiles of 4 rows x 16 columns
+# (float32 AVX) and panels of 256 rows of the right operand.
+FEATURES = [(3, 4), (17, 5), (1, 1), (300, 37)]
 
 
 def _dot_bound(dtype, n, magnitude):
@@ -397,6 +399,32 @@ def test_ops_are_built_through_the_public_load():
         "jaxext_linear_backward",
     }
     assert ext.path.parent.parent.parent == _cache.cache_root(None)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_portable_kernel_path(build_dir, dtype, x64):
+    """The 16-byte-vector path other CPUs take (forced here with -DJAXEXT_NO_FMA_PATH)."""
+    ext = cpp_extension.load(
+        "jaxext_ops_portable",
+        [ops.SOURCE],
+        extra_cflags=["-DJAXEXT_NO_FMA_PATH"],
+        build_directory=build_dir,
+    )
+    rows, n_in, n_out = 9, 300, 37
+    x, w, b = _linear_inputs((rows,), (n_in, n_out), dtype)
+    g = rand(7, (rows, n_out), dtype)
+    y = ext.jaxext_linear_forward(
+        x, w, b, result_shape_dtypes=jax.ShapeDtypeStruct((rows, n_out), dtype)
+    )
+    shapes = [jax.ShapeDtypeStruct(s, dtype) for s in (x.shape, w.shape, b.shape)]
+    gx, gw, gb = ext.jaxext_linear_backward(x, w, g, result_shape_dtypes=shapes)
+    x64_, w64, b64, g64 = (a.astype(np.float64) for a in (x, w, b, g))
+    _assert_dot_close(
+        y, x64_ @ w64.T + b64, dtype, n_in + 1, np.abs(x64_) @ np.abs(w64).T + np.abs(b64)
+    )
+    _assert_dot_close(gx, g64 @ w64, dtype, n_out, np.abs(g64) @ np.abs(w64))
+    _assert_dot_close(gw, g64.T @ x64_, dtype, rows, np.abs(g64).T @ np.abs(x64_))
+    _assert_dot_close(gb, g64.sum(0), dtype, rows, np.abs(g64).sum(0))
 
 
 # -- CUDA (only where there is a GPU and nvcc) ------------------------------------------
