@@ -372,8 +372,37 @@ def test_ops_mul_constant_vmap(x64):
 def test_ops_gradcheck(batch, with_bias, x64):
     x, w, b = _linear_inputs(batch, (4, 3), np.float64)
     inputs = (x, w, b) if with_bias else (x, w)
-    assert jaxext.gradcheck(ops.linear, inputs, eps=1e-6, atol=1e-6)
-    assert jaxext.gradcheck(lambda x: ops.mul_constant(x, -1.5), (x,), eps=1e-6, atol=1e-6)
+    both = ("rev", "fwd")  # reverse: the C++ backward; forward: the jvp rule
+    assert jaxext.gradcheck(ops.linear, inputs, eps=1e-6, atol=1e-6, modes=both)
+    mul = lambda x: ops.mul_constant(x, -1.5)  # noqa: E731
+    assert jaxext.gradcheck(mul, (x,), eps=1e-6, atol=1e-6, modes=both)
+
+
+@pytest.mark.parametrize("perturbed", [(0,), (1,), (2,), (0, 1, 2)])
+def test_ops_linear_forward_mode(perturbed, x64):
+    x, w, b = _linear_inputs((2, 3), (5, 4), np.float64)
+    tangents = [np.zeros_like(a) for a in (x, w, b)]
+    for i in perturbed:
+        tangents[i] = rand(10 + i, tangents[i].shape, np.float64)
+
+    def reference(x, w, b):
+        return x @ w.T + b
+
+    y, y_dot = jax.jit(lambda *t: jax.jvp(ops.linear, (x, w, b), t))(*tangents)
+    y_ref, y_dot_ref = jax.jvp(reference, (x, w, b), tuple(tangents))
+    np.testing.assert_allclose(y, y_ref, rtol=1e-13)
+    np.testing.assert_allclose(y_dot, y_dot_ref, rtol=1e-12, atol=1e-13)
+    jac = jax.jacfwd(ops.linear, argnums=perturbed)(x, w, b)
+    jac_ref = jax.jacfwd(reference, argnums=perturbed)(x, w, b)
+    for j, j_ref in zip(jac, jac_ref, strict=True):
+        np.testing.assert_allclose(j, j_ref, rtol=1e-12, atol=1e-13)
+
+
+def test_ops_second_derivatives_are_refused_not_wrong(x64):
+    """No rule differentiates the C++ backward: JAX says so instead of answering."""
+    x, w, b = _linear_inputs((3,), (4, 2), np.float64)
+    with pytest.raises(ValueError, match="cannot be differentiated"):
+        jax.hessian(lambda x: jnp.sum(ops.linear(x, w, b) ** 2))(x)
 
 
 def test_ops_refuse_bad_input(x64):

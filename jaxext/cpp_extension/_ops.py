@@ -7,9 +7,11 @@ This module is also the template for your own kernels. It is in three steps:
 2. call each handler through ``ffi_call`` with its result shapes and a
    ``vmap_method`` (here ``"expand_dims"``: the handlers broadcast over leading
    batch axes);
-3. attach the C++ backward with a custom VJP. JAX cannot differentiate or
-   transpose an FFI call, so the backward is never differentiated itself:
-   ``grad`` works, grad-of-grad does not.
+3. attach the C++ backward with :class:`jaxext.custom_vjp`, and a ``jvp=`` rule
+   made of the C++ forward (both ops are linear in each input), because JAX can
+   neither differentiate nor transpose an FFI call: ``grad`` runs the C++
+   backward, ``jvp``/``jacfwd`` the ``jvp`` rule. Second derivatives would need
+   the derivatives of those kernels, which nothing gives: they raise.
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import custom_vjp  # to become jaxext.custom_vjp, whose jvp= rule adds forward mode
 from jax.typing import ArrayLike
 
-from .._validation import as_numeric_array, is_static_scalar
+from .. import check_array, custom_vjp
+from .._validation import is_static_scalar
 from ._load import load
 from ._module import Extension
 
@@ -127,7 +129,7 @@ def linear(x: ArrayLike, weight: ArrayLike, bias: ArrayLike | None = None) -> ja
 
 
 def _float_array(value: Any, arg: str) -> jax.Array:
-    array = as_numeric_array(value, arg)
+    array = check_array(value, arg)
     if array.dtype not in _DTYPES:
         raise TypeError(f"`{arg}` must be float32 or float64; got {array.dtype}.")
     return array
@@ -176,7 +178,12 @@ def _mul_constant_bwd(constant, _, g):
     return (_call_mul_constant(g, constant),)
 
 
-_mul_constant.defvjp(_mul_constant_fwd, _mul_constant_bwd)
+def _mul_constant_jvp(constant, _, tangents):
+    (x_dot,) = tangents
+    return _call_mul_constant(x_dot, constant)
+
+
+_mul_constant.defvjp(_mul_constant_fwd, _mul_constant_bwd, jvp=_mul_constant_jvp)
 
 
 @custom_vjp
@@ -194,4 +201,15 @@ def _linear_bwd(residuals, g):
     return grad_x, grad_weight, grad_bias
 
 
-_linear.defvjp(_linear_fwd, _linear_bwd)
+def _linear_jvp(residuals, tangents):
+    # y is bilinear in (x, weight) and affine in bias:
+    # dy = dx @ w^T + x @ dw^T + db, two calls of the C++ forward.
+    x, weight = residuals
+    x_dot, weight_dot, bias_dot = tangents
+    zeros = jnp.zeros(weight.shape[:1], weight.dtype)
+    return _call_linear_forward(x_dot, weight, bias_dot) + _call_linear_forward(
+        x, weight_dot, zeros
+    )
+
+
+_linear.defvjp(_linear_fwd, _linear_bwd, jvp=_linear_jvp)
