@@ -45,7 +45,12 @@ runpy.run_module("mkdocs", run_name="__main__", alter_sys=True)
 
 # Pages whose Python blocks this file runs (the porting guide's run in test_function.py).
 # A block right after a `<!-- not-run: reason -->` line is skipped.
-PAGES_WITH_CODE = ["index.md", "guides/flax_layers.md", "guides/scaling_out.md"]
+PAGES_WITH_CODE = [
+    "index.md",
+    "guides/flax_layers.md",
+    "guides/scaling_out.md",
+    "guides/cpp_extension.md",
+]
 _BLOCK = re.compile(r"(<!-- not-run:[^>]*-->\n)?```python\n(.*?)```", flags=re.DOTALL)
 
 

@@ -65,7 +65,7 @@ def load(
         verbose: print the compiler command and output.
 
     Returns:
-        An :class:`Extension` whose attributes are the handlers, each called as
+        An :class:`jaxext.cpp_extension.Extension` whose attributes are the handlers, each called as
         ``ext.handler(*arrays, result_shape_dtypes=..., vmap_method=..., **attributes)``.
 
     Raises:
@@ -131,7 +131,7 @@ def load_inline(
     platform: str | None = None,
     verbose: bool = False,
 ) -> Extension:
-    """Like :func:`load`, with the sources given as strings.
+    """Like :func:`jaxext.cpp_extension.load`, with the sources given as strings.
 
     The C++ strings are joined into ``<name>.cc`` (the CUDA ones into
     ``<name>.cu``), written into the build's cache directory, and compiled with
@@ -140,25 +140,25 @@ def load_inline(
     numbers are those of the joined strings.
 
     Args:
-        name: the extension's name (see :func:`load`).
+        name: the extension's name (see :func:`jaxext.cpp_extension.load`).
         cpp_sources: C++ source text, or a list of texts joined with newlines.
         cuda_sources: CUDA source text(s); when given, everything is compiled with
             ``nvcc`` and the handlers register for ``"CUDA"`` by default.
         functions: the handler symbols to register; ``None``: all that the
             sources define with ``XLA_FFI_DEFINE_HANDLER_SYMBOL``.
-        extra_cflags: see :func:`load`.
-        extra_ldflags: see :func:`load`.
-        extra_include_paths: see :func:`load`.
-        build_directory: see :func:`load`.
-        platform: see :func:`load`.
-        verbose: see :func:`load`.
+        extra_cflags: see :func:`jaxext.cpp_extension.load`.
+        extra_ldflags: see :func:`jaxext.cpp_extension.load`.
+        extra_include_paths: see :func:`jaxext.cpp_extension.load`.
+        build_directory: see :func:`jaxext.cpp_extension.load`.
+        platform: see :func:`jaxext.cpp_extension.load`.
+        verbose: see :func:`jaxext.cpp_extension.load`.
 
     Returns:
-        An :class:`Extension` (see :func:`load`).
+        An :class:`jaxext.cpp_extension.Extension` (see :func:`jaxext.cpp_extension.load`).
 
     Raises:
         ValueError, CompilerNotFoundError, CompileError, MissingHandlerError: as
-            :func:`load` does.
+            :func:`jaxext.cpp_extension.load` does.
 
     Example:
         >>> import tempfile

@@ -34,6 +34,7 @@ from ._module import Extension
 __all__ = ["SOURCE", "extension", "linear", "mul_constant"]
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "jaxext_ops.cc"
+"""The C++ source of the kernels, shipped in the package (``jaxext/csrc/jaxext_ops.cc``)."""
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
