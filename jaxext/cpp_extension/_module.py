@@ -70,7 +70,7 @@ class FfiFunction:
 
 
 class Extension:
-    """A loaded extension: each handler is an attribute, an :class:`jaxext.cpp_extension.FfiFunction`.
+    """A loaded extension; each handler is an attribute (a ``FfiFunction``).
 
     Attributes:
         name: the extension's name.
