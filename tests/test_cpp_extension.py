@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import threading
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -454,6 +456,15 @@ def test_portable_kernel_path(build_dir, dtype, x64):
     _assert_dot_close(gx, g64 @ w64, dtype, n_out, np.abs(g64) @ np.abs(w64))
     _assert_dot_close(gw, g64.T @ x64_, dtype, rows, np.abs(g64).T @ np.abs(x64_))
     _assert_dot_close(gb, g64.sum(0), dtype, rows, np.abs(g64).sum(0))
+
+
+def test_readme_example_runs():
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.DOTALL) if "twice_ext" in b]
+    assert len(blocks) == 1
+    namespace: dict = {}
+    exec(compile(blocks[0], "README.md", "exec"), namespace)
+    np.testing.assert_array_equal(namespace["y"], [0.0, 2.0, 4.0])
 
 
 # -- CUDA (only where there is a GPU and nvcc) ------------------------------------------
