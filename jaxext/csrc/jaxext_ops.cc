@@ -11,8 +11,10 @@
 // results always have the full batch shape. Batch::offset maps a flat batch
 // index to each operand's element offset, with stride 0 along its size-1 axes.
 
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -78,19 +80,61 @@ void MulConstantKernel(const T* x, T* y, int64_t n, T c) {
   for (int64_t i = 0; i < n; ++i) y[i] = x[i] * c;
 }
 
-ffi::Error MulConstantImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, double constant) {
+// Runs body(begin, end) over [0, n) in chunks on XLA's intra-op thread pool (the
+// calling thread takes the first chunk) and returns when all are done. Small
+// ranges, or no pool, run inline.
+template <typename Body>
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t min_chunk, Body body) {
+  const int64_t threads = pool.num_threads();
+  int64_t chunks = threads < 1 ? 1 : threads + 1;  // the pool's threads and this one
+  if (chunks > n / min_chunk) chunks = n / min_chunk;
+  if (chunks <= 1) return body(int64_t{0}, n);
+  const int64_t step = (n + chunks - 1) / chunks;
+  std::mutex mutex;
+  std::condition_variable done;
+  int64_t pending = chunks - 1;
+  for (int64_t k = 1; k < chunks; ++k) {
+    const int64_t begin = k * step, end = begin + step < n ? begin + step : n;
+    pool.Schedule([&, begin, end] {
+      body(begin, end);
+      std::lock_guard<std::mutex> lock(mutex);
+      if (--pending == 0) done.notify_one();
+    });
+  }
+  body(int64_t{0}, step);
+  std::unique_lock<std::mutex> lock(mutex);
+  done.wait(lock, [&] { return pending == 0; });
+}
+
+#ifndef JAXEXT_MIN_CHUNK
+#define JAXEXT_MIN_CHUNK (int64_t{1} << 20)
+#endif
+constexpr int64_t kMinChunk = JAXEXT_MIN_CHUNK;  // elements per task, at least
+
+ffi::Error MulConstantImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                           double constant) {
   if (x.element_type() != y->element_type() || x.element_count() != y->element_count()) {
     return ffi::Error::InvalidArgument("jaxext_mul_constant: result must match `x`");
   }
   const int64_t n = static_cast<int64_t>(x.element_count());
   switch (x.element_type()) {
-    case ffi::DataType::F32:
-      MulConstantKernel(x.typed_data<float>(), y->typed_data<float>(), n,
-                        static_cast<float>(constant));
+    case ffi::DataType::F32: {
+      const float* in = x.typed_data<float>();
+      float* out = y->typed_data<float>();
+      const float c = static_cast<float>(constant);
+      ParallelFor(pool, n, kMinChunk, [=](int64_t b, int64_t e) {
+        MulConstantKernel(in + b, out + b, e - b, c);
+      });
       return ffi::Error::Success();
-    case ffi::DataType::F64:
-      MulConstantKernel(x.typed_data<double>(), y->typed_data<double>(), n, constant);
+    }
+    case ffi::DataType::F64: {
+      const double* in = x.typed_data<double>();
+      double* out = y->typed_data<double>();
+      ParallelFor(pool, n, kMinChunk, [=](int64_t b, int64_t e) {
+        MulConstantKernel(in + b, out + b, e - b, constant);
+      });
       return ffi::Error::Success();
+    }
     default:
       return UnsupportedDtype("jaxext_mul_constant");
   }
@@ -332,6 +376,7 @@ ffi::Error LinearBackwardImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxext_mul_constant, MulConstantImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<double>("constant"));
