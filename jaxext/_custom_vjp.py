@@ -101,6 +101,14 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         self.jvp: Callable[..., Any] | None = None
         self.symbolic_zeros = False
 
+    def _signature(self) -> inspect.Signature | None:
+        if not hasattr(self, "_cached_signature"):
+            try:
+                self._cached_signature = inspect.signature(self.fun)
+            except (TypeError, ValueError):
+                self._cached_signature = None
+        return self._cached_signature
+
     def defvjp(
         self,
         fwd: Callable[..., tuple[ReturnValue, Any]],
@@ -149,7 +157,7 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
             raise AttributeError(
                 f"No VJP defined for custom_vjp function `{name}`: call `{name}.defvjp(fwd, bwd)`."
             )
-        args = _resolve_kwargs(self.fun, name, args, kwargs)
+        args = _resolve_kwargs(self._signature(), name, args, kwargs)
         for i in self.nondiff_argnums:
             if i >= len(args):
                 raise TypeError(
@@ -169,11 +177,16 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         return primal(*diff_args)
 
 
-def _resolve_kwargs(fun: Callable[..., Any], name: str, args: tuple, kwargs: dict) -> tuple:
-    if not kwargs:
+def _resolve_kwargs(
+    signature: inspect.Signature | None, name: str, args: tuple, kwargs: dict
+) -> tuple:
+    """Positional arguments with keywords and defaults filled in, as ``jax.custom_vjp`` does."""
+    if signature is None:
+        if kwargs:
+            raise TypeError(f"`{name}`: keyword arguments need a function with a signature.")
         return args
     try:
-        bound = inspect.signature(fun).bind(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
     except TypeError as err:
         raise TypeError(f"`{name}`: {err}") from None
     bound.apply_defaults()
@@ -196,6 +209,14 @@ def _arg_label(fun: Callable[..., Any], position: int) -> str:
     ):
         return f"argument {position} (`{params[position].name}`)"
     return f"argument {position}"
+
+
+class _RuleTypeError(TypeError):
+    """A rule broke its contract (checked by jaxext): raised as is, never wrapped."""
+
+
+class _RuleValueError(ValueError):
+    """A rule broke its contract (checked by jaxext): raised as is, never wrapped."""
 
 
 def _is_array_leaf(leaf: Any) -> bool:
@@ -353,13 +374,13 @@ class _Linear:
     def check_grads(self, grads: Any) -> list[jax.Array]:
         name, n = self.op.name, len(self.op.diff)
         if not isinstance(grads, (tuple, list)):
-            raise TypeError(
+            raise _RuleTypeError(
                 f"`{name}`: bwd must return a tuple with one gradient per differentiable "
                 f"argument ({n}); got {type(grads).__name__}."
             )
         grads = tuple(grads)
         if len(grads) > n and any(g is not None for g in grads[n:]):
-            raise ValueError(
+            raise _RuleValueError(
                 f"`{name}`: bwd returned {len(grads)} gradients; expected {n}, one per "
                 "differentiable argument (extra trailing values must be None)."
             )
@@ -373,7 +394,7 @@ class _Linear:
             try:
                 flat.extend(tree.flatten_up_to(grad))
             except (ValueError, TypeError):
-                raise TypeError(
+                raise _RuleTypeError(
                     f"`{name}`: bwd's gradient for {self.op.label(k)} must have the argument's "
                     f"structure {tree}; got {jax.tree_util.tree_structure(grad)}."
                 ) from None
@@ -394,17 +415,17 @@ class _Linear:
         if not _is_array_leaf(grad):
             if isinstance(grad, (int, float)) and not isinstance(grad, bool) and aval.shape == ():
                 return jnp.asarray(grad, aval.dtype)
-            raise TypeError(
+            raise _RuleTypeError(
                 f"`{name}`: bwd's gradient for {label} must be an array or None; got "
                 f"{type(grad).__name__}."
             )
         if tuple(grad.shape) != tuple(aval.shape):
-            raise ValueError(
+            raise _RuleValueError(
                 f"`{name}`: bwd's gradient for {label} must have the input's shape "
                 f"{tuple(aval.shape)}; got shape {tuple(grad.shape)}."
             )
         if jnp.dtype(grad.dtype) != jnp.dtype(aval.dtype):
-            raise TypeError(
+            raise _RuleTypeError(
                 f"`{name}`: bwd's gradient for {label} must have the input's dtype "
                 f"{jnp.dtype(aval.dtype)}; got {jnp.dtype(grad.dtype)} (cast it with .astype)."
             )
@@ -416,10 +437,12 @@ class _Linear:
         """``J t`` for the float outputs: from the user's ``jvp`` or by transposing ``bwd``."""
         if self.op.spec.jvp is not None:
             return self.user_jvp(res_arrays, t_in)
-        examples = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.ct_avals]
+        examples = [_example(a) for a in self.ct_avals]
         try:
             transposed = jax.linear_transpose(lambda cts: self.backward(res_arrays, cts), examples)
             (out,) = transposed(list(t_in))
+        except (_RuleTypeError, _RuleValueError):
+            raise
         except Exception as err:  # noqa: BLE001 -- re-raised with the way out
             raise TypeError(
                 f"`{self.op.name}`: forward-mode differentiation (jvp, jacfwd, linearize, "
@@ -443,7 +466,7 @@ class _Linear:
         try:
             flat = self.out_tree.flatten_up_to(out)
         except (ValueError, TypeError):
-            raise TypeError(
+            raise _RuleTypeError(
                 f"`{name}`: jvp must return a tangent with the output's structure "
                 f"{self.out_tree}; got {jax.tree_util.tree_structure(out)}."
             ) from None
@@ -465,6 +488,14 @@ def _match_type(grad: jax.Array, aval: Any) -> jax.Array:
     if explicit and jax.typeof(grad).sharding != sharding:
         grad = jax.sharding.reshard(grad, sharding)
     return grad
+
+
+def _example(aval: Any) -> jax.ShapeDtypeStruct:
+    """A stand-in for a value of type ``aval``, keeping its ``shard_map`` variance."""
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, manual_axis_type=manual)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
 
 
 def _varying_axes(aval: Any) -> frozenset[Any]:

@@ -304,6 +304,30 @@ def check_shard_map_mul_constant():
     }
 
 
+def check_shard_map_eager():
+    """linear and mul_constant in an eager (un-jitted) shard_map: value and grad."""
+    mesh = make_mesh(AxisType.Explicit)
+    x, w, c = rand(60, (16, 12)), rand(61, (6, 12)), rand(62, (6,))
+    in_specs = (P(), P(), P("data", None))
+
+    def reference(w, c, x):
+        return jnp.sum(jnp.tanh(x @ w.T) * c)
+
+    def local(w, c, x):
+        return jax.lax.psum(jnp.sum(jaxext.mul_constant(jnp.tanh(jaxext.linear(x, w)), c)), "data")
+
+    with jax.set_mesh(mesh):
+        args = [jax.device_put(a, spec) for a, spec in zip((w, c, x), in_specs, strict=True)]
+        mapped = shard_map(local, mesh, in_specs, P(), True)
+        loss, grads = jax.value_and_grad(mapped, argnums=(0, 1, 2))(*args)
+    loss_1, grads_1 = jax.value_and_grad(reference, argnums=(0, 1, 2))(w, c, x)
+    return {
+        "loss": [float(loss), float(loss_1)],
+        "grad_diff": max_abs_diff(grads, grads_1),
+        "grad_scale": max(float(np.max(np.abs(g))) for g in grads_1),
+    }
+
+
 CHECKS = {
     "linear_explicit_single": lambda: check_linear(AxisType.Explicit, "single"),
     "linear_explicit_replicated_bias": lambda: check_linear(AxisType.Explicit, "replicated_bias"),
@@ -318,6 +342,7 @@ CHECKS = {
     "shard_map_column_vma": lambda: check_shard_map("column", True),
     "shard_map_column_novma": lambda: check_shard_map("column", False),
     "shard_map_with_mul_constant": check_shard_map_mul_constant,
+    "shard_map_eager": check_shard_map_eager,
 }
 
 

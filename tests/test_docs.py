@@ -49,6 +49,7 @@ PAGES_WITH_CODE = [
     "index.md",
     "guides/flax_layers.md",
     "guides/scaling_out.md",
+    "guides/writing_ops.md",
     "guides/cpp_extension.md",
 ]
 _BLOCK = re.compile(r"(<!-- not-run:[^>]*-->\n)?```python\n(.*?)```", flags=re.DOTALL)

@@ -8,6 +8,8 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
+
 README = (Path(__file__).parent.parent / "README.md").read_text()
 PY_BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)
 
@@ -27,6 +29,16 @@ def test_quick_example_runs():
     assert namespace["y"].shape == (20, 30)
     assert namespace["gw"].shape == (30, 20)
     assert namespace["z"].shape == (20, 30)
+    # Forward mode through the hand-written backward: linear in w, so J w = x @ w.T.
+    np.testing.assert_allclose(namespace["tw"], namespace["y"], rtol=1e-5, atol=1e-5)
+
+
+def test_writing_your_own_op_example_runs_and_its_hessian_is_right():
+    code = _block_containing("def scaled_sin(x, scale):")
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    x = np.arange(3.0)
+    np.testing.assert_allclose(namespace["h"], np.diag(-2.0 * np.sin(x)), rtol=1e-5, atol=1e-6)
 
 
 def test_single_host_sharding_recipe_runs_on_8_cpu_devices():

@@ -35,6 +35,7 @@ SHARD_MAP_CASES = [
     "shard_map_column_vma",
     "shard_map_column_novma",
     "shard_map_with_mul_constant",  # replicated array constant: psum of its gradient
+    "shard_map_eager",  # un-jitted shard_map: value and grad
 ]
 
 

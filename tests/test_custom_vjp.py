@@ -1,0 +1,485 @@
+"""Tests for `jaxext.custom_vjp`: the drop-in for ``jax.custom_vjp`` with forward mode.
+
+References are independent of the code under test: the same examples run with
+``jax.custom_vjp`` (JAX's own implementation), plain ``jnp`` autodiff of the
+primal math, and hand-computed values. Comparisons are in float64.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import namedtuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close
+
+import jaxext
+
+TIGHT = {"rtol": 1e-12, "atol": 1e-12}
+
+
+def _tree_close(got, want):
+    jax.tree.map(lambda g, w: assert_close(g, w, **TIGHT), got, want)
+
+
+# -- the examples of JAX's custom_vjp documentation, with only the decorator switched ----
+
+
+def _sin_times(custom_vjp):
+    @custom_vjp
+    def f(x, y):
+        return jnp.sin(x) * y
+
+    def f_fwd(x, y):
+        return f(x, y), (jnp.cos(x), jnp.sin(x), y)
+
+    def f_bwd(res, g):
+        cos_x, sin_x, y = res
+        return (cos_x * g * y, sin_x * g)
+
+    f.defvjp(f_fwd, f_bwd)
+    return f, lambda x, y: jnp.sin(x) * y
+
+
+def _clip_gradient(custom_vjp):
+    @functools.partial(custom_vjp, nondiff_argnums=(0, 1))
+    def clip_gradient(lo, hi, x):
+        return x
+
+    def clip_gradient_fwd(lo, hi, x):
+        return x, None
+
+    def clip_gradient_bwd(lo, hi, _, g):
+        return (jnp.clip(g, lo, hi),)
+
+    clip_gradient.defvjp(clip_gradient_fwd, clip_gradient_bwd)
+    return clip_gradient
+
+
+def _app(custom_vjp):
+    @functools.partial(custom_vjp, nondiff_argnums=(0,))
+    def app(f, x):
+        return f(x)
+
+    def app_fwd(f, x):
+        return app(f, x), x
+
+    def app_bwd(f, x, g):
+        return (5 * g,)
+
+    app.defvjp(app_fwd, app_bwd)
+    return app
+
+
+Point = namedtuple("Point", ["x", "y"])
+
+
+def _pytree_op(custom_vjp):
+    @custom_vjp
+    def f(pt):
+        x, y = pt.x, pt.y
+        return {"a": x**2, "b": (jnp.sin(x), jnp.cos(y))}
+
+    def f_fwd(pt):
+        return f(pt), pt
+
+    def f_bwd(pt, g):
+        a_bar, (b0_bar, b1_bar) = g["a"], g["b"]
+        x_bar = 2 * pt.x * a_bar + jnp.cos(pt.x) * b0_bar
+        y_bar = -jnp.sin(pt.y) * b1_bar
+        return (Point(x_bar, y_bar),)
+
+    f.defvjp(f_fwd, f_bwd)
+    return f, lambda pt: {"a": pt.x**2, "b": (jnp.sin(pt.x), jnp.cos(pt.y))}
+
+
+XS = [pytest.param(0.3, id="scalar"), pytest.param(np.linspace(-1.0, 2.0, 5), id="vector")]
+
+
+@pytest.mark.parametrize("x", XS)
+def test_doc_example_matches_jax_custom_vjp_and_gets_forward_mode(x, x64):
+    ours, plain = _sin_times(jaxext.custom_vjp)
+    theirs, _ = _sin_times(jax.custom_vjp)
+    x, y = jnp.asarray(x), jnp.asarray(x) + 1.5
+    loss = lambda f: lambda x, y: jnp.sum(f(x, y))  # noqa: E731
+    _tree_close(jax.grad(loss(ours), (0, 1))(x, y), jax.grad(loss(theirs), (0, 1))(x, y))
+    _tree_close(jax.jit(jax.grad(loss(ours)))(x, y), jax.grad(loss(theirs))(x, y))
+    # Forward mode, which jax.custom_vjp refuses, equals autodiff of the primal math.
+    with pytest.raises(TypeError):
+        jax.jvp(theirs, (x, y), (jnp.ones_like(x), jnp.ones_like(y)))
+    tangents = (jnp.ones_like(x) * 0.7, jnp.ones_like(y) * -1.3)
+    _tree_close(jax.jvp(ours, (x, y), tangents), jax.jvp(plain, (x, y), tangents))
+    _tree_close(jax.jacfwd(ours, (0, 1))(x, y), jax.jacfwd(plain, (0, 1))(x, y))
+    _tree_close(jax.hessian(loss(ours))(x, y), jax.hessian(loss(plain))(x, y))
+
+
+def test_doc_example_nondiff_argnums_clip_gradient(x64):
+    ours, theirs = _clip_gradient(jaxext.custom_vjp), _clip_gradient(jax.custom_vjp)
+    x = jnp.linspace(-2.0, 2.0, 7)
+    for lo, hi in [(-0.5, 0.5), (0.0, 1.0)]:
+        got = jax.grad(lambda x, lo=lo, hi=hi: jnp.sum(3 * x * ours(lo, hi, x)))(x)
+        want = jax.grad(lambda x, lo=lo, hi=hi: jnp.sum(3 * x * theirs(lo, hi, x)))(x)
+        _tree_close(got, want)
+    # Clipping is not linear in the cotangent: forward mode cannot be derived from
+    # it, and the error says why and how to give a JVP rule.
+    with pytest.raises(TypeError, match=r"`clip_gradient`: forward-mode .* jvp=jvp"):
+        jax.jvp(lambda x: ours(-0.5, 0.5, x), (x,), (x,))
+
+
+def test_doc_example_function_valued_nondiff_argument(x64):
+    ours, theirs = _app(jaxext.custom_vjp), _app(jax.custom_vjp)
+    x = jnp.arange(3.0)
+    got = jax.grad(lambda x: jnp.sum(ours(jnp.sin, x)))(x)
+    _tree_close(got, jax.grad(lambda x: jnp.sum(theirs(jnp.sin, x)))(x))
+    _tree_close(got, np.full(3, 5.0))
+    # Forward mode follows the (deliberately untrue) backward: its transpose, 5 t.
+    _tree_close(jax.jvp(lambda x: ours(jnp.sin, x), (x,), (x,))[1], 5 * x)
+
+
+def test_doc_example_pytrees(x64):
+    ours, plain = _pytree_op(jaxext.custom_vjp)
+    theirs, _ = _pytree_op(jax.custom_vjp)
+    pt = Point(jnp.linspace(0.1, 0.9, 3), jnp.linspace(-1.0, 1.0, 3))
+
+    def loss(f):
+        return lambda pt: jnp.sum(jnp.tanh(f(pt)["a"]) + f(pt)["b"][0] * f(pt)["b"][1])
+
+    _tree_close(jax.grad(loss(ours))(pt), jax.grad(loss(theirs))(pt))
+    tangent = Point(jnp.ones(3), jnp.full(3, 0.5))
+    _tree_close(jax.jvp(ours, (pt,), (tangent,)), jax.jvp(plain, (pt,), (tangent,)))
+    _tree_close(jax.hessian(loss(ours))(pt), jax.hessian(loss(plain))(pt))
+
+
+# -- every transformation, against autodiff of the primal math ------------------------------
+
+
+def _ops():
+    """(name, jaxext op of (x, y), plain reference): bwd is the true derivative."""
+    sin_times, sin_plain = _sin_times(jaxext.custom_vjp)
+    return [
+        ("sin_times", sin_times, sin_plain),
+        ("linear", lambda x, w: jaxext.linear(x, w), lambda x, w: x @ w.T),
+        ("mul_constant", jaxext.mul_constant, lambda x, c: x * c),
+    ]
+
+
+def _inputs(name):
+    rng = np.random.default_rng(0)
+    if name == "linear":
+        return jnp.asarray(rng.standard_normal((4, 3))), jnp.asarray(rng.standard_normal((2, 3)))
+    if name == "sin_times":  # its backward does not undo broadcasting
+        return jnp.asarray(rng.standard_normal((4, 3))), jnp.asarray(rng.standard_normal((4, 3)))
+    return jnp.asarray(rng.standard_normal((4, 3))), jnp.asarray(rng.standard_normal((3,)))
+
+
+TRANSFORMS = {
+    "jvp": lambda f: lambda x, y: jax.jvp(f, (x, y), (jnp.cos(x), jnp.sin(y))),
+    "linearize": lambda f: lambda x, y: jax.linearize(f, x, y)[1](jnp.cos(x), jnp.sin(y)),
+    "jacfwd": lambda f: jax.jacfwd(f, (0, 1)),
+    "jacrev": lambda f: jax.jacrev(f, (0, 1)),
+    "hessian": lambda f: jax.hessian(lambda x, y: jnp.sum(jnp.sin(f(x, y))), (0, 1)),
+    "jacfwd_jacrev": lambda f: jax.jacfwd(jax.jacrev(lambda x, y: jnp.sum(jnp.sin(f(x, y)))), 1),
+    "jacrev_jacfwd": lambda f: jax.jacrev(jax.jacfwd(lambda x, y: jnp.sum(jnp.sin(f(x, y)))), 1),
+    "jvp_of_grad": lambda f: (
+        lambda x, y: jax.jvp(jax.grad(lambda x: jnp.sum(jnp.sin(f(x, y)))), (x,), (jnp.cos(x),))
+    ),
+    "grad_of_jvp": lambda f: jax.grad(
+        lambda x, y: jnp.sum(jax.jvp(lambda x: jnp.sin(f(x, y)), (x,), (x,))[1]), (0, 1)
+    ),
+}
+WRAPS = {
+    "plain": lambda t: t,
+    "jit": jax.jit,
+    "vmap": lambda t: jax.vmap(t, in_axes=(0, None)),
+    "jit_vmap": lambda t: jax.jit(jax.vmap(t, in_axes=(0, None))),
+}
+
+
+@pytest.mark.parametrize("wrap", list(WRAPS))
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+@pytest.mark.parametrize("op", ["sin_times", "linear", "mul_constant"])
+def test_every_transformation_matches_autodiff(op, transform, wrap, x64):
+    _, ours, plain = next(o for o in _ops() if o[0] == op)
+    x, y = _inputs(op)
+    if wrap.endswith("vmap"):
+        x = jnp.stack([x, 2 * x + 0.5])
+    got = WRAPS[wrap](TRANSFORMS[transform](ours))(x, y)
+    want = WRAPS["vmap" if wrap.endswith("vmap") else "plain"](TRANSFORMS[transform](plain))(x, y)
+    _tree_close(got, want)
+
+
+def test_reverse_mode_runs_the_hand_written_backward_not_autodiff(x64):
+    # A straight-through estimator: the backward is deliberately not the derivative
+    # of the forward (which is zero almost everywhere).
+    @jaxext.custom_vjp
+    def ste_round(x):
+        return jnp.round(x)
+
+    ste_round.defvjp(lambda x: (jnp.round(x), None), lambda _, g: (g,))
+    x = jnp.linspace(-1.2, 1.7, 6)
+    t = jnp.linspace(0.5, 1.5, 6)
+    _tree_close(jax.grad(lambda x: jnp.sum(3.0 * ste_round(x)))(x), np.full(6, 3.0))
+    _tree_close(jax.jvp(ste_round, (x,), (t,)), (jnp.round(x), t))
+    _tree_close(jax.jacfwd(ste_round)(x), np.eye(6))
+
+
+# -- perturbed inputs and residuals --------------------------------------------------------
+
+
+def _structure_varying_mul(seen):
+    @jaxext.custom_vjp
+    def mul(x, c):
+        return x * c
+
+    def mul_fwd(x, c):
+        seen.append((x.perturbed, c.perturbed))
+        res = {"flags": (x.perturbed, c.perturbed)}  # Python bools: static residuals
+        if x.perturbed:
+            res["c"] = c.value
+        if c.perturbed:
+            res["x"] = x.value
+        return x.value * c.value, res
+
+    def mul_bwd(res, g):
+        wants_x, wants_c = res["flags"]
+        return (g * res["c"] if wants_x else None, jnp.sum(g * res["x"]) if wants_c else None)
+
+    mul.defvjp(mul_fwd, mul_bwd, symbolic_zeros=True)
+    return mul
+
+
+@pytest.mark.parametrize("order", ["fresh", "primed"])
+def test_residuals_depending_on_perturbed_inputs_are_safe_in_a_reused_jit(order, x64):
+    seen = []
+    helper = jax.jit(_structure_varying_mul(seen))
+    sg = jax.lax.stop_gradient
+
+    def loss(mul):
+        # One jitted helper, used twice in one differentiated computation with a
+        # different input differentiated each time: different residual structures.
+        return lambda x, c: jnp.sum(jnp.sin(mul(x, sg(c)) * mul(sg(x), c)))
+
+    x, c = jnp.linspace(0.5, 1.5, 4), jnp.asarray(1.7)
+    if order == "primed":
+        jax.grad(lambda x: jnp.sum(helper(x, c)))(x)
+    got = jax.grad(loss(helper), (0, 1))(x, c)
+    _tree_close(got, jax.grad(loss(lambda x, c: x * c), (0, 1))(x, c))
+    assert {(True, False), (False, True)} <= set(seen)
+    # The forward saves only what the wanted gradient needs.
+    _, vjp_fn = jax.vjp(lambda x: helper(x, c), x)
+    kept = [leaf for leaf in jax.tree_util.tree_leaves(vjp_fn) if np.size(leaf) > 0]
+    assert [np.shape(leaf) for leaf in kept] == [()]
+
+
+def test_symbolic_zero_cotangents_reach_bwd_and_skip_it_when_all_zero(x64):
+    calls = []
+
+    @jaxext.custom_vjp
+    def two(x):
+        return jnp.sin(x), jnp.cos(x)
+
+    def two_fwd(x):
+        return two(x.value), x.value
+
+    def two_bwd(x, g):
+        calls.append(tuple(type(gi).__name__ for gi in g))
+        g_sin, g_cos = g
+        grad = jnp.zeros_like(x)
+        if not isinstance(g_sin, jax.custom_derivatives.SymbolicZero):
+            grad = grad + jnp.cos(x) * g_sin
+        if not isinstance(g_cos, jax.custom_derivatives.SymbolicZero):
+            grad = grad - jnp.sin(x) * g_cos
+        return (grad,)
+
+    two.defvjp(two_fwd, two_bwd, symbolic_zeros=True)
+    x = jnp.linspace(0.0, 1.0, 3)
+    _tree_close(jax.grad(lambda x: jnp.sum(two(x)[0]))(x), jnp.cos(x))
+    assert calls[-1][1] == "SymbolicZero"
+    calls.clear()
+    _, vjp_fn = jax.vjp(two, x)
+    _tree_close(vjp_fn((jnp.zeros(3), jnp.zeros(3)))[0], np.zeros(3))
+    # Only the cos output used: the forward-mode derivative too.
+    _tree_close(jax.jvp(lambda x: two(x)[1], (x,), (jnp.ones(3),))[1], -jnp.sin(x))
+
+
+def test_bwd_may_return_none_and_omit_trailing_gradients(x64):
+    @jaxext.custom_vjp
+    def first(x, y, z):
+        return 2.0 * x + 0.0 * y + 0.0 * z
+
+    first.defvjp(lambda x, y, z: (first(x, y, z), None), lambda _, g: (2.0 * g,))
+    x = jnp.ones(3)
+    grads = jax.grad(lambda *a: jnp.sum(first(*a)), (0, 1, 2))(x, x, x)
+    _tree_close(grads, (np.full(3, 2.0), np.zeros(3), np.zeros(3)))
+    _tree_close(jax.jvp(first, (x, x, x), (x, x, x))[1], np.full(3, 2.0))
+
+
+def test_integer_inputs_and_outputs(x64):
+    @jaxext.custom_vjp
+    def scale(x, n):
+        return x * n, n + 1
+
+    scale.defvjp(lambda x, n: (scale(x, n), n), lambda n, g: (g[0] * n, None))
+    x, n = jnp.linspace(0.0, 1.0, 3), jnp.arange(3)
+    _tree_close(jax.grad(lambda x: jnp.sum(scale(x, n)[0]))(x), np.arange(3.0))
+    y, t = jax.jvp(lambda x: scale(x, n), (x,), (jnp.ones(3),))
+    _tree_close(t[0], np.arange(3.0))
+    assert t[1].dtype == jax.dtypes.float0
+
+
+def test_keyword_arguments_resolve_to_positions(x64):
+    @functools.partial(jaxext.custom_vjp, nondiff_argnums=(1,))
+    def power(x, n=2):
+        return x**n
+
+    power.defvjp(lambda x, n: (x**n, x), lambda n, x, g: (n * x ** (n - 1) * g,))
+    x = jnp.asarray(1.5)
+    _tree_close(jax.grad(lambda x: power(x, n=3))(x), 3 * 1.5**2)
+    _tree_close(jax.grad(power)(x), 2 * 1.5)
+
+
+def test_user_jvp_rule_for_a_backward_jax_cannot_transpose(x64):
+    def host_mul(a, b):
+        return jax.pure_callback(
+            lambda a, b: np.asarray(a) * np.asarray(b),
+            jax.ShapeDtypeStruct(a.shape, a.dtype),
+            a,
+            b,
+            vmap_method="broadcast_all",
+        )
+
+    @jaxext.custom_vjp
+    def sin(x):
+        return jnp.sin(x)
+
+    fwd, bwd = (lambda x: (jnp.sin(x), jnp.cos(x))), (lambda cos_x, g: (host_mul(cos_x, g),))
+    sin.defvjp(fwd, bwd)
+    x = jnp.linspace(0.0, 2.0, 4)
+    _tree_close(jax.grad(lambda x: jnp.sum(sin(x)))(x), jnp.cos(x))
+    with pytest.raises(TypeError, match=r"`sin`: forward-mode .*transpose.*jvp=jvp"):
+        jax.jvp(sin, (x,), (x,))
+    sin.defvjp(fwd, bwd, jvp=lambda cos_x, tangents: host_mul(cos_x, tangents[0]))
+    _tree_close(jax.jvp(sin, (x,), (x,)), (jnp.sin(x), jnp.cos(x) * x))
+    _tree_close(jax.jit(jax.jacfwd(sin))(x), np.diag(np.cos(np.asarray(x))))
+    batched = jax.vmap(lambda t: jax.jvp(sin, (x,), (t,))[1])(jnp.eye(4))
+    _tree_close(batched, np.diag(np.cos(np.asarray(x))))
+
+
+def test_checkpoint_and_export(x64):
+    sin_times, plain = _sin_times(jaxext.custom_vjp)
+    x, y = jnp.linspace(0.1, 1.0, 4), jnp.linspace(1.0, 2.0, 4)
+
+    def loss(f):
+        return lambda x, y: jnp.sum(jnp.tanh(f(x, y)) * f(y, x))
+
+    for policy in (None, jax.checkpoint_policies.nothing_saveable):
+        got = jax.grad(jax.checkpoint(loss(sin_times), policy=policy), (0, 1))(x, y)
+        _tree_close(got, jax.grad(loss(plain), (0, 1))(x, y))
+
+    def hvp(f):
+        return lambda x, y: jax.jvp(lambda x: jax.grad(loss(f))(x, y), (x,), (y,))
+
+    exported = jax.export.export(jax.jit(hvp(sin_times)))(x, y)
+    restored = jax.export.deserialize(exported.serialize())
+    _tree_close(restored.call(x, y), hvp(plain)(x, y))
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+def _op_with(fwd=None, bwd=None, **defvjp):
+    @jaxext.custom_vjp
+    def op(x, y):
+        return x * y
+
+    default_fwd = lambda x, y: (op(x, y), (x, y))  # noqa: E731
+    default_bwd = lambda res, g: (g * res[1], g * res[0])  # noqa: E731
+    op.defvjp(fwd or default_fwd, bwd or default_bwd, **defvjp)
+    return op
+
+
+BAD_BACKWARDS = [
+    pytest.param(lambda r, g: (g,) * 3, ValueError, r"`op`: bwd returned 3 gradients; expected 2"),
+    pytest.param(lambda r, g: g, TypeError, r"`op`: bwd must return a tuple .* got \w+"),
+    pytest.param(
+        lambda r, g: (jnp.ones(2), None),
+        ValueError,
+        r"gradient for argument 0 \(`x`\) must have the input's shape \(\); got shape \(2,\)",
+    ),
+    pytest.param(
+        lambda r, g: (g.astype(jnp.float32), None),
+        TypeError,
+        r"gradient for argument 0 \(`x`\) must have the input's dtype float64; got float32",
+    ),
+    pytest.param(
+        lambda r, g: ({"a": g}, None),
+        TypeError,
+        r"gradient for argument 0 \(`x`\) must be an array or None; got dict",
+    ),
+    pytest.param(lambda r, g: ("0", None), TypeError, r"must be an array or None; got str"),
+]
+
+
+@pytest.mark.parametrize("bwd, error, match", BAD_BACKWARDS)
+@pytest.mark.parametrize("jit", [False, True])
+def test_bad_backward_is_a_clear_error_at_trace_time(bwd, error, match, jit, x64):
+    op = _op_with(bwd=bwd)
+    grad = jax.grad(op)
+    with pytest.raises(error, match=match):
+        (jax.jit(grad) if jit else grad)(jnp.asarray(1.0), jnp.asarray(2.0))
+
+
+BAD_FORWARDS = [
+    pytest.param(lambda x, y: x * y, r"`op`: fwd must return a pair \(output, residuals\)"),
+    pytest.param(
+        lambda x, y: ((x * y).astype(jnp.float32), None),
+        r"`op`: fwd's output must have the primal's shapes and dtypes float64\[\]; got float32",
+    ),
+    pytest.param(lambda x, y: ((x, y), None), r"`op`: fwd's output must have the primal's struc"),
+]
+
+
+@pytest.mark.parametrize("fwd, match", BAD_FORWARDS)
+def test_bad_forward_is_a_clear_error(fwd, match, x64):
+    op = _op_with(fwd=fwd)
+    with pytest.raises(TypeError, match=match):
+        jax.grad(op)(jnp.asarray(1.0), jnp.asarray(2.0))
+
+
+def test_wrong_gradient_structure_is_a_clear_error(x64):
+    @jaxext.custom_vjp
+    def norm2(pt):
+        return pt.x**2 + pt.y**2
+
+    norm2.defvjp(lambda pt: (norm2(pt), pt), lambda pt, g: ((2 * pt.x * g, 2 * pt.y * g),))
+    pt = Point(jnp.asarray(1.0), jnp.asarray(2.0))
+    with pytest.raises(TypeError, match=r"`norm2`: bwd's gradient for argument 0 \(`pt`\) must "):
+        jax.grad(norm2)(pt)
+
+
+def test_definition_errors():
+    @jaxext.custom_vjp
+    def undefined(x):
+        return x
+
+    with pytest.raises(AttributeError, match=r"No VJP defined .* `undefined`"):
+        undefined(1.0)
+    with pytest.raises(TypeError, match=r"`fun` must be callable; got int"):
+        jaxext.custom_vjp(3)
+    with pytest.raises(TypeError, match=r"`nondiff_argnums` must hold non-negative ints"):
+        jaxext.custom_vjp(lambda x: x, nondiff_argnums=("0",))
+    with pytest.raises(TypeError, match=r"`bwd` must be callable; got NoneType"):
+        undefined.defvjp(lambda x: (x, None), None)
+    with pytest.raises(TypeError, match=r"`jvp` must be callable or None"):
+        undefined.defvjp(lambda x: (x, None), lambda r, g: (g,), jvp=1)
+
+    @functools.partial(jaxext.custom_vjp, nondiff_argnums=(2,))
+    def short(x, y):
+        return x * y
+
+    short.defvjp(lambda x, y: (x * y, None), lambda r, g: (g, g))
+    with pytest.raises(TypeError, match=r"nondiff_argnums=\(2,\) names argument 2"):
+        short(1.0, 2.0)
