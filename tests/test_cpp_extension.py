@@ -224,15 +224,46 @@ def test_sources_without_a_handler_are_refused(tmp_path):
         cpp_extension.load_inline("empty_ext", source, build_directory=tmp_path)
 
 
-@pytest.mark.parametrize("name", ["", "1ext", "my-ext", "a b", None])
+@pytest.mark.parametrize("name", ["", "1ext", "my-ext", "a b", "ext.so"])
 def test_bad_extension_name(name, tmp_path):
     with pytest.raises(ValueError, match="`name` must be a C identifier"):
         cpp_extension.load_inline(name, SCALE_SOURCE, build_directory=tmp_path)
 
 
-def test_missing_source_file(tmp_path):
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"name": None}, TypeError, "`name` must be a string; got NoneType"),
+        ({"cpp_sources": 3}, TypeError, "`cpp_sources` must be a string or a list of strings"),
+        ({"functions": [1]}, TypeError, "`functions` must be a list of names"),
+        ({"functions": []}, ValueError, "`functions` must name at least one handler"),
+        ({"functions": ["a-b"]}, ValueError, "`functions` entries must be C identifiers"),
+        ({"extra_cflags": [3]}, TypeError, "`extra_cflags` must be a list of strings"),
+        ({"platform": "tpu"}, ValueError, "`platform` must be 'cpu' or 'CUDA'"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, error, match, tmp_path):
+    args = {"name": "ext", "cpp_sources": SCALE_SOURCE, "build_directory": tmp_path, **kwargs}
+    with pytest.raises(error, match=match):
+        cpp_extension.load_inline(**args)
+
+
+def test_verbose_reports_the_cached_build(scale_ext, build_dir, capsys):
+    again = cpp_extension.load_inline(
+        "scale_ext", SCALE_SOURCE, build_directory=build_dir, verbose=True
+    )
+    assert not again.built
+    assert "'scale_ext': using the cached build" in capsys.readouterr().out
+
+
+def test_bad_source_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.cc"):
         cpp_extension.load("ext", [tmp_path / "nope.cc"], build_directory=tmp_path)
+    (tmp_path / "kernel.py").write_text("")
+    with pytest.raises(ValueError, match=r"must end in .*\.cu; got 'kernel.py'"):
+        cpp_extension.load("ext", [tmp_path / "kernel.py"], build_directory=tmp_path)
+    with pytest.raises(ValueError, match="`sources` must name at least one file"):
+        cpp_extension.load("ext", [], build_directory=tmp_path)
 
 
 # -- jaxext's ops in C++: values and gradients against float64 references ---------------

@@ -69,6 +69,8 @@ def load(
         ``ext.handler(*arrays, result_shape_dtypes=..., vmap_method=..., **attributes)``.
 
     Raises:
+        TypeError: if an argument has the wrong type (e.g. ``sources`` is not a list of
+            paths).
         ValueError: if ``name``, ``sources``, ``functions`` or ``platform`` is malformed,
             or no handler is found in the sources.
         FileNotFoundError: if a source file does not exist.
@@ -157,8 +159,8 @@ def load_inline(
         An :class:`jaxext.cpp_extension.Extension` (see :func:`jaxext.cpp_extension.load`).
 
     Raises:
-        ValueError, CompilerNotFoundError, CompileError, MissingHandlerError: as
-            :func:`jaxext.cpp_extension.load` does.
+        TypeError, ValueError, CompilerNotFoundError, CompileError, MissingHandlerError:
+            as :func:`jaxext.cpp_extension.load` does.
 
     Example:
         >>> import tempfile
@@ -267,7 +269,9 @@ def _load(
 
 
 def _check_name(name: object) -> None:
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
+    if not isinstance(name, str):
+        raise TypeError(f"`name` must be a string; got {type(name).__name__}.")
+    if not _NAME.fullmatch(name):
         raise ValueError(
             f"`name` must be a C identifier (letters, digits, underscores); got {name!r}."
         )
@@ -275,12 +279,14 @@ def _check_name(name: object) -> None:
 
 def _source_paths(sources: object) -> list[Path]:
     items = [sources] if isinstance(sources, (str, os.PathLike)) else sources
-    if not isinstance(items, Sequence) or not items:
-        raise ValueError(f"`sources` must be a non-empty list of file paths; got {sources!r}.")
+    if not isinstance(items, Sequence):
+        raise TypeError(f"`sources` must be a list of file paths; got {type(sources).__name__}.")
+    if not items:
+        raise ValueError("`sources` must name at least one file; got an empty list.")
     paths = []
     for item in items:
         if not isinstance(item, (str, os.PathLike)):
-            raise ValueError(f"`sources` must hold file paths; got {item!r}.")
+            raise TypeError(f"`sources` must hold file paths; got {item!r}.")
         path = Path(item).expanduser().resolve()
         if path.suffix not in (*_CPP_SUFFIXES, ".cu"):
             raise ValueError(
@@ -296,21 +302,21 @@ def _source_paths(sources: object) -> list[Path]:
 def _joined(texts: object, arg: str) -> str:
     items = [texts] if isinstance(texts, str) else texts
     if not isinstance(items, Sequence) or not all(isinstance(t, str) for t in items):
-        raise ValueError(f"`{arg}` must be a string or a list of strings; got {texts!r}.")
+        raise TypeError(f"`{arg}` must be a string or a list of strings; got {texts!r}.")
     return "\n".join(items)
 
 
 def _strings(values: object, arg: str) -> list[str]:
     items = [values] if isinstance(values, str) else values
     if not isinstance(items, Sequence) or not all(isinstance(v, str) for v in items):
-        raise ValueError(f"`{arg}` must be a list of strings; got {values!r}.")
+        raise TypeError(f"`{arg}` must be a list of strings; got {values!r}.")
     return list(items)
 
 
 def _paths(values: object) -> list[PathLike]:
     items = [values] if isinstance(values, (str, os.PathLike)) else values
     if not isinstance(items, Sequence) or not all(isinstance(v, (str, os.PathLike)) for v in items):
-        raise ValueError(f"`extra_include_paths` must be a list of paths; got {values!r}.")
+        raise TypeError(f"`extra_include_paths` must be a list of paths; got {values!r}.")
     return list(items)
 
 
@@ -332,9 +338,11 @@ def _functions(functions: str | Sequence[str] | None, texts: Sequence[str]) -> l
             )
         return list(dict.fromkeys(found))
     items = [functions] if isinstance(functions, str) else functions
-    if not isinstance(items, Sequence) or not items:
-        raise ValueError(f"`functions` must be a non-empty list of names; got {functions!r}.")
+    if not isinstance(items, Sequence) or not all(isinstance(i, str) for i in items):
+        raise TypeError(f"`functions` must be a list of names; got {functions!r}.")
+    if not items:
+        raise ValueError("`functions` must name at least one handler; got an empty list.")
     for item in items:
-        if not isinstance(item, str) or not _NAME.fullmatch(item):
+        if not _NAME.fullmatch(item):
             raise ValueError(f"`functions` entries must be C identifiers; got {item!r}.")
     return list(dict.fromkeys(items))
