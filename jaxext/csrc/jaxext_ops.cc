@@ -1,9 +1,10 @@
 // jaxext's two ops as XLA FFI handlers for the CPU: mul_constant, and linear's
 // forward and backward. Loaded through jaxext.cpp_extension.load by
-// jaxext/cpp_extension/ops.py, which attaches the backward with a custom VJP.
+// jaxext/cpp_extension/_ops.py, which attaches the backward with jaxext.custom_vjp.
 //
 // Every handler accepts float32 and float64 (chosen at run time from the buffer's
-// dtype) and returns an ffi::Error for anything else.
+// dtype) and returns an ffi::Error for anything else. mul_constant splits large
+// arrays over XLA's intra-op thread pool; linear runs on the calling thread.
 //
 // Batching: the linear handlers are called with vmap_method="expand_dims", so
 // under jax.vmap every operand gets the same number of extra leading dimensions,
