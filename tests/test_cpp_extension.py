@@ -465,14 +465,19 @@ def test_ops_are_built_through_the_public_load():
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_portable_kernel_path(build_dir, dtype, x64):
-    """The 16-byte-vector path other CPUs take (forced here with -DJAXEXT_NO_FMA_PATH)."""
+def test_portable_and_threaded_kernel_paths(build_dir, dtype, x64):
+    """The 16-byte-vector path other CPUs take, with every product split over threads.
+
+    Forced with -DJAXEXT_NO_FMA_PATH, and thresholds of 1 for the thread-pool split
+    (the default ones start at millions of elements or flops).
+    """
+    flags = ["-DJAXEXT_NO_FMA_PATH", "-DJAXEXT_GEMM_TASK_FLOPS=1", "-DJAXEXT_MIN_CHUNK=1"]
     ext = cpp_extension.load(
-        "jaxext_ops_portable",
-        [ops.SOURCE],
-        extra_cflags=["-DJAXEXT_NO_FMA_PATH"],
-        build_directory=build_dir,
+        "jaxext_ops_portable", [ops.SOURCE], extra_cflags=flags, build_directory=build_dir
     )
+    x = rand(8, (2, 1001), dtype)
+    y = ext.jaxext_mul_constant(x, result_shape_dtypes=x, constant=0.1)
+    np.testing.assert_array_equal(y, x * dtype(0.1))
     rows, n_in, n_out = 9, 300, 37
     x, w, b = _linear_inputs((rows,), (n_in, n_out), dtype)
     g = rand(7, (rows, n_out), dtype)

@@ -4,7 +4,8 @@
 //
 // Every handler accepts float32 and float64 (chosen at run time from the buffer's
 // dtype) and returns an ffi::Error for anything else. mul_constant splits large
-// arrays over XLA's intra-op thread pool; linear runs on the calling thread.
+// arrays, and linear large products (by blocks of rows), over XLA's intra-op thread
+// pool.
 //
 // Batching: the linear handlers are called with vmap_method="expand_dims", so
 // under jax.vmap every operand gets the same number of extra leading dimensions,
@@ -250,18 +251,34 @@ __attribute__((target("avx2,fma"))) void GemmAccFma(const T* a, const T* b, T* c
 }
 #endif
 
-// c (m, n) = init (one row of n, or zeros if null) + a (m, k) @ b (k, n).
 template <typename T>
-void Gemm(const T* a, const T* b, const T* init, T* c, int64_t m, int64_t k, int64_t n,
-          std::vector<T>& packed) {
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t q = 0; q < n; ++q) c[r * n + q] = init ? init[q] : T(0);
-  packed.resize(static_cast<size_t>(kPanel * 64 / sizeof(T)));
+void GemmAccRows(const T* a, const T* b, T* c, int64_t m, int64_t k, int64_t n) {
+  std::vector<T> packed(static_cast<size_t>(kPanel * 64 / sizeof(T)));
 #ifdef JAXEXT_HAVE_FMA_PATH
   static const bool fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (fma) return GemmAccFma(a, b, c, m, k, n, packed.data());
 #endif
   GemmAccBase(a, b, c, m, k, n, packed.data());
+}
+
+#ifndef JAXEXT_GEMM_TASK_FLOPS
+#define JAXEXT_GEMM_TASK_FLOPS (int64_t{1} << 23)
+#endif
+
+// c (m, n) = init (one row of n, or zeros if null) + a (m, k) @ b (k, n). Products of
+// more than JAXEXT_GEMM_TASK_FLOPS are split by blocks of 4 rows over the thread pool.
+template <typename T>
+void Gemm(ffi::ThreadPool& pool, const T* a, const T* b, const T* init, T* c, int64_t m,
+          int64_t k, int64_t n) {
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t q = 0; q < n; ++q) c[r * n + q] = init ? init[q] : T(0);
+  const int64_t blocks = (m + 3) / 4;
+  const int64_t block_flops = 8 * k * n > 0 ? 8 * k * n : 1;
+  const int64_t min_blocks = JAXEXT_GEMM_TASK_FLOPS / block_flops + 1;
+  ParallelFor(pool, blocks, min_blocks, [=](int64_t b0, int64_t b1) {
+    const int64_t r0 = 4 * b0, r1 = 4 * b1 < m ? 4 * b1 : m;
+    GemmAccRows(a + r0 * k, b, c + r0 * n, r1 - r0, k, n);
+  });
 }
 
 // out (cols, rows) = in (rows, cols)^T
@@ -272,32 +289,33 @@ void Transpose(const T* in, int64_t rows, int64_t cols, std::vector<T>& out) {
     for (int64_t q = 0; q < cols; ++q) out[q * rows + r] = in[r * cols + q];
 }
 
-// Scratch memory reused across the batch entries of one call.
+// The thread pool, and scratch memory reused across the batch entries of one call.
 template <typename T>
 struct Scratch {
-  std::vector<T> transposed, packed;
+  ffi::ThreadPool& pool;
+  std::vector<T> transposed;
 };
 
 template <typename T>
 void LinearForwardKernel(const T* x, const T* w, const T* bias, T* y, int64_t rows, int64_t in,
                          int64_t out, Scratch<T>& s) {
   Transpose(w, out, in, s.transposed);  // (I, O)
-  Gemm(x, s.transposed.data(), bias, y, rows, in, out, s.packed);
+  Gemm(s.pool, x, s.transposed.data(), bias, y, rows, in, out);
 }
 
 template <typename T>
 void LinearBackwardKernel(const T* x, const T* w, const T* g, T* gx, T* gw, T* gb, int64_t rows,
                           int64_t in, int64_t out, Scratch<T>& s) {
-  Gemm<T>(g, w, nullptr, gx, rows, out, in, s.packed);  // grad_x = g @ w
+  Gemm<T>(s.pool, g, w, nullptr, gx, rows, out, in);  // grad_x = g @ w
   Transpose(g, rows, out, s.transposed);                // (O, B)
-  Gemm<T>(s.transposed.data(), x, nullptr, gw, out, rows, in, s.packed);  // grad_w = g^T @ x
+  Gemm<T>(s.pool, s.transposed.data(), x, nullptr, gw, out, rows, in);  // grad_w = g^T @ x
   for (int64_t o = 0; o < out; ++o) gb[o] = T(0);     // grad_bias = sum over rows of g
   for (int64_t b = 0; b < rows; ++b)
     for (int64_t o = 0; o < out; ++o) gb[o] += g[b * out + o];
 }
 
 template <typename T>
-ffi::Error LinearForwardTyped(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bias,
+ffi::Error LinearForwardTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bias,
                               ffi::AnyBuffer y) {
   auto yd = y.dimensions();
   if (yd.size() < 2) return ffi::Error::InvalidArgument("jaxext_linear_forward: y must be 2-D");
@@ -311,7 +329,7 @@ ffi::Error LinearForwardTyped(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer
     return ffi::Error::InvalidArgument(
         "jaxext_linear_forward: expected x (..., B, I), w (..., O, I), bias (..., O)");
   }
-  Scratch<T> scratch;
+  Scratch<T> scratch{pool, {}};
   const int64_t n = batch.size();
   for (int64_t k = 0; k < n; ++k) {
     LinearForwardKernel(x.typed_data<T>() + batch.offset(k, sx),
@@ -322,19 +340,19 @@ ffi::Error LinearForwardTyped(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
-ffi::Error LinearForwardImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bias,
+ffi::Error LinearForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bias,
                              ffi::Result<ffi::AnyBuffer> y) {
   const ffi::DataType t = x.element_type();
   if (w.element_type() != t || bias.element_type() != t || y->element_type() != t) {
     return ffi::Error::InvalidArgument("jaxext_linear_forward: operands must share one dtype");
   }
-  if (t == ffi::DataType::F32) return LinearForwardTyped<float>(x, w, bias, *y);
-  if (t == ffi::DataType::F64) return LinearForwardTyped<double>(x, w, bias, *y);
+  if (t == ffi::DataType::F32) return LinearForwardTyped<float>(pool, x, w, bias, *y);
+  if (t == ffi::DataType::F64) return LinearForwardTyped<double>(pool, x, w, bias, *y);
   return UnsupportedDtype("jaxext_linear_forward");
 }
 
 template <typename T>
-ffi::Error LinearBackwardTyped(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer g,
+ffi::Error LinearBackwardTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer g,
                                ffi::AnyBuffer gx, ffi::AnyBuffer gw, ffi::AnyBuffer gb) {
   auto gxd = gx.dimensions(), gwd = gw.dimensions();
   if (gxd.size() < 2 || gwd.size() < 2) {
@@ -349,7 +367,7 @@ ffi::Error LinearBackwardTyped(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffe
     return ffi::Error::InvalidArgument(
         "jaxext_linear_backward: expected x (..., B, I), w (..., O, I), g (..., B, O)");
   }
-  Scratch<T> scratch;
+  Scratch<T> scratch{pool, {}};
   const int64_t n = batch.size();
   for (int64_t k = 0; k < n; ++k) {
     LinearBackwardKernel(x.typed_data<T>() + batch.offset(k, sx),
@@ -361,15 +379,15 @@ ffi::Error LinearBackwardTyped(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffe
   return ffi::Error::Success();
 }
 
-ffi::Error LinearBackwardImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer g,
+ffi::Error LinearBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer g,
                               ffi::Result<ffi::AnyBuffer> gx, ffi::Result<ffi::AnyBuffer> gw,
                               ffi::Result<ffi::AnyBuffer> gb) {
   const ffi::DataType t = x.element_type();
   if (w.element_type() != t || g.element_type() != t) {
     return ffi::Error::InvalidArgument("jaxext_linear_backward: operands must share one dtype");
   }
-  if (t == ffi::DataType::F32) return LinearBackwardTyped<float>(x, w, g, *gx, *gw, *gb);
-  if (t == ffi::DataType::F64) return LinearBackwardTyped<double>(x, w, g, *gx, *gw, *gb);
+  if (t == ffi::DataType::F32) return LinearBackwardTyped<float>(pool, x, w, g, *gx, *gw, *gb);
+  if (t == ffi::DataType::F64) return LinearBackwardTyped<double>(pool, x, w, g, *gx, *gw, *gb);
   return UnsupportedDtype("jaxext_linear_backward");
 }
 
@@ -384,6 +402,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxext_mul_constant, MulConstantImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxext_linear_forward, LinearForwardImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // x
                                   .Arg<ffi::AnyBuffer>()  // w
                                   .Arg<ffi::AnyBuffer>()  // bias
@@ -391,6 +410,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxext_linear_forward, LinearForwardImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxext_linear_backward, LinearBackwardImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()   // x
                                   .Arg<ffi::AnyBuffer>()   // w
                                   .Arg<ffi::AnyBuffer>()   // g
