@@ -50,6 +50,7 @@ PAGES_WITH_CODE = [
     "guides/flax_layers.md",
     "guides/scaling_out.md",
     "guides/writing_ops.md",
+    "guides/cpp_extension.md",
 ]
 _BLOCK = re.compile(r"(<!-- not-run:[^>]*-->\n)?```python\n(.*?)```", flags=re.DOTALL)
 

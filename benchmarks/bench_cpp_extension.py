@@ -1,0 +1,221 @@
+"""Benchmark jaxext's C++ kernels (jaxext.cpp_extension.ops) against XLA's own ops.
+
+Run from the repository root::
+
+    python benchmarks/bench_cpp_extension.py           # full run (CPU: about a minute)
+    python benchmarks/bench_cpp_extension.py --quick   # small sizes, few rounds
+
+Compared, in one process and in interleaved rounds (see ``benchlib.py``):
+
+* ``mul_constant``: ``jit(ops.mul_constant(x, 2.0))`` (a C++ loop through an FFI call)
+  against ``jit(x * 2.0)``, float32; throughput in GB/s counts one read and one write
+  per element. Target: at 16M elements, at least 0.5x XLA's throughput.
+* ``linear``: ``jit(ops.linear(x, w, b))`` against ``jit(x @ w.T + b)`` (forward), and
+  ``jit(value_and_grad)`` of ``sum(linear(x, w, b) * ct)`` w.r.t. ``x, w, b`` (forward
+  plus the C++ backward), float32, in GFLOP/s (2*B*I*O per product; fwd+bwd counts 3).
+  The C++ kernels are plain loops (single-threaded, vectorized by the compiler with
+  ``-O3`` and no ``-march``); XLA's dot is a tuned, multithreaded library GEMM. Reported
+  as measured, no target.
+
+Writes ``benchmarks/results/cpp_extension_<backend>[_quick].json`` and ``.md``.
+This is a benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # the repository root: import jaxext without installing
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxext.cpp_extension import ops  # noqa: E402
+
+sys.path.insert(0, str(HERE))
+import benchlib  # noqa: E402
+
+MUL_TARGET = 0.5  # C++ mul_constant throughput / XLA multiply throughput at 16M elements
+
+
+def _blocking(fn, *args):
+    return lambda: jax.block_until_ready(fn(*args))
+
+
+def _timed_pair(fns: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    return benchlib.interleaved_times(
+        fns,
+        rounds=args.rounds,
+        warmup=3,
+        target_s=0.05 if not args.quick else 0.01,
+        budget_s=args.budget,
+        min_rounds=5,
+    )
+
+
+def bench_mul_constant(sizes: list[int], args: argparse.Namespace, log) -> list[dict[str, Any]]:
+    rows = []
+    cpp = jax.jit(lambda x: ops.mul_constant(x, 2.0))
+    xla = jax.jit(lambda x: x * 2.0)
+    for n in sizes:
+        x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
+        np.testing.assert_array_equal(cpp(x), xla(x))  # same product, same rounding
+        timing = _timed_pair({"cpp": _blocking(cpp, x), "xla": _blocking(xla, x)}, args)
+        t = timing["times"]
+        bytes_moved = 2 * 4 * n
+        row = {
+            "elements": n,
+            "cpp": benchlib.time_summary(t["cpp"], bytes_moved / 1e9),
+            "xla": benchlib.time_summary(t["xla"], bytes_moved / 1e9),
+            # throughput ratio cpp/xla = time ratio xla/cpp, per round
+            "throughput_ratio": benchlib.ratio_summary(t["xla"], t["cpp"]),
+            "rounds": timing["rounds"],
+        }
+        rows.append(row)
+        log(
+            f"mul_constant n={n}: cpp {row['cpp']['rate']:.1f} GB/s, xla "
+            f"{row['xla']['rate']:.1f} GB/s, ratio {row['throughput_ratio']['median']:.2f}"
+        )
+    return rows
+
+
+def _linear_loss(linear):
+    def loss(x, w, b, ct):
+        return jnp.sum(linear(x, w, b) * ct)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def _xla_linear(x, w, b):
+    return x @ w.T + b
+
+
+def bench_linear(sizes, args, log) -> list[dict[str, Any]]:
+    rows = []
+    fwd = {"cpp": jax.jit(ops.linear), "xla": jax.jit(_xla_linear)}
+    vg = {"cpp": _linear_loss(ops.linear), "xla": _linear_loss(_xla_linear)}
+    for batch, n_in, n_out in sizes:
+        keys = jax.random.split(jax.random.key(1), 4)
+        x = jax.random.normal(keys[0], (batch, n_in), jnp.float32)
+        w = jax.random.normal(keys[1], (n_out, n_in), jnp.float32) / np.sqrt(n_in)
+        b = jax.random.normal(keys[2], (n_out,), jnp.float32)
+        ct = jax.random.normal(keys[3], (batch, n_out), jnp.float32)
+        flops = 2.0 * batch * n_in * n_out
+        err = _max_rel_err(vg["cpp"](x, w, b, ct), vg["xla"](x, w, b, ct))
+        row: dict[str, Any] = {"size": [batch, n_in, n_out], "max_rel_diff_vs_xla": err}
+        for kind, fns, work in (("forward", fwd, flops), ("fwd_bwd", vg, 3 * flops)):
+            call_args = (x, w, b) if kind == "forward" else (x, w, b, ct)
+            timing = _timed_pair({k: _blocking(f, *call_args) for k, f in fns.items()}, args)
+            t = timing["times"]
+            row[kind] = {
+                "cpp": benchlib.time_summary(t["cpp"], work / 1e9),
+                "xla": benchlib.time_summary(t["xla"], work / 1e9),
+                "time_ratio_cpp_over_xla": benchlib.ratio_summary(t["cpp"], t["xla"]),
+                "rounds": timing["rounds"],
+            }
+            log(
+                f"linear {batch}x{n_in}->{n_out} {kind}: cpp {row[kind]['cpp']['rate']:.1f} "
+                f"GFLOP/s, xla {row[kind]['xla']['rate']:.1f} GFLOP/s, time ratio "
+                f"{row[kind]['time_ratio_cpp_over_xla']['median']:.2f}"
+            )
+        rows.append(row)
+    return rows
+
+
+def _max_rel_err(a, b) -> float:
+    worst = 0.0
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        u, v = np.asarray(u, np.float64), np.asarray(v, np.float64)
+        worst = max(worst, float(np.max(np.abs(u - v)) / max(np.max(np.abs(v)), 1e-30)))
+    return worst
+
+
+def render(results: dict[str, Any]) -> str:
+    m = results["machine"]
+    lines = [
+        f"# jaxext C++ kernels vs XLA ({m['jax_backend']}, {m['cpu_model']}, "
+        f"{m['usable_cpus']} usable CPUs)",
+        "",
+        f"jax {m['jax']}, jaxlib {m['jaxlib']}, {m['date_utc']}; load average at start "
+        f"{m['loadavg_start']}. Medians over interleaved rounds; ratios are medians of "
+        "per-round ratios [25th-75th percentile].",
+        "",
+        "## mul_constant (float32), GB/s (one read + one write per element)",
+        "",
+        "| elements | C++ GB/s | XLA GB/s | C++/XLA throughput | target |",
+        "|---:|---:|---:|---:|---|",
+    ]
+    for r in results["mul_constant"]:
+        q = r["throughput_ratio"]
+        target = ""
+        if r["elements"] == 2**24:
+            target = f">= {MUL_TARGET}: {'met' if q['median'] >= MUL_TARGET else 'MISSED'}"
+        lines.append(
+            f"| {r['elements']:,} | {r['cpp']['rate']:.1f} | {r['xla']['rate']:.1f} | "
+            f"{q['median']:.2f} [{q['p25']:.2f}-{q['p75']:.2f}] | {target} |"
+        )
+    lines += [
+        "",
+        "## linear (float32), GFLOP/s",
+        "",
+        "| B x I -> O | pass | C++ GFLOP/s | XLA GFLOP/s | C++/XLA time | max rel diff |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for r in results["linear"]:
+        b, i, o = r["size"]
+        for kind in ("forward", "fwd_bwd"):
+            k = r[kind]
+            q = k["time_ratio_cpp_over_xla"]
+            lines.append(
+                f"| {b} x {i} -> {o} | {kind} | {k['cpp']['rate']:.1f} | {k['xla']['rate']:.1f} "
+                f"| {q['median']:.2f} [{q['p25']:.2f}-{q['p75']:.2f}] | "
+                f"{r['max_rel_diff_vs_xla']:.1e} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, few rounds")
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--budget", type=float, default=8.0, help="seconds per comparison")
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--note", default="", help="stored with the results")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.budget = 5, 1.0
+        mul_sizes = [2**10, 2**20]
+        linear_sizes = [(64, 64, 64), (256, 256, 256)]
+    else:
+        mul_sizes = [2**10, 2**20, 2**24]
+        linear_sizes = [(32, 64, 64), (256, 256, 256), (1024, 1024, 1024)]
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    ops.extension()  # build (or load) the kernels before anything is timed
+    results = {
+        "machine": benchlib.machine_info(),
+        "note": args.note,
+        "mul_constant": bench_mul_constant(mul_sizes, args, log),
+        "linear": bench_linear(linear_sizes, args, log),
+    }
+    results["machine"]["loadavg_end"] = benchlib.os.getloadavg()
+    text = render(results)
+    print(text)
+    stem = f"cpp_extension_{jax.default_backend()}" + ("_quick" if args.quick else "")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{stem}.json").write_text(json.dumps(results, indent=1) + "\n")
+    (args.out / f"{stem}.md").write_text(text)
+    log(f"wrote {args.out / stem}.json and .md")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Finding the system compiler, naming it for the cache key, and running it.
+
+C++ sources are compiled with ``$CXX`` (which may carry arguments, e.g.
+``"ccache g++"``), else ``c++``. ``.cu`` sources need CUDA's ``nvcc``: ``$NVCC``,
+else ``$CUDA_HOME/bin/nvcc``, else ``nvcc`` on the ``PATH``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+from ._errors import CompileError, CompilerNotFoundError
+
+__all__ = ["Compiler", "compile_command", "compile_library", "find_compiler"]
+
+_CXX_HINT = (
+    "Install a C++17 compiler (Debian/Ubuntu: `apt-get install g++`; Fedora/RHEL: "
+    "`dnf install gcc-c++`; macOS: `xcode-select --install`; conda: "
+    "`conda install -c conda-forge cxx-compiler`) or point the CXX environment "
+    "variable at one."
+)
+_NVCC_HINT = (
+    "Install the CUDA toolkit (https://developer.nvidia.com/cuda-downloads, or "
+    "`conda install -c nvidia cuda-nvcc`) and put nvcc on the PATH, or set NVCC or "
+    "CUDA_HOME."
+)
+
+# A compiler diagnostic that names a file and line: "path/to/file.cc:12:5: error: ...".
+_DIAGNOSTIC = re.compile(r"^.+:\d+(:\d+)?: (fatal )?error\b.*$", re.MULTILINE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiler:
+    """A compiler command and what identifies it in the cache key.
+
+    Attributes:
+        argv: the command (the executable, resolved to a path, and any arguments
+            given with it in ``$CXX``).
+        identity: its ``--version`` output, so another compiler builds anew.
+        cuda: True for ``nvcc`` (host flags go through ``-Xcompiler``).
+    """
+
+    argv: tuple[str, ...]
+    identity: str
+    cuda: bool
+
+
+def find_compiler(cuda: bool) -> Compiler:
+    """The C++ compiler (``cuda=False``) or ``nvcc`` (``cuda=True``) to build with.
+
+    Raises:
+        CompilerNotFoundError: if it is not installed, with what to install.
+    """
+    if cuda:
+        home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+        default = str(Path(home) / "bin" / "nvcc") if home else "nvcc"
+        command, source, hint = os.environ.get("NVCC") or default, "NVCC", _NVCC_HINT
+    else:
+        command, source, hint = os.environ.get("CXX") or "c++", "CXX", _CXX_HINT
+    argv = shlex.split(command)
+    executable = shutil.which(argv[0]) if argv else None
+    if executable is None:
+        where = f"{source}={command!r}" if os.environ.get(source) else repr(command)
+        raise CompilerNotFoundError(
+            f"No {'CUDA' if cuda else 'C++'} compiler found: {where} is not an executable "
+            f"file or not on the PATH. {hint}"
+        )
+    argv = (executable, *argv[1:])
+    return Compiler(argv=argv, identity=_identity(argv), cuda=cuda)
+
+
+@functools.cache
+def _identity(argv: tuple[str, ...]) -> str:
+    try:
+        done = subprocess.run(
+            [*argv, "--version"], capture_output=True, text=True, timeout=60, check=False
+        )
+    except OSError as err:
+        raise CompilerNotFoundError(f"Cannot run the compiler {argv[0]!r}: {err}.") from None
+    return f"{' '.join(argv)}\n{done.stdout}{done.stderr}"
+
+
+def compile_command(
+    compiler: Compiler,
+    sources: Sequence[Path],
+    output: Path,
+    *,
+    include_dirs: Sequence[Path],
+    extra_cflags: Sequence[str],
+    extra_ldflags: Sequence[str],
+    preinclude: Path | None,
+) -> list[str]:
+    """The command line that compiles and links ``sources`` into the shared library ``output``."""
+    if compiler.cuda:
+        base = ["-std=c++17", "-O3", "-shared", "-Xcompiler", "-fPIC"]
+    else:
+        base = ["-std=c++17", "-O3", "-fPIC", "-shared"]
+    # jaxlib's headers are -isystem: their warnings are not the user's to fix.
+    includes = ["-isystem", str(include_dirs[0])]
+    for path in include_dirs[1:]:
+        includes += ["-I", str(path)]
+    pre = ["-include", str(preinclude)] if preinclude is not None else []
+    return [
+        *compiler.argv,
+        *base,
+        *includes,
+        *pre,
+        *extra_cflags,
+        *(str(s) for s in sources),
+        "-o",
+        str(output),
+        *extra_ldflags,
+    ]
+
+
+def compile_library(name: str, command: list[str], log_path: Path, verbose: bool) -> None:
+    """Runs ``command``; writes its output to ``log_path``.
+
+    Raises:
+        CompileError: if the compiler fails; the message lists the diagnostics
+            that name a file and line, and the error carries the whole output.
+    """
+    if verbose:
+        print(f"[jaxext.cpp_extension] building {name!r}: {shlex.join(command)}", flush=True)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+    except OSError as err:
+        raise CompilerNotFoundError(f"Cannot run the compiler {command[0]!r}: {err}.") from None
+    output = done.stdout + done.stderr
+    log_path.write_text(f"$ {shlex.join(command)}\n{output}")
+    if verbose and output:
+        print(output, flush=True)
+    if done.returncode != 0:
+        errors = [m.group(0) for m in _DIAGNOSTIC.finditer(output)][:10]
+        summary = "\n".join(errors) if errors else output.strip()[-4000:]
+        raise CompileError(
+            f"Building extension {name!r} failed (compiler exit code {done.returncode}):\n"
+            f"{summary}\n"
+            f"The full compiler output is in this error's `.output` and in {log_path}.",
+            command=command,
+            output=output,
+            log_path=str(log_path),
+        )

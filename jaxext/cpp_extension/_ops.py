@@ -1,0 +1,216 @@
+"""jaxext's ops with C++ kernels: ``jaxext/csrc/jaxext_ops.cc`` loaded and given gradients.
+
+This module is also the template for your own kernels. It is in three steps:
+
+1. build the handlers with the public :func:`~jaxext.cpp_extension.load`, at the
+   first call (not at import);
+2. call each handler through ``ffi_call`` with its result shapes and a
+   ``vmap_method`` (here ``"expand_dims"``: the handlers broadcast over leading
+   batch axes);
+3. attach the C++ backward with :class:`jaxext.custom_vjp`, and a ``jvp=`` rule
+   made of the C++ forward (both ops are linear in each input), because JAX can
+   neither differentiate nor transpose an FFI call: ``grad`` runs the C++
+   backward, ``jvp``/``jacfwd`` the ``jvp`` rule. Second derivatives would need
+   the derivatives of those kernels, which nothing gives: they raise.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike
+
+from .. import check_array, custom_vjp
+from .._validation import is_static_scalar
+from ._load import load
+from ._module import Extension
+
+__all__ = ["SOURCE", "extension", "linear", "mul_constant"]
+
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "jaxext_ops.cc"
+"""The C++ source of the kernels, shipped in the package (``jaxext/csrc/jaxext_ops.cc``)."""
+_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+@functools.cache
+def extension() -> Extension:
+    """The compiled ``jaxext_ops`` extension (built at the first call, then cached).
+
+    Returns:
+        The :class:`~jaxext.cpp_extension.Extension` with the handlers
+        ``jaxext_mul_constant``, ``jaxext_linear_forward`` and ``jaxext_linear_backward``.
+    """
+    return load("jaxext_ops", [SOURCE])
+
+
+def mul_constant(x: ArrayLike, constant: float) -> jax.Array:
+    """``x * constant`` computed by a C++ kernel, with a C++ backward.
+
+    Args:
+        x: float32 or float64 array of any shape.
+        constant: a Python or NumPy real scalar, static and not differentiated.
+
+    Returns:
+        ``x * constant`` in ``x``'s dtype.
+
+    Raises:
+        TypeError: if ``x`` is not float32/float64 or ``constant`` is not a real scalar.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jaxext.cpp_extension import ops
+        >>> ops.mul_constant(jnp.arange(3.0), 2.0)
+        Array([0., 2., 4.], dtype=float32)
+        >>> jax.grad(lambda x: ops.mul_constant(x, 3.0).sum())(jnp.ones(2))
+        Array([3., 3.], dtype=float32)
+    """
+    x = _float_array(x, "x")
+    if not is_static_scalar(constant) or isinstance(constant, (complex, np.complexfloating)):
+        raise TypeError(
+            f"`constant` must be a Python or NumPy real scalar; got {type(constant).__name__}."
+        )
+    return _mul_constant(x, float(constant))
+
+
+def linear(x: ArrayLike, weight: ArrayLike, bias: ArrayLike | None = None) -> jax.Array:
+    """``x @ weight.T + bias`` computed by C++ kernels, forward and backward.
+
+    Args:
+        x: array of shape ``(..., in_features)``, float32 or float64.
+        weight: array of shape ``(out_features, in_features)``, of ``x``'s dtype.
+        bias: optional array of shape ``(out_features,)``, of ``x``'s dtype.
+
+    Returns:
+        Array of shape ``(..., out_features)``.
+
+    Raises:
+        TypeError: if the dtypes are not float32/float64 or differ.
+        ValueError: if the shapes do not fit together.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jaxext.cpp_extension import ops
+        >>> x, w, b = jnp.ones((4, 3)), jnp.ones((2, 3)), jnp.arange(2.0)
+        >>> ops.linear(x, w, b)[0]
+        Array([3., 4.], dtype=float32)
+        >>> jax.grad(lambda w: ops.linear(x, w, b).sum())(w)
+        Array([[4., 4., 4.],
+               [4., 4., 4.]], dtype=float32)
+    """
+    x = _float_array(x, "x")
+    weight = _float_array(weight, "weight")
+    if bias is not None:
+        bias = _float_array(bias, "bias")
+    for arg, value in (("weight", weight), ("bias", bias)):
+        if value is not None and value.dtype != x.dtype:
+            raise TypeError(
+                f"`{arg}` must have `x`'s dtype {x.dtype}; got {value.dtype} (cast explicitly)."
+            )
+    if weight.ndim != 2:
+        raise ValueError(f"`weight` must be 2-D (out_features, in_features); got {weight.shape}.")
+    out_features, in_features = weight.shape
+    if x.ndim == 0 or x.shape[-1] != in_features:
+        raise ValueError(
+            f"`x` must have shape (..., {in_features}) to match `weight` {weight.shape}; "
+            f"got {x.shape}."
+        )
+    if bias is None:
+        bias = jnp.zeros((out_features,), x.dtype)
+    elif bias.shape != (out_features,):
+        raise ValueError(f"`bias` must have shape ({out_features},); got {bias.shape}.")
+    batch = x.shape[:-1]
+    rows = x.reshape(math.prod(batch), in_features)
+    return _linear(rows, weight, bias).reshape(*batch, out_features)
+
+
+def _float_array(value: Any, arg: str) -> jax.Array:
+    array = check_array(value, arg)
+    if array.dtype not in _DTYPES:
+        raise TypeError(f"`{arg}` must be float32 or float64; got {array.dtype}.")
+    return array
+
+
+# -- the FFI calls ---------------------------------------------------------------------
+
+
+def _call_mul_constant(x, constant):
+    return extension().jaxext_mul_constant(
+        x,
+        result_shape_dtypes=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        vmap_method="expand_dims",
+        constant=constant,  # a Python float: the handler's float64 attribute
+    )
+
+
+def _call_linear_forward(x, weight, bias):
+    out = jax.ShapeDtypeStruct((x.shape[0], weight.shape[0]), x.dtype)
+    return extension().jaxext_linear_forward(
+        x, weight, bias, result_shape_dtypes=out, vmap_method="expand_dims"
+    )
+
+
+def _call_linear_backward(x, weight, g):
+    shapes = (x, weight, jax.ShapeDtypeStruct(weight.shape[:1], weight.dtype))
+    shapes = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in shapes]
+    return extension().jaxext_linear_backward(
+        x, weight, g, result_shape_dtypes=shapes, vmap_method="expand_dims"
+    )
+
+
+# -- the custom VJPs -------------------------------------------------------------------
+
+
+@functools.partial(custom_vjp, nondiff_argnums=(1,))
+def _mul_constant(x, constant):
+    return _call_mul_constant(x, constant)
+
+
+def _mul_constant_fwd(x, constant):
+    return _call_mul_constant(x, constant), None
+
+
+def _mul_constant_bwd(constant, _, g):
+    return (_call_mul_constant(g, constant),)
+
+
+def _mul_constant_jvp(constant, _, tangents):
+    (x_dot,) = tangents
+    return _call_mul_constant(x_dot, constant)
+
+
+_mul_constant.defvjp(_mul_constant_fwd, _mul_constant_bwd, jvp=_mul_constant_jvp)
+
+
+@custom_vjp
+def _linear(x, weight, bias):
+    return _call_linear_forward(x, weight, bias)
+
+
+def _linear_fwd(x, weight, bias):
+    return _call_linear_forward(x, weight, bias), (x, weight)
+
+
+def _linear_bwd(residuals, g):
+    x, weight = residuals
+    grad_x, grad_weight, grad_bias = _call_linear_backward(x, weight, g)
+    return grad_x, grad_weight, grad_bias
+
+
+def _linear_jvp(residuals, tangents):
+    # y is bilinear in (x, weight) and affine in bias:
+    # dy = dx @ w^T + x @ dw^T + db, two calls of the C++ forward.
+    x, weight = residuals
+    x_dot, weight_dot, bias_dot = tangents
+    zeros = jnp.zeros(weight.shape[:1], weight.dtype)
+    return _call_linear_forward(x_dot, weight, bias_dot) + _call_linear_forward(
+        x, weight_dot, zeros
+    )
+
+
+_linear.defvjp(_linear_fwd, _linear_bwd, jvp=_linear_jvp)

@@ -1,0 +1,543 @@
+"""jaxext.cpp_extension: building, caching, registering and calling C++ XLA FFI handlers.
+
+Each compile takes seconds, so the extensions are built once per module (fixtures)
+and every test that only calls them shares those builds. The build directories are
+temporary: the user's cache is never touched.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import rand
+
+import jaxext
+from jaxext import cpp_extension
+from jaxext.cpp_extension import _cache, ops
+
+# -- the extension the cache/registration/error tests share -----------------------------
+
+SCALE_SOURCE = """
+// y = factor * x, and a handler that refuses negative input.
+ffi::Error Scale(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y, float factor) {
+  for (size_t i = 0; i < x.element_count(); ++i) y->typed_data()[i] = factor * x.typed_data()[i];
+  return ffi::Error::Success();
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(scale, Scale,
+    ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>().Attr<float>("factor"));
+
+ffi::Error CheckPositive(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
+  for (size_t i = 0; i < x.element_count(); ++i) {
+    if (x.typed_data()[i] < 0)
+      return ffi::Error::InvalidArgument("negative input at index " + std::to_string(i));
+    y->typed_data()[i] = x.typed_data()[i];
+  }
+  return ffi::Error::Success();
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(check_positive, CheckPositive,
+    ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
+"""
+
+
+@pytest.fixture(scope="module")
+def build_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("extensions")
+
+
+@pytest.fixture(scope="module")
+def scale_ext(build_dir):
+    return cpp_extension.load_inline("scale_ext", SCALE_SOURCE, build_directory=build_dir)
+
+
+def _scale(ext, x, factor, vmap_method=None):
+    return ext.scale(x, result_shape_dtypes=x, factor=np.float32(factor), vmap_method=vmap_method)
+
+
+def _library_files(root):
+    return sorted(p.relative_to(root) for p in root.rglob("*.so"))
+
+
+# -- load_inline: calling under jit and vmap ---------------------------------------------
+
+
+def test_load_inline_finds_handlers_and_builds(scale_ext, build_dir):
+    assert scale_ext.functions == ("scale", "check_positive")
+    assert scale_ext.built
+    assert scale_ext.path.is_file() and scale_ext.path.is_relative_to(build_dir)
+    assert scale_ext.scale.target_name.startswith("scale_ext_")  # qualified by the extension
+
+
+@pytest.mark.parametrize("shape", [(), (5,), (3, 4), (0, 2)])
+def test_inline_handler_under_jit_and_vmap(scale_ext, shape):
+    x = rand(0, shape)
+    expected = np.float32(2.5) * x  # the same float32 product the kernel computes
+    np.testing.assert_array_equal(_scale(scale_ext, jnp.asarray(x), 2.5), expected)
+    np.testing.assert_array_equal(jax.jit(lambda x: _scale(scale_ext, x, 2.5))(x), expected)
+    batched = np.stack([x, -x, 2 * x])
+    out = jax.vmap(lambda x: _scale(scale_ext, x, 2.5, vmap_method="broadcast_all"))(batched)
+    np.testing.assert_array_equal(out, np.float32(2.5) * batched)
+
+
+def test_vmap_without_vmap_method_is_refused(scale_ext):
+    with pytest.raises(NotImplementedError, match="vmap_method"):
+        jax.vmap(lambda x: _scale(scale_ext, x, 2.0))(jnp.ones((2, 3)))
+
+
+def test_handler_error_is_raised_with_its_message(scale_ext):
+    x = jnp.array([1.0, 2.0, -3.0, 4.0])
+
+    def call(x):
+        return scale_ext.check_positive(x, result_shape_dtypes=x)
+
+    np.testing.assert_array_equal(jax.jit(call)(jnp.abs(x)), jnp.abs(x))
+    # XLA raises the handler's ffi::Error as JaxRuntimeError, or as the builtin
+    # exception its error code maps to (INVALID_ARGUMENT: ValueError).
+    for f in (call, jax.jit(call)):
+        with pytest.raises(
+            (jax.errors.JaxRuntimeError, ValueError), match="negative input at index 2"
+        ):
+            jax.block_until_ready(f(x))
+
+
+def test_unknown_attribute_names_the_functions(scale_ext):
+    with pytest.raises(AttributeError, match=r"no function 'scal'.*'check_positive', 'scale'"):
+        _ = scale_ext.scal
+
+
+# -- the build cache -------------------------------------------------------------------
+
+
+def test_second_load_reuses_the_cached_build(scale_ext, build_dir):
+    before = {p: os.stat(build_dir / p) for p in _library_files(build_dir)}
+    again = cpp_extension.load_inline("scale_ext", SCALE_SOURCE, build_directory=build_dir)
+    assert not again.built
+    assert again.path == scale_ext.path
+    after = {p: os.stat(build_dir / p) for p in _library_files(build_dir)}
+    assert after.keys() == before.keys()
+    for path, stat in after.items():  # the same file, not rewritten
+        assert (stat.st_ino, stat.st_mtime_ns) == (before[path].st_ino, before[path].st_mtime_ns)
+    x = jnp.arange(3.0)
+    np.testing.assert_array_equal(_scale(again, x, 3.0), 3.0 * np.arange(3.0))
+
+
+def test_changed_source_rebuilds_and_both_builds_stay_callable(scale_ext, build_dir):
+    changed = SCALE_SOURCE.replace("factor * x.typed_data()[i]", "factor * x.typed_data()[i] + 1")
+    new = cpp_extension.load_inline("scale_ext", changed, build_directory=build_dir)
+    assert new.built and new.path != scale_ext.path
+    assert new.scale.target_name != scale_ext.scale.target_name
+    assert len(list((build_dir / "scale_ext").glob("*/scale_ext.so"))) == 2
+    x = jnp.arange(3.0)
+    np.testing.assert_array_equal(_scale(new, x, 2.0), 2.0 * np.arange(3.0) + 1)
+    np.testing.assert_array_equal(_scale(scale_ext, x, 2.0), 2.0 * np.arange(3.0))
+
+
+def test_two_extensions_with_the_same_function_names(scale_ext, build_dir):
+    other_source = SCALE_SOURCE.replace("factor * x.typed_data()[i]", "factor - x.typed_data()[i]")
+    other = cpp_extension.load_inline("other_ext", other_source, build_directory=build_dir)
+    assert other.functions == scale_ext.functions
+    x = jnp.arange(3.0)
+    f = jax.jit(lambda x: (_scale(scale_ext, x, 2.0), _scale(other, x, 2.0)))
+    a, b = f(x)
+    np.testing.assert_array_equal(a, 2.0 * np.arange(3.0))
+    np.testing.assert_array_equal(b, 2.0 - np.arange(3.0))
+
+
+def test_concurrent_builds_of_one_extension_build_once(tmp_path):
+    calls, start = [], threading.Barrier(4)
+    results = []
+
+    def build(output):
+        calls.append(output)
+        output.write_bytes(b"library")
+
+    def worker():
+        start.wait()
+        results.append(_cache.build_once(tmp_path / "key", "ext.so", build))
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1
+    assert sorted(built for _, built in results) == [False, False, False, True]
+    assert {path for path, _ in results} == {tmp_path / "key" / "ext.so"}
+    assert sorted(p.name for p in (tmp_path / "key").iterdir()) == ["ext.so", "lock"]
+
+
+def test_build_directory_argument_beats_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv(_cache.ENV_VAR, str(tmp_path / "env"))
+    assert _cache.cache_root(None) == tmp_path / "env"
+    assert _cache.cache_root(tmp_path / "arg") == tmp_path / "arg"
+    monkeypatch.delenv(_cache.ENV_VAR)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert _cache.cache_root(None) == tmp_path / "xdg" / "jaxext" / "cpp_extensions"
+
+
+# -- errors a user can act on ------------------------------------------------------------
+
+
+def test_compile_error_names_file_and_line(build_dir):
+    source = "\n".join(
+        [
+            "// line 1",
+            "ffi::Error Broken(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {",
+            "  return undefined_name;  // line 3",
+            "}",
+        ]
+    )
+    with pytest.raises(cpp_extension.CompileError) as info:
+        cpp_extension.load_inline(
+            "broken_ext", source, functions="broken", build_directory=build_dir
+        )
+    message = str(info.value)
+    assert "broken_ext.cc:3:" in message and "undefined_name" in message
+    assert "broken_ext.cc:3:" in info.value.output
+    assert os.path.isfile(info.value.log_path)
+    assert not list((build_dir / "broken_ext").glob("*/*.so"))  # nothing half-built is kept
+
+
+def test_missing_handler_symbol_is_named(scale_ext, build_dir):
+    with pytest.raises(cpp_extension.MissingHandlerError, match=r"no handler symbol 'scale_v2'"):
+        cpp_extension.load_inline(
+            "scale_ext", SCALE_SOURCE, functions=["scale", "scale_v2"], build_directory=build_dir
+        )
+
+
+def test_missing_compiler_says_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(cpp_extension.CompilerNotFoundError, match=r"CXX=.*apt-get install g\+\+"):
+        cpp_extension.load_inline("any_ext", SCALE_SOURCE, build_directory=tmp_path)
+
+
+def test_sources_without_a_handler_are_refused(tmp_path):
+    source = "// XLA_FFI_DEFINE_HANDLER_SYMBOL(commented_out, Impl, binding)\nint f() { return 0; }"
+    with pytest.raises(ValueError, match="No handler found"):
+        cpp_extension.load_inline("empty_ext", source, build_directory=tmp_path)
+
+
+@pytest.mark.parametrize("name", ["", "1ext", "my-ext", "a b", "ext.so"])
+def test_bad_extension_name(name, tmp_path):
+    with pytest.raises(ValueError, match="`name` must be a C identifier"):
+        cpp_extension.load_inline(name, SCALE_SOURCE, build_directory=tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"name": None}, TypeError, "`name` must be a string; got NoneType"),
+        ({"cpp_sources": 3}, TypeError, "`cpp_sources` must be a string or a list of strings"),
+        ({"functions": [1]}, TypeError, "`functions` must be a list of names"),
+        ({"functions": []}, ValueError, "`functions` must name at least one handler"),
+        ({"functions": ["a-b"]}, ValueError, "`functions` entries must be C identifiers"),
+        ({"extra_cflags": [3]}, TypeError, "`extra_cflags` must be a list of strings"),
+        ({"platform": "tpu"}, ValueError, "`platform` must be 'cpu' or 'CUDA'"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, error, match, tmp_path):
+    args = {"name": "ext", "cpp_sources": SCALE_SOURCE, "build_directory": tmp_path, **kwargs}
+    with pytest.raises(error, match=match):
+        cpp_extension.load_inline(**args)
+
+
+def test_verbose_reports_the_cached_build(scale_ext, build_dir, capsys):
+    again = cpp_extension.load_inline(
+        "scale_ext", SCALE_SOURCE, build_directory=build_dir, verbose=True
+    )
+    assert not again.built
+    assert "'scale_ext': using the cached build" in capsys.readouterr().out
+
+
+def test_bad_source_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.cc"):
+        cpp_extension.load("ext", [tmp_path / "nope.cc"], build_directory=tmp_path)
+    (tmp_path / "kernel.py").write_text("")
+    with pytest.raises(ValueError, match=r"must end in .*\.cu; got 'kernel.py'"):
+        cpp_extension.load("ext", [tmp_path / "kernel.py"], build_directory=tmp_path)
+    with pytest.raises(ValueError, match="`sources` must name at least one file"):
+        cpp_extension.load("ext", [], build_directory=tmp_path)
+
+
+# -- jaxext's ops in C++: values and gradients against float64 references ---------------
+
+BATCH_SHAPES = [(), (1,), (7,), (2, 9), (0,)]
+# (in_features, out_features): the kernels' edge cases, tiles of 4 rows x 16 columns
+# (float32 AVX) and panels of 256 rows of the right operand.
+FEATURES = [(3, 4), (17, 5), (1, 1), (300, 37)]
+
+
+def _dot_bound(dtype, n, magnitude):
+    """A rounding-error bound for a length-``n`` sum of products with these magnitudes."""
+    return 8 * np.finfo(dtype).eps * math.sqrt(max(n, 1)) * magnitude + np.finfo(dtype).tiny
+
+
+def _assert_dot_close(actual, expected, dtype, n, magnitude):
+    assert actual.dtype == dtype and actual.shape == expected.shape
+    err = np.abs(np.asarray(actual, np.float64) - expected)
+    bound = _dot_bound(dtype, n, magnitude)
+    assert np.all(err <= bound), f"max error {err.max()} vs bound {np.max(bound)}"
+
+
+def _linear_inputs(batch, features, dtype, seed=0):
+    i, o = features
+    return (
+        rand(seed, (*batch, i), dtype),
+        rand(seed + 1, (o, i), dtype),
+        rand(seed + 2, (o,), dtype),
+    )
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("features", FEATURES)
+@pytest.mark.parametrize("batch", BATCH_SHAPES)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_ops_linear_forward(batch, features, dtype, with_bias, x64):
+    x, w, b = _linear_inputs(batch, features, dtype)
+    b = b if with_bias else None
+    x64_, w64 = x.astype(np.float64), w.astype(np.float64)
+    b64 = np.zeros(w.shape[0]) if b is None else b.astype(np.float64)
+    expected = x64_ @ w64.T + b64
+    magnitude = np.abs(x64_) @ np.abs(w64).T + np.abs(b64)
+    y = jax.jit(ops.linear)(x, w, b)
+    _assert_dot_close(y, expected, dtype, features[0] + 1, magnitude)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("features", FEATURES)
+@pytest.mark.parametrize("batch", BATCH_SHAPES)
+def test_ops_linear_grad(batch, features, dtype, x64):
+    x, w, b = _linear_inputs(batch, features, dtype)
+    ct = rand(3, (*batch, features[1]), dtype)
+    grads = jax.jit(jax.grad(lambda x, w, b: jnp.sum(ops.linear(x, w, b) * ct), (0, 1, 2)))(x, w, b)
+    x64_, w64, ct64 = (a.astype(np.float64) for a in (x, w, ct))
+    rows = math.prod(batch)
+    x2, ct2 = x64_.reshape(rows, features[0]), ct64.reshape(rows, features[1])
+    expected = (ct64 @ w64, ct2.T @ x2, ct2.sum(0))
+    magnitudes = (
+        np.abs(ct64) @ np.abs(w64),
+        np.abs(ct2).T @ np.abs(x2),
+        np.abs(ct2).sum(0),
+    )
+    lengths = (features[1], rows, rows)
+    for g, e, m, n in zip(grads, expected, magnitudes, lengths, strict=True):
+        _assert_dot_close(g, e, dtype, n, m)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+# (3, 700_001): split in chunks over XLA's thread pool, the last one shorter.
+@pytest.mark.parametrize("shape", [(), (5,), (3, 4), (0, 2), (2, 3, 4), (3, 700_001)])
+@pytest.mark.parametrize("constant", [2.5, -1, np.float32(0.1)])
+def test_ops_mul_constant_and_grad(shape, dtype, constant, x64):
+    x = rand(4, shape, dtype)
+    c = dtype(float(constant))  # the kernel multiplies in x's dtype
+    y = jax.jit(ops.mul_constant, static_argnums=1)(x, constant)
+    assert y.dtype == dtype
+    np.testing.assert_array_equal(y, x * c)  # one correctly rounded product per element
+    g = jax.grad(lambda x: jnp.sum(ops.mul_constant(x, constant) * x))(x)
+    # d/dx sum(c*x*x) = 2cx; each of the two terms is one correctly rounded product.
+    np.testing.assert_allclose(g, 2 * x.astype(np.float64) * float(c), rtol=2 * np.finfo(dtype).eps)
+
+
+@pytest.mark.parametrize("batched", ["x", "weight", "bias", "all"])
+def test_ops_linear_vmap(batched, x64):
+    x, w, b = _linear_inputs((4,), (5, 3), np.float64)
+    n = 6
+    args = {"x": x, "weight": w, "bias": b}
+    in_axes = {}
+    for key, value in args.items():
+        if batched in (key, "all"):
+            args[key] = np.stack([value * (k + 1) for k in range(n)])
+            in_axes[key] = 0
+        else:
+            in_axes[key] = None
+    axes = (in_axes["x"], in_axes["weight"], in_axes["bias"])
+    inputs = (args["x"], args["weight"], args["bias"])
+
+    def reference(x, w, b):
+        return x @ w.T + b
+
+    np.testing.assert_allclose(
+        jax.vmap(ops.linear, axes)(*inputs), jax.vmap(reference, axes)(*inputs), rtol=1e-13
+    )
+
+    def loss(f):
+        return lambda x, w, b: jnp.sum(jnp.sin(f(x, w, b)))
+
+    # Per-example gradients: the C++ backward, batched, against autodiff.
+    got = jax.vmap(jax.grad(loss(ops.linear), (0, 1, 2)), axes)(*inputs)
+    want = jax.vmap(jax.grad(loss(reference), (0, 1, 2)), axes)(*inputs)
+    for g, e in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-12, atol=1e-12)
+    # Gradient of a vmapped loss: unbatched inputs get the sum over the batch.
+    got = jax.grad(lambda *a: loss(jax.vmap(ops.linear, axes))(*a), (0, 1, 2))(*inputs)
+    want = jax.grad(lambda *a: loss(jax.vmap(reference, axes))(*a), (0, 1, 2))(*inputs)
+    for g, e in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-12, atol=1e-12)
+
+
+def test_ops_linear_nested_vmap(x64):
+    x, w, b = _linear_inputs((2, 4), (3, 5), np.float64)
+    ws = np.stack([w, -w, 2 * w])
+
+    def reference(x, w, b):
+        return x @ w.T + b
+
+    nested = jax.vmap(jax.vmap(ops.linear, (0, None, None)), (None, 0, None))
+    nested_ref = jax.vmap(jax.vmap(reference, (0, None, None)), (None, 0, None))
+    np.testing.assert_allclose(nested(x, ws, b), nested_ref(x, ws, b), rtol=1e-13)
+
+
+def test_ops_mul_constant_vmap(x64):
+    x = rand(5, (4, 3), np.float64)
+    out = jax.vmap(jax.grad(lambda x: jnp.sum(jnp.sin(ops.mul_constant(x, 3.0)))))(x)
+    np.testing.assert_allclose(out, 3.0 * np.cos(3.0 * x), rtol=1e-14)
+
+
+@pytest.mark.parametrize("batch", [(), (3,), (2, 2)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_ops_gradcheck(batch, with_bias, x64):
+    x, w, b = _linear_inputs(batch, (4, 3), np.float64)
+    inputs = (x, w, b) if with_bias else (x, w)
+    both = ("rev", "fwd")  # reverse: the C++ backward; forward: the jvp rule
+    assert jaxext.gradcheck(ops.linear, inputs, eps=1e-6, atol=1e-6, modes=both)
+    mul = lambda x: ops.mul_constant(x, -1.5)  # noqa: E731
+    assert jaxext.gradcheck(mul, (x,), eps=1e-6, atol=1e-6, modes=both)
+
+
+@pytest.mark.parametrize("perturbed", [(0,), (1,), (2,), (0, 1, 2)])
+def test_ops_linear_forward_mode(perturbed, x64):
+    x, w, b = _linear_inputs((2, 3), (5, 4), np.float64)
+    tangents = [np.zeros_like(a) for a in (x, w, b)]
+    for i in perturbed:
+        tangents[i] = rand(10 + i, tangents[i].shape, np.float64)
+
+    def reference(x, w, b):
+        return x @ w.T + b
+
+    y, y_dot = jax.jit(lambda *t: jax.jvp(ops.linear, (x, w, b), t))(*tangents)
+    y_ref, y_dot_ref = jax.jvp(reference, (x, w, b), tuple(tangents))
+    np.testing.assert_allclose(y, y_ref, rtol=1e-13)
+    np.testing.assert_allclose(y_dot, y_dot_ref, rtol=1e-12, atol=1e-13)
+    jac = jax.jacfwd(ops.linear, argnums=perturbed)(x, w, b)
+    jac_ref = jax.jacfwd(reference, argnums=perturbed)(x, w, b)
+    for j, j_ref in zip(jac, jac_ref, strict=True):
+        np.testing.assert_allclose(j, j_ref, rtol=1e-12, atol=1e-13)
+
+
+def test_ops_second_derivatives_are_refused_not_wrong(x64):
+    """No rule differentiates the C++ backward: JAX says so instead of answering."""
+    x, w, b = _linear_inputs((3,), (4, 2), np.float64)
+    with pytest.raises(ValueError, match="cannot be differentiated"):
+        jax.hessian(lambda x: jnp.sum(ops.linear(x, w, b) ** 2))(x)
+
+
+def test_ops_refuse_bad_input(x64):
+    x, w = jnp.ones((2, 3), jnp.float32), jnp.ones((4, 3), jnp.float32)
+    with pytest.raises(TypeError, match="`x` must be float32 or float64; got int32"):
+        ops.linear(jnp.ones((2, 3), jnp.int32), w)
+    with pytest.raises(TypeError, match="`weight` must have `x`'s dtype float32; got float64"):
+        ops.linear(x, w.astype(jnp.float64))
+    with pytest.raises(ValueError, match=r"`x` must have shape \(\.\.\., 3\)"):
+        ops.linear(jnp.ones((2, 5), jnp.float32), w)
+    with pytest.raises(ValueError, match=r"`bias` must have shape \(4,\)"):
+        ops.linear(x, w, jnp.ones(3, jnp.float32))
+    with pytest.raises(TypeError, match="`constant` must be a Python or NumPy real scalar"):
+        ops.mul_constant(x, jnp.array(2.0))
+
+
+def test_ops_are_built_through_the_public_load():
+    ext = ops.extension()
+    assert ext.name == "jaxext_ops"
+    assert set(ext.functions) == {
+        "jaxext_mul_constant",
+        "jaxext_linear_forward",
+        "jaxext_linear_backward",
+    }
+    assert ext.path.parent.parent.parent == _cache.cache_root(None)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_portable_and_threaded_kernel_paths(build_dir, dtype, x64):
+    """The 16-byte-vector path other CPUs take, with every product split over threads.
+
+    Forced with -DJAXEXT_NO_FMA_PATH, and thresholds of 1 for the thread-pool split
+    (the default ones start at millions of elements or flops).
+    """
+    flags = ["-DJAXEXT_NO_FMA_PATH", "-DJAXEXT_GEMM_TASK_FLOPS=1", "-DJAXEXT_MIN_CHUNK=1"]
+    ext = cpp_extension.load(
+        "jaxext_ops_portable", [ops.SOURCE], extra_cflags=flags, build_directory=build_dir
+    )
+    x = rand(8, (2, 1001), dtype)
+    y = ext.jaxext_mul_constant(x, result_shape_dtypes=x, constant=0.1)
+    np.testing.assert_array_equal(y, x * dtype(0.1))
+    rows, n_in, n_out = 9, 300, 37
+    x, w, b = _linear_inputs((rows,), (n_in, n_out), dtype)
+    g = rand(7, (rows, n_out), dtype)
+    y = ext.jaxext_linear_forward(
+        x, w, b, result_shape_dtypes=jax.ShapeDtypeStruct((rows, n_out), dtype)
+    )
+    shapes = [jax.ShapeDtypeStruct(s, dtype) for s in (x.shape, w.shape, b.shape)]
+    gx, gw, gb = ext.jaxext_linear_backward(x, w, g, result_shape_dtypes=shapes)
+    x64_, w64, b64, g64 = (a.astype(np.float64) for a in (x, w, b, g))
+    _assert_dot_close(
+        y, x64_ @ w64.T + b64, dtype, n_in + 1, np.abs(x64_) @ np.abs(w64).T + np.abs(b64)
+    )
+    _assert_dot_close(gx, g64 @ w64, dtype, n_out, np.abs(g64) @ np.abs(w64))
+    _assert_dot_close(gw, g64.T @ x64_, dtype, rows, np.abs(g64).T @ np.abs(x64_))
+    _assert_dot_close(gb, g64.sum(0), dtype, rows, np.abs(g64).sum(0))
+
+
+def test_readme_example_runs():
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.DOTALL) if "twice_ext" in b]
+    assert len(blocks) == 1
+    namespace: dict = {}
+    exec(compile(blocks[0], "README.md", "exec"), namespace)
+    np.testing.assert_array_equal(namespace["y"], [0.0, 2.0, 4.0])
+
+
+# -- CUDA (only where there is a GPU and nvcc) ------------------------------------------
+
+CUDA_SOURCE = """
+#include <cuda_runtime.h>
+__global__ void AddOneKernel(const float* x, float* y, size_t n) {
+  size_t i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = x[i] + 1.0f;
+}
+ffi::Error AddOne(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
+  size_t n = x.element_count();
+  AddOneKernel<<<(n + 255) / 256, 256, 0, stream>>>(x.typed_data(), y->typed_data(), n);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(add_one, AddOne,
+    ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
+"""
+
+
+def _has_gpu():
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU (and nvcc)")
+def test_cuda_source_compiles_with_nvcc_and_runs_on_the_gpu(tmp_path):
+    ext = cpp_extension.load_inline(
+        "cuda_ext", cpp_sources="", cuda_sources=CUDA_SOURCE, build_directory=tmp_path
+    )
+    assert ext.platform == "CUDA"
+    x = jnp.arange(5.0, device=jax.devices("gpu")[0])
+    y = jax.jit(lambda x: ext.add_one(x, result_shape_dtypes=x))(x)
+    np.testing.assert_array_equal(np.asarray(y), np.arange(5.0) + 1)
