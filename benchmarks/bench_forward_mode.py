@@ -71,6 +71,7 @@ class Settings:
     families: list[str]
     modes: list[str]
     eager: bool
+    control: bool
     profile_calls: int
 
 
@@ -91,6 +92,7 @@ def make_settings(args: argparse.Namespace) -> Settings:
         families=args.only or list(FAMILIES),
         modes=args.modes or list(MODES),
         eager=not args.no_eager,
+        control=not args.no_control,
         profile_calls=0 if args.no_profile else (300 if args.quick else 2000),
     )
 
@@ -386,6 +388,40 @@ def _bench_one(s, fam_name, fam, mode, size, log) -> dict[str, Any]:
     return row
 
 
+def bench_control(s: Settings, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """A/A control: the autodiff program timed against a second ``jit`` of itself.
+
+    Both sides run the same executable, so the spread of these ratios is the noise
+    floor of this machine at the time of the run.
+    """
+    fam = FAMILIES["linear"]
+    rows = []
+    for mode in ("jvp", "hvp"):
+        for size in s.sizes:
+            args, y, tangents = _inputs(fam, size)
+            f_p, make = _program(mode, fam, fam.plain_model)
+            call_args = make(args, y, tangents)
+            a, b = jax.jit(f_p), jax.jit(f_p)
+            row: dict[str, Any] = {"mode": mode, "size": list(size), "loadavg_before": _loadavg()}
+            row["note"] = "both contenders run the plain-autodiff program"
+            row.update(
+                _compare(
+                    s,
+                    {
+                        "jaxext": lambda a=a, c=call_args: jax.block_until_ready(a(*c)),
+                        "autodiff": lambda b=b, c=call_args: jax.block_until_ready(b(*c)),
+                    },
+                )
+            )
+            r = row["ratio"]
+            log(
+                f"control autodiff/autodiff {mode:4s} {_size(size):15s} ratio {r['median']:.3f} "
+                f"[{r['p25']:.2f}-{r['p75']:.2f}]"
+            )
+            rows.append(row)
+    return rows
+
+
 def bench_eager(s: Settings, log: Callable[[str], None]) -> list[dict[str, Any]]:
     rows = []
     for fam_name in s.families:
@@ -572,6 +608,23 @@ def markdown(results: dict[str, Any]) -> str:
                 f"{_ratio(row['ratio'])} | <= {row['target']:.2f} | {_met(row)} | "
                 f"{row['rounds']} | {row['loadavg_before'][0]:.1f} |"
             )
+    if results.get("control"):
+        lines += [
+            "",
+            "## A/A control: the noise floor",
+            "",
+            "The plain-autodiff program of the linear MLP timed against a second `jit` of "
+            "itself, same protocol. Both sides run the same executable: how far these ratios "
+            "stray from 1 is what noise alone does to a ratio in this run.",
+            "",
+            "| mode | size | ms | ratio [p25-p75] | rounds | load |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in results["control"]:
+            lines.append(
+                f"| {row['mode']} | {_size(row['size'])} | {_ms(row['time']['autodiff'])} | "
+                f"{_ratio(row['ratio'])} | {row['rounds']} | {row['loadavg_before'][0]:.1f} |"
+            )
     for name, prof in (results.get("eager_profile") or {}).items():
         lines += [
             "",
@@ -625,6 +678,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--only", choices=list(FAMILIES), action="append", help="ops (repeatable)")
     parser.add_argument("--modes", choices=MODES, action="append", help="modes (repeatable)")
     parser.add_argument("--no-eager", action="store_true", help="skip the eager rows")
+    parser.add_argument("--no-control", action="store_true", help="skip the A/A control rows")
     parser.add_argument("--no-profile", action="store_true", help="skip the eager cProfile")
     parser.add_argument("--out", type=Path, default=HERE / "results", help="output directory")
     parser.add_argument("--stem", default=None, help="output file name without extension")
@@ -649,6 +703,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     results["jitted"] = bench_jitted(s, log)
     results["eager"] = bench_eager(s, log) if s.eager else []
+    results["control"] = bench_control(s, log) if s.control else []
     if s.profile_calls:
         results["eager_profile"] = profile_eager(s.profile_calls)
     results["machine"]["loadavg_end"] = _loadavg()
