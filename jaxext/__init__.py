@@ -23,8 +23,9 @@ from ._torch_interop import torch_linear_to_params as torch_linear_to_params
 
 __version__ = "0.2.0"
 
-# Flax layer namespaces load lazily: `import jaxext` does not import flax.
-_LAZY_SUBMODULES = ("nnx", "linen")
+# Flax layer namespaces and C++ extensions load lazily: `import jaxext` imports neither flax
+# nor anything of the C++ machinery.
+_LAZY_SUBMODULES = ("nnx", "linen", "cpp_extension")
 
 
 def __getattr__(name: str):
