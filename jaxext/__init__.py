@@ -6,12 +6,14 @@ checker with PyTorch-style diagnostics, Flax layers built on the ops, and a
 """
 
 from ._function import Function as Function
+from ._function_ctx import FunctionCtx as FunctionCtx
 from ._function_ctx import once_differentiable as once_differentiable
 from ._gradcheck import GradcheckError as GradcheckError
 from ._gradcheck import gradcheck as gradcheck
 from ._gradcheck import gradgradcheck as gradgradcheck
 from ._linear import linear as linear
 from ._mul_constant import mul_constant as mul_constant
+from ._residuals import ResidualLayoutError as ResidualLayoutError
 from ._torch_interop import export_torch_linear as export_torch_linear
 from ._torch_interop import load_torch_linear as load_torch_linear
 from ._torch_interop import torch_linear_to_params as torch_linear_to_params

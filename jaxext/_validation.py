@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -19,6 +20,8 @@ def as_numeric_array(value: Any, name: str) -> jax.Array:
     Python lists and tuples are refused, as ``jnp`` functions refuse them: an
     implicit conversion would hide an element-by-element copy (and, under
     ``jit``, one traced scalar per element). Wrap them in ``jnp.asarray``.
+    Dicts and other pytree containers are refused too: the ops take one array
+    per argument.
 
     Raises:
         TypeError: if ``value`` is not an array or scalar of a numeric
@@ -31,9 +34,14 @@ def as_numeric_array(value: Any, name: str) -> jax.Array:
             f"`{name}` must be a numeric array; got a Python {type(value).__name__} "
             f"(wrap it with jnp.asarray)."
         )
+    if isinstance(value, Mapping):
+        raise TypeError(
+            f"`{name}` must be a numeric array; got a {type(value).__name__} "
+            "(pass one array, not a dict or other container of arrays)."
+        )
     try:
         array = jnp.asarray(value)
-    except TypeError as err:
+    except (TypeError, ValueError) as err:
         raise TypeError(
             f"`{name}` must be a numeric array; got {type(value).__name__} ({err})."
         ) from None

@@ -16,7 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, rand, reference_linear, vjp_kept
+from helpers import (
+    assert_close,
+    assert_close_to_float64,
+    in_float64,
+    rand,
+    reference_linear,
+    vjp_kept,
+)
 from jax.test_util import check_grads
 
 import jaxext
@@ -775,53 +782,100 @@ def test_jitted_function_reused_with_different_differentiated_inputs(function):
             assert_close(g, r, rtol=1e-5, atol=1e-6)
 
 
-class SavesOnlyWhatIsNeeded(jaxext.Function):
-    """Saves a different set of values depending on needs_input_grad."""
+def _saves_only_what_is_needed():
+    """A fresh Function (its own jit cache) saving values chosen by needs_input_grad."""
 
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.kinds = tuple(k for k, need in zip("xw", ctx.needs_input_grad, strict=True) if need)
-        ctx.save_for_backward(*(w if k == "x" else x for k in ctx.kinds))
-        return x @ w.T
+    class SavesOnlyWhatIsNeeded(jaxext.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.kinds = tuple(k for k, need in zip("xw", ctx.needs_input_grad, strict=True) if need)
+            ctx.save_for_backward(*(w if k == "x" else x for k in ctx.kinds))
+            return x @ w.T
 
-    @staticmethod
-    def backward(ctx, g):
-        grads = {"x": None, "w": None}
-        for kind, saved in zip(ctx.kinds, ctx.saved_tensors, strict=True):
-            grads[kind] = g @ saved if kind == "x" else g.T @ saved
-        return grads["x"], grads["w"]
+        @staticmethod
+        def backward(ctx, g):
+            grads = {"x": None, "w": None}
+            for kind, saved in zip(ctx.kinds, ctx.saved_tensors, strict=True):
+                grads[kind] = g @ saved if kind == "x" else g.T @ saved
+            return grads["x"], grads["w"]
+
+    return SavesOnlyWhatIsNeeded
 
 
 def _reuse_setup():
-    helper = jax.jit(SavesOnlyWhatIsNeeded.apply)
+    helper = jax.jit(_saves_only_what_is_needed().apply)
     x = jnp.asarray(rand(0, (5, 3)))
     w1, w2 = jnp.asarray(rand(1, (3, 3))), jnp.asarray(rand(2, (3, 3)))
 
     def loss(op):
         # Differentiating w1 only: use 1 saves x (for w's gradient), use 2 saves w2
         # (for its input's gradient): one array each, different static data.
-        return lambda w1: jnp.sum(jnp.sin(op(op(x, w1), w2)))
+        # Differentiating w1 and w2: use 2 saves two arrays, use 1 still one.
+        return lambda w1, w2: jnp.sum(jnp.sin(op(op(x, w1), w2)))
 
-    return helper, loss, w1
+    return helper, loss, (w1, w2)
 
 
 def test_layout_depending_on_needs_input_grad_fails_loudly_when_reused_under_jit():
-    helper, loss, w1 = _reuse_setup()
+    helper, loss, args = _reuse_setup()
     # The backward would get the other use's layout: refused, not a wrong gradient.
-    with pytest.raises(RuntimeError, match="laid out for another call"):
-        jax.grad(loss(helper))(w1)
+    with pytest.raises(jaxext.ResidualLayoutError, match="laid out for another call"):
+        jax.grad(loss(helper))(*args)
 
 
-def test_layout_depending_on_needs_input_grad_is_never_silently_wrong():
-    helper, loss, w1 = _reuse_setup()
-    want = jax.grad(loss(lambda x, w: x @ w.T))(w1)
-    # Each use alone (this also primes the jit cache) ...
-    alone = jax.grad(lambda w: jnp.sum(jnp.sin(helper(w1, w))))(w1)
-    assert_close(alone, jax.grad(lambda w: jnp.sum(jnp.sin(w1 @ w.T)))(w1), rtol=1e-5, atol=1e-6)
-    # ... then both: whether JAX reuses the cached trace or not, the result is either
-    # a loud error or the right gradient.
+_COUNT_DIFFERS = pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="The saved-array count differs between the two uses: JAX's custom_vjp ends in "
+    "its own bare AssertionError before jaxext's layout check runs. The integrator's "
+    "custom_vjp rebuild (jaxext.custom_vjp) must make this a ResidualLayoutError or the "
+    "right gradient; then remove this mark.",
+)
+
+
+@pytest.mark.parametrize(
+    ("argnums", "primed"),
+    [
+        pytest.param((0,), False, id="same-count"),
+        pytest.param((0,), True, id="same-count-primed"),
+        pytest.param((0, 1), False, id="count-differs", marks=_COUNT_DIFFERS),
+        pytest.param((0, 1), True, id="count-differs-primed", marks=_COUNT_DIFFERS),
+    ],
+)
+def test_layout_depending_on_needs_input_grad_is_never_silently_wrong(argnums, primed):
+    helper, loss, args = _reuse_setup()
+    want = in_float64(jax.grad(loss(lambda x, w: x @ w.T), argnums), *args)
+    if primed:  # one use alone first: the jit cache now holds that use's trace
+        w1, w2 = args
+        alone = jax.grad(lambda w: jnp.sum(jnp.sin(helper(w1, w))))(w2)
+        alone_want = in_float64(jax.grad(lambda w: jnp.sum(jnp.sin(w1 @ w.T))), w2)
+        assert_close_to_float64(alone, alone_want, n=5)
+    # Whether JAX reuses the cached trace or not, the result is the right gradient or
+    # jaxext's clear error, never a wrong gradient and never a bare internal error.
     try:
-        got = jax.grad(loss(helper))(w1)
-    except (RuntimeError, AssertionError):
+        got = jax.grad(loss(helper), argnums)(*args)
+    except jaxext.ResidualLayoutError as err:
+        assert "Keep the structure the same whatever is differentiated" in str(err)
         return
-    assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for g, g_ref in zip(got, want, strict=True):
+        assert_close_to_float64(g, g_ref, n=15)
+
+
+def test_ctx_type_and_layout_error_are_public():
+    seen = []
+
+    class Double(jaxext.Function):
+        @staticmethod
+        def forward(ctx: jaxext.FunctionCtx, x):
+            seen.append(ctx)
+            return 2 * x
+
+        @staticmethod
+        def backward(ctx: jaxext.FunctionCtx, g):
+            seen.append(ctx)
+            return 2 * g
+
+    assert_close(jax.grad(lambda x: Double.apply(x).sum())(jnp.ones(3)), np.full(3, 2.0))
+    assert len(seen) == 2 and all(isinstance(ctx, jaxext.FunctionCtx) for ctx in seen)
+    assert issubclass(jaxext.ResidualLayoutError, RuntimeError)
+    assert jaxext.FunctionCtx.__doc__ and jaxext.ResidualLayoutError.__doc__

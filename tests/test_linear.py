@@ -515,6 +515,10 @@ BAD_INPUTS = [
     pytest.param((X, W, False), TypeError, r"`bias`.*or None; got False", id="bias-False"),
     pytest.param(([[1.0, 2.0, 3.0]], W, B), TypeError, r"`x`.*list.*jnp.asarray", id="x-list"),
     pytest.param((np.array(["a", "b", "c"]), W, B), TypeError, r"`x`.*numeric", id="x-str-array"),
+    pytest.param(
+        ({"a": X}, W, B), TypeError, r"`x` must be a numeric array; got a dict", id="x-dict"
+    ),
+    pytest.param((X, {"w": W}, B), TypeError, r"`weight`.*got a dict", id="w-dict"),
 ]
 
 

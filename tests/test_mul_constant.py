@@ -411,6 +411,7 @@ BAD_CONSTANTS = [
     pytest.param(np.array([True, False, True]), TypeError, r"`constant`.*dtype bool", id="bool-np"),
     pytest.param(jnp.array(True), TypeError, r"`constant`.*dtype bool", id="bool-jnp"),
     pytest.param(np.array(["a"]), TypeError, r"`constant`", id="str-array"),
+    pytest.param({"c": 2.0}, TypeError, r"`constant`.*got dict", id="dict"),
     pytest.param(
         jnp.ones(4), ValueError, r"`constant` of shape \(4,\).*`x` of shape \(2, 3\)", id="shape"
     ),
@@ -433,8 +434,9 @@ def test_bad_constant_is_refused_by_name(constant, error, match):
         (None, r"`x`.*NoneType"),
         (XA.astype(bool), r"`x`.*dtype bool"),
         ([1.0, 2.0], r"`x`.*list"),
+        ({"a": XA}, r"`x` must be a numeric array; got a dict"),
     ],
-    ids=["str", "none", "bool", "list"],
+    ids=["str", "none", "bool", "list", "dict"],
 )
 def test_bad_x_is_refused_by_name(x, match):
     with pytest.raises(TypeError, match=match):
