@@ -76,6 +76,21 @@ def assert_close_to_float64(actual, reference, *, n=1, k=8.0, err_msg=""):
     assert_close(actual, reference, rtol=tol, atol=tol * max(scale, 1e-30), err_msg=err_msg)
 
 
+def skip_without_float16():
+    """Skips the calling test where XLA cannot compute in float16 on this CPU.
+
+    XLA's CPU backend converts float16 with the F16C instructions; without them
+    (``XLA_FLAGS=--xla_cpu_max_isa=SSE4_2``, or an old CPU) even plain ``jnp``
+    float16 code fails to compile. That is a limit of the machine, not of jaxext.
+    """
+    import pytest
+
+    try:
+        jnp.ones(2, jnp.float32).astype(jnp.float16).block_until_ready()
+    except Exception as err:  # jax.errors.JaxRuntimeError: missing __truncsfhf2
+        pytest.skip(f"XLA cannot compile float16 code on this CPU: {str(err)[:120]}")
+
+
 def tolerance(dtype):
     """``rtol``/``atol`` keyword arguments suited to comparisons at ``dtype``."""
     dtype = np.dtype(dtype)

@@ -20,6 +20,7 @@ from helpers import (
     in_float64,
     rand,
     reference_linear,
+    skip_without_float16,
     tolerance,
     vjp_kept,
 )
@@ -250,6 +251,8 @@ BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
     ],
 )
 def test_dtypes_follow_jnp_promotion_and_grads_keep_input_dtypes(x_dtype, w_dtype, b_dtype):
+    if F16 in (x_dtype, w_dtype, b_dtype):
+        skip_without_float16()
     x = jnp.asarray(rand(0, (4, 3)), x_dtype)
     w = jnp.asarray(rand(1, (2, 3)), w_dtype)
     b = None if b_dtype is None else jnp.asarray(rand(2, (2,)), b_dtype)
