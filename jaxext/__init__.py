@@ -11,6 +11,7 @@ from ._validation import check_array as check_array
 
 # isort: split
 from ._function import Function as Function
+from ._function_ctx import FunctionCtx as FunctionCtx
 from ._function_ctx import once_differentiable as once_differentiable
 from ._gradcheck import GradcheckError as GradcheckError
 from ._gradcheck import gradcheck as gradcheck

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -18,7 +19,8 @@ def check_array(value: Any, name: str) -> jax.Array:
     pass through untouched, so it is safe under ``jit`` and ``grad``. Python
     lists and tuples are refused, as ``jnp`` functions refuse them: an implicit
     conversion would hide an element-by-element copy (and, under ``jit``, one
-    traced scalar per element).
+    traced scalar per element). Dicts and other pytree containers are refused
+    too: an op takes one array per argument.
 
     Args:
         value: the argument as the caller gave it.
@@ -53,9 +55,14 @@ def check_array(value: Any, name: str) -> jax.Array:
             f"`{name}` must be a numeric array; got a Python {type(value).__name__} "
             f"(wrap it with jnp.asarray)."
         )
+    if isinstance(value, Mapping):
+        raise TypeError(
+            f"`{name}` must be a numeric array; got a {type(value).__name__} "
+            "(pass one array, not a dict or other container of arrays)."
+        )
     try:
         array = jnp.asarray(value)
-    except TypeError as err:
+    except (TypeError, ValueError) as err:
         raise TypeError(
             f"`{name}` must be a numeric array; got {type(value).__name__} ({err})."
         ) from None

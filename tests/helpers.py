@@ -32,6 +32,65 @@ def assert_close(actual, expected, *, rtol=1e-6, atol=1e-6, err_msg=""):
     )
 
 
+def in_float64(fn, *args):
+    """``fn(*args)`` computed in float64: the independent reference for float32 results.
+
+    Floating arrays in ``args`` are upcast (their values are exact in float64) and
+    ``fn`` runs with x64 enabled (the ``x64`` fixture's context manager), so the rest of
+    the test keeps JAX's default configuration. Results come back as float64 NumPy.
+    """
+
+    def up(a):
+        a = np.asarray(a)
+        return a.astype(np.float64) if np.issubdtype(a.dtype, np.floating) else a
+
+    with jax.enable_x64(True):
+        out = fn(*jax.tree.map(lambda a: jnp.asarray(up(a)), args))
+        return jax.tree.map(lambda a: np.asarray(a, np.float64), out)
+
+
+def rounding_tolerance(dtype, n=1, *, k=8.0):
+    """Relative tolerance for a ``dtype`` computation against a float64 reference.
+
+    A length-``n`` sum of products rounded in ``dtype`` differs from the exact one by
+    about ``sqrt(n) * eps`` relative to the size of its terms (rounding errors add up
+    like a random walk; the worst case is ``n * eps``). ``k`` covers the few roundings
+    around the sum and the conditioning of a small, well-scaled problem. Any two
+    programs (fused or not, any vector width, any summation order) land within it.
+    """
+    eps = float(jnp.finfo(dtype).eps)
+    return k * eps * float(np.sqrt(max(n, 1)))
+
+
+def assert_close_to_float64(actual, reference, *, n=1, k=8.0, err_msg=""):
+    """``actual`` (computed in its own dtype) vs a float64 ``reference`` of the same math.
+
+    ``rtol`` is :func:`rounding_tolerance` of ``actual``'s dtype; ``atol`` is the same
+    fraction of the largest reference entry (entries that nearly cancel are held to
+    the scale of the problem, not to their own tiny size).
+    """
+    actual = np.asarray(actual)
+    reference = np.asarray(reference, np.float64)
+    tol = rounding_tolerance(actual.dtype, n, k=k)
+    scale = float(np.max(np.abs(reference))) if reference.size else 0.0
+    assert_close(actual, reference, rtol=tol, atol=tol * max(scale, 1e-30), err_msg=err_msg)
+
+
+def skip_without_float16():
+    """Skips the calling test where XLA cannot compute in float16 on this CPU.
+
+    XLA's CPU backend converts float16 with the F16C instructions; without them
+    (``XLA_FLAGS=--xla_cpu_max_isa=SSE4_2``, or an old CPU) even plain ``jnp``
+    float16 code fails to compile. That is a limit of the machine, not of jaxext.
+    """
+    import pytest
+
+    try:
+        jnp.ones(2, jnp.float32).astype(jnp.float16).block_until_ready()
+    except Exception as err:  # jax.errors.JaxRuntimeError: missing __truncsfhf2
+        pytest.skip(f"XLA cannot compile float16 code on this CPU: {str(err)[:120]}")
+
+
 def tolerance(dtype):
     """``rtol``/``atol`` keyword arguments suited to comparisons at ``dtype``."""
     dtype = np.dtype(dtype)

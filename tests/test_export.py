@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, rand, reference_linear
+from helpers import assert_close_to_float64, in_float64, rand, reference_linear
 from jax import export
 
 import jaxext
@@ -49,15 +49,20 @@ def _roundtrip(exported):
 
 
 def _assert_same(actual, expected):
+    """Bit-identical: only for the same program (an export at the shapes it was traced at)."""
     for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
         assert a.shape == e.shape and a.dtype == e.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
 
 
-def _assert_matches_reference(actual, expected):
+def _assert_matches_reference(actual, ref, args):
+    """float32 results vs ``ref`` (plain autodiff) computed in float64."""
+    expected = in_float64(ref, *args)
     for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-        assert a.shape == e.shape
-        assert_close(a, e, rtol=2e-5, atol=2e-5)
+        assert a.shape == e.shape and a.dtype == jnp.float32
+        # Two layers forward and back: four chained sums of up to 16 terms each, whose
+        # rounding errors compound (about 16 * 16 terms' worth).
+        assert_close_to_float64(a, e, n=256)
 
 
 @pytest.mark.parametrize("serialize", [False, True])
@@ -70,7 +75,7 @@ def test_export_concrete_shapes(fn, ref, serialize):
     assert [a.shape for a in exported.in_avals] == [a.shape for a in args]
     out = exported.call(*args)
     _assert_same(out, fn(*args))
-    _assert_matches_reference(out, ref(*args))
+    _assert_matches_reference(out, ref, args)
 
 
 @pytest.mark.parametrize("serialize", [False, True])
@@ -83,9 +88,9 @@ def test_export_symbolic_batch(fn, ref, serialize):
     assert export.is_symbolic_dim(exported.in_avals[0].shape[0])
     for batch in (1, 3, 7):
         args = (rand(batch, (batch, 16)), *_params())
-        out = exported.call(*args)
-        _assert_same(out, fn(*args))
-        _assert_matches_reference(out, ref(*args))
+        # A shape-polymorphic module refined at call time is not the program jit compiles
+        # for the concrete shape, so it is held to the float64 reference, not to fn's bits.
+        _assert_matches_reference(exported.call(*args), ref, args)
 
 
 def test_export_symbolic_batch_and_sequence():
@@ -95,7 +100,7 @@ def test_export_symbolic_batch_and_sequence():
     exported = export.export(GRAD)(x_spec, *_params())
     for shape in ((2, 3, 16), (1, 5, 16)):
         args = (rand(0, shape), *_params())
-        _assert_matches_reference(exported.call(*args), REF_GRAD(*args))
+        _assert_matches_reference(exported.call(*args), REF_GRAD, args)
 
 
 def test_exported_symbolic_batch_rejects_wrong_features():
@@ -113,29 +118,31 @@ def test_export_nnx_linear_train_step(serialize):
     def make(cls):
         return cls(16, 8, bias_init=nnx.initializers.normal(1.0), rngs=nnx.Rngs(0))
 
-    graphdef, state = nnx.split(make(jaxext.nnx.Linear))
-    params = nnx.to_pure_dict(state)  # plain dict: serializable pytree
+    def functional(cls):
+        """``(loss(params, x), params)`` for a fresh layer; params is a plain dict."""
+        graphdef, state = nnx.split(make(cls))
 
-    def loss(params, x):
-        layer_state = jax.tree.map(lambda leaf: leaf, state)  # a fresh State
-        nnx.replace_by_pure_dict(layer_state, params)  # in place
-        layer = nnx.merge(graphdef, layer_state)
-        return jnp.mean(jnp.tanh(layer(x)) ** 2)
+        def loss(params, x):
+            layer_state = jax.tree.map(lambda leaf: leaf, state)  # a fresh State
+            nnx.replace_by_pure_dict(layer_state, params)  # in place
+            layer = nnx.merge(graphdef, layer_state)
+            return jnp.mean(jnp.tanh(layer(x)) ** 2)
 
+        return loss, nnx.to_pure_dict(state)  # plain dict: serializable pytree
+
+    loss, params = functional(jaxext.nnx.Linear)
     step = jax.jit(jax.value_and_grad(loss))
     x_spec = jax.ShapeDtypeStruct(export.symbolic_shape("b, 16"), jnp.float32)
     exported = export.export(step)(params, x_spec)
     if serialize:
         exported = _roundtrip(exported)
 
-    reference = make(nnx.Linear)  # flax's own layer, same seed, plain autodiff
+    # Flax's own layer (same seed), plain autodiff, in float64.
+    ref_loss, ref_params = functional(nnx.Linear)
     for batch in (2, 5):
         x = rand(batch, (batch, 16))
         value, grads = exported.call(params, x)
-        ref_value, ref_grads = nnx.value_and_grad(lambda m, x: jnp.mean(jnp.tanh(m(x)) ** 2))(
-            reference, x
-        )
-        assert_close(value, ref_value, rtol=1e-6, atol=1e-7)
-        ref_grads = nnx.to_pure_dict(ref_grads)
+        ref_value, ref_grads = in_float64(jax.value_and_grad(ref_loss), ref_params, x)
+        assert_close_to_float64(value, ref_value, n=16 * batch)
         for name in ("kernel", "bias"):
-            assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-7)
+            assert_close_to_float64(grads[name], ref_grads[name], n=16 * batch)

@@ -13,11 +13,14 @@ import numpy as np
 import pytest
 from helpers import (
     assert_close,
+    assert_close_to_float64,
     assert_first_and_second_order_close,
     count_hlo_dots,
     count_primitive,
+    in_float64,
     rand,
     reference_linear,
+    skip_without_float16,
     tolerance,
     vjp_kept,
 )
@@ -70,25 +73,35 @@ def upcast(tree, dtype):
 @pytest.mark.parametrize(("x_shape", "out_features"), SHAPES)
 def test_value_and_grads_match_jnp_autodiff(x_shape, out_features, use_bias, dtype):
     args = make_inputs(x_shape, out_features, use_bias, dtype)
-    # bfloat16 is checked against a float32 reference on the same (rounded) inputs.
-    ref_dtype = jnp.float32 if dtype == jnp.bfloat16 else dtype
-    ref_args = upcast(args, ref_dtype)
-    tol = tolerance(dtype)
+    # The reference is plain autodiff in float64 on the same (rounded) inputs.
+    ct_dtype = jnp.float32 if dtype == jnp.bfloat16 else dtype
+    n = max(int(np.prod(x_shape[:-1])), x_shape[-1], out_features)  # longest sum
+
+    def check(actual, expected, err_msg=""):
+        if dtype == jnp.bfloat16:  # results rounded to 8 significant bits
+            assert_close(actual, expected, **tolerance(dtype), err_msg=err_msg)
+        else:
+            assert_close_to_float64(actual, expected, n=n, err_msg=err_msg)
 
     y = jaxext.linear(*args)
-    y_ref = reference_linear(*ref_args)
     assert y.shape == x_shape[:-1] + (out_features,)
     assert y.dtype == dtype
-    assert_close(y, y_ref, **tol)
+    check(y, in_float64(reference_linear, *args))
 
-    ct = jnp.asarray(rand(7, y.shape), ref_dtype)
+    ct = np.asarray(rand(7, y.shape), ct_dtype)
     argnums = (0, 1, 2) if use_bias else (0, 1)
-    grads = jax.grad(weighted_sum(jaxext.linear, ct), argnums)(*args)
-    grads_ref = jax.grad(weighted_sum(reference_linear, ct), argnums)(*ref_args)
+    grads = jax.grad(weighted_sum(jaxext.linear, jnp.asarray(ct)), argnums)(*args)
+
+    def reference_grads(*args):
+        return jax.grad(weighted_sum(reference_linear, jnp.asarray(ct, jnp.float64)), argnums)(
+            *args
+        )
+
+    grads_ref = in_float64(reference_grads, *args)
     for name, g, g_ref, a in zip("xwb", grads, grads_ref, args, strict=False):
         assert g.shape == a.shape, name
         assert g.dtype == a.dtype, name
-        assert_close(g, g_ref, **tol, err_msg=f"grad of {name}")
+        check(g, g_ref, err_msg=f"grad of {name}")
 
 
 @pytest.mark.parametrize("use_bias", BIAS)
@@ -124,7 +137,7 @@ def test_no_bias_grad_structure_has_none():
     params = {"x": x, "w": w, "b": None}
     grads = jax.grad(lambda p: jaxext.linear(p["x"], p["w"], p["b"]).sum())(params)
     assert grads["b"] is None
-    assert_close(grads["w"], np.broadcast_to(np.asarray(x).sum(0), (4, 3)))
+    assert_close_to_float64(grads["w"], np.broadcast_to(np.asarray(x, F64).sum(0), (4, 3)), n=5)
     gx, gw, gb = jax.grad(lambda x, w, b: jaxext.linear(x, w, b).sum(), (0, 1, 2))(x, w, None)
     assert gb is None
     assert gx.shape == x.shape and gw.shape == w.shape
@@ -216,9 +229,9 @@ def test_jitted_linear_reused_with_different_differentiated_inputs(square):
 
     for argnums in [(0, 1), (0,), (1,), (2,), (0, 1, 2)]:
         got = jax.grad(loss(helper), argnums)(w1, w2, x)
-        want = jax.grad(loss(lambda x, w: x @ w.T), argnums)(w1, w2, x)
+        want = in_float64(jax.grad(loss(lambda x, w: x @ w.T), argnums), w1, w2, x)
         for g, r in zip(got, want, strict=True):
-            assert_close(g, r, rtol=1e-5, atol=1e-6)
+            assert_close_to_float64(g, r, n=20)
 
 
 # -- dtypes ---------------------------------------------------------------------------
@@ -238,6 +251,8 @@ BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
     ],
 )
 def test_dtypes_follow_jnp_promotion_and_grads_keep_input_dtypes(x_dtype, w_dtype, b_dtype):
+    if F16 in (x_dtype, w_dtype, b_dtype):
+        skip_without_float16()
     x = jnp.asarray(rand(0, (4, 3)), x_dtype)
     w = jnp.asarray(rand(1, (2, 3)), w_dtype)
     b = None if b_dtype is None else jnp.asarray(rand(2, (2,)), b_dtype)
@@ -333,12 +348,14 @@ def test_complex_vjp_matches_jnp(x64):
 def test_jit(x_shape, out_features, use_bias):
     args = make_inputs(x_shape, out_features, use_bias, F32)
     argnums = (0, 1, 2) if use_bias else (0, 1)
-    assert_close(jax.jit(jaxext.linear)(*args), reference_linear(*args), **tolerance(F32))
+    n = max(int(np.prod(x_shape[:-1])), x_shape[-1], out_features)  # longest sum
+    y_ref = in_float64(reference_linear, *args)
+    assert_close_to_float64(jax.jit(jaxext.linear)(*args), y_ref, n=n)
     loss = lambda fn: lambda *a: jnp.sum(jnp.sin(fn(*a)))  # noqa: E731
     grads = jax.jit(jax.grad(loss(jaxext.linear), argnums))(*args)
-    grads_ref = jax.grad(loss(reference_linear), argnums)(*args)
+    grads_ref = in_float64(jax.grad(loss(reference_linear), argnums), *args)
     for g, g_ref in zip(grads, grads_ref, strict=True):
-        assert_close(g, g_ref, **tolerance(F32))
+        assert_close_to_float64(g, g_ref, n=n)
 
 
 @pytest.mark.parametrize("in_axes", [(0, None, None), (0, 0, 0), (None, 0, None), (1, None, 0)])
@@ -358,12 +375,12 @@ def test_vmap_of_value_and_grad(in_axes):
         return jax.vmap(jax.value_and_grad(loss, (0, 1, 2)), in_axes=in_axes)
 
     v, grads = value_and_grads(jaxext.linear)(*args)
-    v_ref, grads_ref = value_and_grads(reference_linear)(*args)
+    v_ref, grads_ref = in_float64(value_and_grads(reference_linear), *args)
     assert v.shape == (3,)
-    assert_close(v, v_ref, **tolerance(F32))
+    assert_close_to_float64(v, v_ref, n=10)
     for g, g_ref in zip(grads, grads_ref, strict=True):
         assert g.shape == g_ref.shape
-        assert_close(g, g_ref, **tolerance(F32))
+        assert_close_to_float64(g, g_ref, n=10)
 
 
 def _nonlinear_loss(fn):
@@ -515,6 +532,10 @@ BAD_INPUTS = [
     pytest.param((X, W, False), TypeError, r"`bias`.*or None; got False", id="bias-False"),
     pytest.param(([[1.0, 2.0, 3.0]], W, B), TypeError, r"`x`.*list.*jnp.asarray", id="x-list"),
     pytest.param((np.array(["a", "b", "c"]), W, B), TypeError, r"`x`.*numeric", id="x-str-array"),
+    pytest.param(
+        ({"a": X}, W, B), TypeError, r"`x` must be a numeric array; got a dict", id="x-dict"
+    ),
+    pytest.param((X, {"w": W}, B), TypeError, r"`weight`.*got a dict", id="w-dict"),
 ]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -9,7 +11,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 from flax import nnx
-from helpers import rand
+from helpers import assert_close_to_float64, rand
 
 import jaxext
 import jaxext.linen
@@ -96,39 +98,41 @@ def test_load_casts_to_param_dtype():
 @pytest.mark.parametrize("x_shape", [(7,), (4, 7), (2, 3, 7)])
 def test_outputs_and_gradients_match_torch(torch, use_bias, x_shape):
     linear = torch.nn.Linear(7, 5, bias=use_bias)
-    state = linear.state_dict()
+    state = linear.state_dict()  # float32, loaded into the jaxext layers
+    # The reference: the same torch layer in float64 (float32 values are exact there).
+    linear64 = copy.deepcopy(linear).double()
     x = rand(2, x_shape)
-    x_t = torch.from_numpy(x).requires_grad_(True)
-    y_t = linear(x_t)
+    x_t = torch.from_numpy(x.astype(np.float64)).requires_grad_(True)
+    y_t = linear64(x_t)
     (y_t**2).sum().backward()
+    n = 42  # longest sum: the weight gradient over up to 6 rows, 7 features deep
 
     ours = jaxext.nnx.Linear(7, 5, use_bias=use_bias, rngs=nnx.Rngs(0))
     jaxext.load_torch_linear(ours, state)
-    np.testing.assert_allclose(ours(jnp.asarray(x)), y_t.detach().numpy(), rtol=1e-5, atol=1e-6)
+    assert_close_to_float64(ours(jnp.asarray(x)), y_t.detach().numpy(), n=7)
     grads, g_x = nnx.grad(lambda m, x: jnp.sum(m(x) ** 2), argnums=(0, 1))(ours, jnp.asarray(x))
-    np.testing.assert_allclose(g_x, x_t.grad.numpy(), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(
-        grads.kernel[...].T, linear.weight.grad.numpy(), rtol=1e-5, atol=1e-5
-    )
+    assert_close_to_float64(g_x, x_t.grad.numpy(), n=n)
+    assert_close_to_float64(grads.kernel[...].T, linear64.weight.grad.numpy(), n=n)
     if use_bias:
-        np.testing.assert_allclose(grads.bias[...], linear.bias.grad.numpy(), rtol=1e-5, atol=1e-5)
+        assert_close_to_float64(grads.bias[...], linear64.bias.grad.numpy(), n=n)
 
     dense = jaxext.linen.Dense(features=5, use_bias=use_bias)
     params = jaxext.torch_linear_to_params(state)
     y_linen = dense.apply({"params": params}, jnp.asarray(x))
-    np.testing.assert_allclose(y_linen, y_t.detach().numpy(), rtol=1e-5, atol=1e-6)
+    assert_close_to_float64(y_linen, y_t.detach().numpy(), n=7)
 
 
 def test_also_loads_flax_layers(torch):
     linear = torch.nn.Linear(4, 3)
     x = rand(0, (2, 4))
-    expected = linear(torch.from_numpy(x)).detach().numpy()
+    expected = copy.deepcopy(linear).double()(torch.from_numpy(x.astype(np.float64)))
+    expected = expected.detach().numpy()  # float64 reference
     layer = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
     jaxext.load_torch_linear(layer, linear.state_dict())
-    np.testing.assert_allclose(layer(jnp.asarray(x)), expected, rtol=1e-5, atol=1e-6)
+    assert_close_to_float64(layer(jnp.asarray(x)), expected, n=4)
     params = jaxext.torch_linear_to_params(linear.state_dict())
     y = nn.Dense(3).apply({"params": params}, jnp.asarray(x))
-    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
+    assert_close_to_float64(y, expected, n=4)
 
 
 @pytest.mark.parametrize("dtype_name", ["float32", "float64", "bfloat16"])
@@ -162,9 +166,13 @@ def test_linen_variables_export_to_torch(torch):
     linear = torch.nn.Linear(3, 2)
     linear.load_state_dict(state)
     x_np = rand(0, (5, 3))
-    expected = jaxext.linen.Dense(features=2).apply(variables, jnp.asarray(x_np))
+    params = variables["params"]
+    # float64 reference from the jax parameters; torch (float32) must land within rounding.
+    expected = x_np.astype(np.float64) @ np.asarray(params["kernel"], np.float64)
+    expected += np.asarray(params["bias"], np.float64)
     got = linear(torch.from_numpy(x_np)).detach().numpy()
-    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert got.dtype == np.float32
+    assert_close_to_float64(got, expected, n=3)
 
 
 def test_import_jaxext_does_not_import_torch():
