@@ -7,9 +7,9 @@ checker with PyTorch-style diagnostics, Flax layers built on the ops, and a
 
 from ._function import Function as Function
 from ._function_ctx import once_differentiable as once_differentiable
-from ._gradcheck import GradcheckError as GradcheckError
-from ._gradcheck import gradcheck as gradcheck
-from ._gradcheck import gradgradcheck as gradgradcheck
+from ._checks import GradcheckError as GradcheckError
+from ._checks import gradcheck as gradcheck
+from ._checks import gradgradcheck as gradgradcheck
 from ._linear import linear as linear
 from ._mul_constant import mul_constant as mul_constant
 from ._torch_interop import export_torch_linear as export_torch_linear
