@@ -5,6 +5,11 @@ checker with PyTorch-style diagnostics, Flax layers built on the ops, and a
 ``Function`` class for porting ``torch.autograd.Function`` code.
 """
 
+# The op-writing API first: the ops below are built on it (`from jaxext import ...`).
+from ._custom_vjp import custom_vjp as custom_vjp
+from ._validation import check_array as check_array
+
+# isort: split
 from ._function import Function as Function
 from ._function_ctx import once_differentiable as once_differentiable
 from ._checks import GradcheckError as GradcheckError
@@ -16,7 +21,7 @@ from ._torch_interop import export_torch_linear as export_torch_linear
 from ._torch_interop import load_torch_linear as load_torch_linear
 from ._torch_interop import torch_linear_to_params as torch_linear_to_params
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # Flax layer namespaces load lazily: `import jaxext` does not import flax.
 _LAZY_SUBMODULES = ("nnx", "linen")

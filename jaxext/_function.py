@@ -1,33 +1,31 @@
-"""`Function`: PyTorch's ``torch.autograd.Function`` pattern, lowered onto ``jax.custom_vjp``.
+"""`Function`: PyTorch's ``torch.autograd.Function`` pattern, built on ``jaxext.custom_vjp``.
 
-``Function.apply`` builds one ``custom_vjp`` per call. Array arguments are its
-differentiable inputs; every other argument (numbers, strings, ``None``,
+``Function.apply`` builds one ``jaxext.custom_vjp`` per call. Array arguments are
+its differentiable inputs; every other argument (numbers, strings, ``None``,
 tuples of ints ...) is closed over as a static constant, so it never needs to
 be hashable, and ``jit`` retraces exactly when the caller's own static
-arguments change. ``symbolic_zeros=True`` gives ``CustomVJPPrimal.perturbed``,
-which becomes ``ctx.needs_input_grad``.
+arguments change. ``CustomVJPPrimal.perturbed`` becomes ``ctx.needs_input_grad``;
+``ctx`` crosses from forward to backward as the residuals.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
+from ._custom_vjp import custom_vjp
 from ._function_ctx import (
     FunctionCtx,
     call_blocking_derivatives,
     is_array,
     is_once_differentiable,
-    pack_ctx,
-    unpack_ctx,
 )
-from ._residuals import pack, unpack
-from ._validation import Static
 
 __all__ = ["Function"]
 
@@ -35,26 +33,33 @@ __all__ = ["Function"]
 class Function:
     """Base class for custom differentiable functions written the PyTorch way.
 
-    Subclass it with two static methods, then call ``YourFunction.apply``:
+    Subclass it with static methods, then call ``YourFunction.apply``:
 
     * ``forward(ctx, *args)`` computes the output(s) with ``jax.numpy``. Array
       arguments (JAX or NumPy arrays, tracers) are differentiable inputs; any
       other argument is static, like PyTorch's non-Tensor arguments. Stash what
       the backward needs with ``ctx.save_for_backward(...)`` or as ``ctx``
       attributes; ``ctx.mark_non_differentiable(out)`` and
-      ``ctx.set_materialize_grads(False)`` work as in PyTorch.
+      ``ctx.set_materialize_grads(False)`` work as in PyTorch. Or, in the style
+      PyTorch 2 recommends, ``forward(*args)`` without ``ctx`` plus
+      ``setup_context(ctx, inputs, output)``.
     * ``backward(ctx, *grad_outputs)`` receives one cotangent per output (zeros
       for outputs that get none) and returns one gradient per forward
-      argument: ``None`` means zero, extra trailing ``None`` are allowed, a
-      static argument must get ``None``. A gradient must have its input's
-      shape; a float gradient of another width is cast to the input's dtype.
-      ``ctx.saved_tensors`` and ``ctx.needs_input_grad`` (true exactly for
-      the arguments differentiated in this trace) are available.
+      argument: ``None`` means zero (with a warning when that argument is
+      differentiated), extra trailing ``None`` are allowed, a static argument
+      must get ``None``. A gradient must have its input's shape; a float
+      gradient of another width is cast to the input's dtype.
+      ``ctx.saved_tensors`` (alias ``saved_variables``) and
+      ``ctx.needs_input_grad`` (true exactly for the arguments differentiated
+      in this trace) are available.
+    * Optionally ``jvp(ctx, *grad_inputs)``: one tangent per forward argument
+      (``None`` for static ones) to the output tangent(s), reading what forward
+      stored with ``ctx.save_for_forward(...)`` as ``ctx.saved_tensors``.
 
-    The result works under ``jit``, ``vmap``, ``grad`` and ``jacrev``, and
-    under ``grad`` of ``grad`` when ``backward`` is made of ``jax.numpy`` ops.
-    Forward-mode AD (``jvp``, ``jacfwd``) is not available, as for any
-    ``jax.custom_vjp``.
+    The result works under ``jit``, ``vmap``, ``grad``, ``jacrev`` and, when
+    ``backward`` is made of ``jax.numpy`` ops, ``grad`` of ``grad``. Forward
+    mode (``jvp``, ``jacfwd``, ``hessian``) uses ``jvp`` when it is defined and
+    otherwise the transpose of ``backward`` (see :class:`jaxext.custom_vjp`).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -69,6 +74,8 @@ class Function:
         ...         return grad_output * ctx.constant, None
         >>> jax.grad(lambda x: MulConstant.apply(x, 3.0).sum())(jnp.ones(2))
         Array([3., 3.], dtype=float32)
+        >>> jax.jvp(lambda x: MulConstant.apply(x, 3.0), (jnp.ones(2),), (jnp.ones(2),))[1]
+        Array([3., 3.], dtype=float32)
     """
 
     @staticmethod
@@ -76,15 +83,23 @@ class Function:
         raise NotImplementedError("Function subclasses must define a static `forward`.")
 
     @staticmethod
+    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: Any) -> None:
+        raise NotImplementedError  # overridden by subclasses in the setup_context style
+
+    @staticmethod
     def backward(ctx: FunctionCtx, *grad_outputs: Any) -> Any:
         raise NotImplementedError("Function subclasses must define a static `backward`.")
+
+    @staticmethod
+    def jvp(ctx: FunctionCtx, *grad_inputs: Any) -> Any:
+        raise NotImplementedError  # optional: forward mode otherwise comes from backward
 
     @classmethod
     def apply(cls, *args: Any, **kwargs: Any) -> Any:
         """Runs ``forward`` with the hand-written ``backward`` as its VJP.
 
         Args:
-            *args: the forward arguments after ``ctx``.
+            *args: the forward arguments (after ``ctx`` when forward takes one).
             **kwargs: forward arguments by name; allowed only when every earlier
                 argument is given too (as in PyTorch: defaults are not filled in).
 
@@ -112,31 +127,39 @@ class Function:
         return _lower(cls, args, diff_positions)(*diff_values)
 
 
+def _overrides(cls: type[Function], method: str) -> bool:
+    return getattr(cls, method) is not getattr(Function, method)
+
+
 class _Meta(NamedTuple):
-    """Static residual data: everything bwd needs besides the arrays."""
+    """What bwd needs besides the arrays: Python data, kept static by custom_vjp."""
 
     needs_input_grad: tuple[bool, ...]
     inputs: tuple[Any, ...]  # (shape, dtype) per argument, or the static value's type name
     outputs: tuple[tuple[tuple[int, ...], Any, bool], ...]  # (shape, dtype, non-differentiable)
     tuple_output: bool
-    ctx: Static
+    materialize_grads: bool
 
 
 def _lower(cls: type[Function], args: tuple[Any, ...], diff_positions: tuple[int, ...]):
-    """Builds the ``custom_vjp`` of ``cls`` for this call's static arguments."""
+    """Builds the ``jaxext.custom_vjp`` of ``cls`` for this call's static arguments."""
     name = cls.__name__
+    setup_style = _overrides(cls, "setup_context")
 
     def run_forward(diff_values, needs_input_grad):
         full = list(args)
         for i, value in zip(diff_positions, diff_values, strict=True):
             full[i] = value
         ctx = FunctionCtx(name, needs_input_grad)
-        raw = cls.forward(ctx, *full)
+        if setup_style:
+            raw = cls.forward(*full)
+            cls.setup_context(ctx, tuple(full), raw)
+        else:
+            raw = cls.forward(ctx, *full)
         outputs, tuple_output = _check_outputs(name, raw)
         non_diff = _non_differentiable_flags(name, ctx, raw if tuple_output else (raw,))
         return ctx, outputs, tuple_output, non_diff
 
-    @jax.custom_vjp
     def function(*diff_values):
         _, outputs, tuple_output, _ = run_forward(diff_values, (False,) * len(args))
         return tuple(outputs) if tuple_output else outputs[0]
@@ -147,41 +170,80 @@ def _lower(cls: type[Function], args: tuple[Any, ...], diff_positions: tuple[int
         for i, p in zip(diff_positions, primals, strict=True):
             needs[i] = bool(p.perturbed)
         ctx, outputs, tuple_output, non_diff = run_forward(values, tuple(needs))
-        arrays, ctx_static = pack_ctx(ctx)
         inputs = [type(arg).__name__ for arg in args]
         for i, value in zip(diff_positions, values, strict=True):
             inputs[i] = (value.shape, value.dtype)
         meta = _Meta(
-            (),  # filled in by the backward from the residual token: see _residuals.py
+            tuple(needs),
             tuple(inputs),
             tuple((o.shape, o.dtype, nd) for o, nd in zip(outputs, non_diff, strict=True)),
             tuple_output,
-            ctx_static,
+            ctx._materialize_grads,
         )
-        residuals = pack(needs, arrays, Static(meta))
+        # None is an empty pytree: `x if ctx.needs_input_grad[1] else None` saves nothing.
+        residuals = (ctx._saved, ctx._saved_for_forward, dict(vars(ctx)), meta)
         return (tuple(outputs) if tuple_output else outputs[0]), residuals
 
     def function_bwd(residuals, cotangents):
-        needs, arrays, meta = unpack(residuals, f"`{name}.backward`")
-        meta = meta.value._replace(needs_input_grad=needs)
+        saved, _, attributes, meta = residuals
         cotangents = _materialize(meta, cotangents if meta.tuple_output else (cotangents,))
         if cotangents is None:  # nothing flows back: skip the user's backward
             return (None,) * len(diff_positions)
-        call = functools.partial(_run_backward, cls, meta)
+        call = functools.partial(_run_backward, cls, meta, attributes)
         if is_once_differentiable(cls.backward):
-            grads = call_blocking_derivatives(name, call, arrays, cotangents)
+            grads = call_blocking_derivatives(name, call, saved, cotangents)
         else:
-            grads = call(arrays, cotangents)
+            grads = call(saved, cotangents)
         return tuple(grads[i] if meta.needs_input_grad[i] else None for i in diff_positions)
 
-    function.defvjp(function_fwd, function_bwd, symbolic_zeros=True)
-    return function
+    def function_jvp(residuals, tangents):
+        _, saved_for_forward, attributes, meta = residuals
+        ctx = _rebuild_ctx(name, meta, saved_for_forward, attributes)
+        grad_inputs: list[Any] = [None] * len(args)
+        for i, tangent in zip(diff_positions, tangents, strict=True):
+            grad_inputs[i] = tangent
+        out = cls.jvp(ctx, *grad_inputs)
+        if meta.tuple_output:
+            out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+            return tuple(
+                _output_tangent(name, t, spec) for t, spec in zip(out, meta.outputs, strict=True)
+            )
+        return _output_tangent(name, out, meta.outputs[0])
+
+    function.__name__ = function.__qualname__ = name
+    op = custom_vjp(function)
+    jvp = function_jvp if _overrides(cls, "jvp") else None
+    op.defvjp(function_fwd, function_bwd, symbolic_zeros=True, jvp=jvp)
+    return op
+
+
+def _rebuild_ctx(name: str, meta: _Meta, saved: tuple, attributes: dict) -> FunctionCtx:
+    ctx = FunctionCtx(name, meta.needs_input_grad)
+    ctx._saved = saved
+    ctx._materialize_grads = meta.materialize_grads
+    for key, value in attributes.items():
+        setattr(ctx, key, value)
+    return ctx
+
+
+def _output_tangent(name: str, tangent: Any, spec: tuple) -> Any:
+    shape, dtype, _ = spec
+    if tangent is None:
+        return jnp.zeros(shape, dtype) if jnp.issubdtype(dtype, jnp.inexact) else None
+    if not is_array(tangent):
+        raise TypeError(
+            f"`{name}.jvp` must return arrays (or None) as output tangents; got "
+            f"{type(tangent).__name__}."
+        )
+    if jnp.issubdtype(dtype, jnp.inexact) and jnp.dtype(tangent.dtype) != jnp.dtype(dtype):
+        tangent = tangent.astype(dtype)  # float widths are cast, as for backward's gradients
+    return tangent
 
 
 def _materialize(meta: _Meta, cotangents: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """One cotangent per output, zeros (or None) where none flows; None if all are zero."""
     result, any_nonzero = [], False
-    materialize = meta.ctx.value.materialize_grads
+    materialize = meta.materialize_grads
     for ct, (shape, dtype, non_diff) in zip(cotangents, meta.outputs, strict=True):
         zero = non_diff or not jnp.issubdtype(dtype, jnp.inexact) or isinstance(ct, SymbolicZero)
         any_nonzero = any_nonzero or not zero
@@ -189,8 +251,8 @@ def _materialize(meta: _Meta, cotangents: tuple[Any, ...]) -> tuple[Any, ...] | 
     return tuple(result) if any_nonzero else None
 
 
-def _run_backward(cls, meta: _Meta, arrays, cotangents) -> list[Any]:
-    ctx = unpack_ctx(cls.__name__, meta.needs_input_grad, arrays, meta.ctx)
+def _run_backward(cls, meta: _Meta, attributes: dict, saved, cotangents) -> list[Any]:
+    ctx = _rebuild_ctx(cls.__name__, meta, saved, attributes)
     return _check_grads(cls, meta, cls.backward(ctx, *cotangents))
 
 
@@ -216,6 +278,8 @@ def _check_grads(cls, meta: _Meta, grads: Any) -> list[Any]:
                 f"`{name}.backward`: the gradient for {label} must be an array or None; "
                 f"got {type(g).__name__}."
             )
+        if g is None and not isinstance(spec, str) and meta.needs_input_grad[i]:
+            _warn_missing_gradient(name, label, i, spec[1])
         if g is None or isinstance(spec, str):
             checked.append(None)
             continue
@@ -238,6 +302,17 @@ def _check_grads(cls, meta: _Meta, grads: Any) -> list[Any]:
             )
         checked.append(jnp.asarray(g).astype(dtype))
     return checked
+
+
+def _warn_missing_gradient(name: str, label: str, i: int, dtype: Any) -> None:
+    if jnp.issubdtype(dtype, jnp.inexact):
+        warnings.warn(
+            f"`{name}.backward` returned None for {label}, which is differentiated "
+            f"(ctx.needs_input_grad[{i}] is True): its gradient is taken as zero. Return "
+            "its gradient, or zeros explicitly if zero is right.",
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 def _check_outputs(name: str, raw: Any) -> tuple[list[jax.Array], bool]:

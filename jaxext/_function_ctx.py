@@ -1,23 +1,20 @@
 """The ``ctx`` object of :class:`jaxext.Function`, and ``once_differentiable``.
 
 In PyTorch ``ctx`` is one graph node that lives from the forward to the
-backward. In JAX the two are separate traces (``custom_vjp``'s ``fwd`` and
-``bwd``), so whatever the forward leaves on ``ctx`` must cross over as
-residuals: array leaves travel as residual arrays, every other Python value
-travels as static data inside the residual pytree's structure, which costs
-nothing at run time and survives ``jit``.
+backward. In JAX the two are separate traces (``fwd`` and ``bwd`` of a
+``jaxext.custom_vjp``), so whatever the forward leaves on ``ctx`` crosses over
+as residuals: array leaves as residual arrays, every other Python value as
+static data, which costs nothing at run time and survives ``jit``.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
-
-from ._validation import Static
 
 __all__ = ["FunctionCtx", "is_array", "once_differentiable"]
 
@@ -45,12 +42,14 @@ class FunctionCtx:
         "_needs_input_grad",
         "_non_differentiable",
         "_saved",
+        "_saved_for_forward",
     )
 
     def __init__(self, function_name: str, needs_input_grad: tuple[bool, ...]):
         self._function_name = function_name
         self._needs_input_grad = needs_input_grad
         self._saved: tuple[Any, ...] = ()
+        self._saved_for_forward: tuple[Any, ...] = ()
         self._non_differentiable: list[Any] = []
         self._materialize_grads = True
 
@@ -61,18 +60,30 @@ class FunctionCtx:
 
     def save_for_backward(self, *values: Any) -> None:
         """Stores arrays (or ``None``) for ``backward``, read back as ``saved_tensors``."""
+        self._saved = self._checked("save_for_backward", values)
+
+    def save_for_forward(self, *values: Any) -> None:
+        """Stores arrays (or ``None``) for ``jvp``, read back there as ``saved_tensors``."""
+        self._saved_for_forward = self._checked("save_for_forward", values)
+
+    def _checked(self, method: str, values: tuple[Any, ...]) -> tuple[Any, ...]:
         for i, value in enumerate(values):
             if value is not None and not is_array(value):
                 raise TypeError(
-                    f"`{self._function_name}`: save_for_backward accepts arrays or None; "
+                    f"`{self._function_name}`: {method} accepts arrays or None; "
                     f"value {i} is a {type(value).__name__}. Store other Python values as "
                     "ctx attributes instead (e.g. `ctx.scale = scale`)."
                 )
-        self._saved = values
+        return values
 
     @property
     def saved_tensors(self) -> tuple[Any, ...]:
-        """The values given to ``save_for_backward``, in order."""
+        """The values given to ``save_for_backward`` (in ``jvp``: to ``save_for_forward``)."""
+        return self._saved
+
+    @property
+    def saved_variables(self) -> tuple[Any, ...]:
+        """Alias of ``saved_tensors``, for code written for older PyTorch."""
         return self._saved
 
     def mark_non_differentiable(self, *outputs: Any) -> None:
@@ -93,50 +104,6 @@ class FunctionCtx:
             f"`{self._function_name}`: mark_dirty has no JAX equivalent because JAX arrays are "
             "immutable; return a new array from forward instead of modifying an input."
         )
-
-
-class _CtxState(NamedTuple):
-    """Static half of a packed ctx: the pytree layout and its non-array leaves."""
-
-    treedef: Any
-    static_leaves: tuple[Any, ...]  # None where an array leaf sits
-    array_mask: tuple[bool, ...]
-    materialize_grads: bool
-
-
-def pack_ctx(ctx: FunctionCtx) -> tuple[list[jax.Array], Static]:
-    """Splits ``ctx``'s saved values and attributes into residual arrays and static data."""
-    # A None is an array slot left empty, so that saving `x if needed else None`
-    # keeps the same layout whatever is differentiated (see _residuals.py).
-    leaves, treedef = jax.tree_util.tree_flatten(
-        (ctx._saved, dict(vars(ctx))), is_leaf=lambda v: v is None
-    )
-    mask = tuple(leaf is None or is_array(leaf) for leaf in leaves)
-    arrays = [leaf for leaf, is_arr in zip(leaves, mask, strict=True) if is_arr]
-    static = tuple(None if is_arr else leaf for leaf, is_arr in zip(leaves, mask, strict=True))
-    return arrays, Static(_CtxState(treedef, static, mask, ctx._materialize_grads))
-
-
-def unpack_ctx(
-    function_name: str,
-    needs_input_grad: tuple[bool, ...],
-    arrays: list[jax.Array],
-    packed: Static,
-) -> FunctionCtx:
-    """Rebuilds, for ``backward``, the ctx that ``pack_ctx`` split up."""
-    state: _CtxState = packed.value
-    remaining = iter(arrays)
-    leaves = [
-        next(remaining) if is_arr else leaf
-        for leaf, is_arr in zip(state.static_leaves, state.array_mask, strict=True)
-    ]
-    saved, attributes = jax.tree_util.tree_unflatten(state.treedef, leaves)
-    ctx = FunctionCtx(function_name, needs_input_grad)
-    ctx._saved = saved
-    ctx._materialize_grads = state.materialize_grads
-    for name, value in attributes.items():
-        setattr(ctx, name, value)
-    return ctx
 
 
 def once_differentiable(backward: Callable[..., Any]) -> Callable[..., Any]:

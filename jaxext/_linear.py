@@ -1,9 +1,12 @@
 """`linear`: an affine map ``x @ weight.T + bias`` with a hand-written VJP.
 
-``CustomVJPPrimal.perturbed`` tells the forward which inputs carry tangents (JAX's
-answer to PyTorch's ``ctx.needs_input_grad``) and the backward computes gradients
-for those inputs alone; the forward keeps only the operands those gradients need,
-as references (see ``_residuals.py`` for how they are laid out).
+This module is a template for your own op: its checks, the primal, ``fwd`` and
+``bwd``, written with the public ``jaxext.custom_vjp`` and ``jax.lax`` only.
+``CustomVJPPrimal.perturbed`` tells the forward which inputs are differentiated
+(PyTorch's ``ctx.needs_input_grad``); the forward keeps only the operands those
+gradients need and the backward computes those gradients alone. Forward mode
+(``jvp``, ``jacfwd``, ``hessian``) comes from ``jaxext.custom_vjp``, which
+transposes the backward.
 """
 
 from __future__ import annotations
@@ -15,12 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.custom_derivatives import SymbolicZero
 from jax.typing import ArrayLike, DTypeLike
 
-from ._gradspec import finish_grad, grad_spec
-from ._residuals import pack, unpack
-from ._validation import Static, as_numeric_array
+from jaxext import check_array, custom_vjp
 
 __all__ = ["linear"]
 
@@ -78,13 +78,13 @@ def linear(
         >>> jax.grad(lambda w: jaxext.linear(x, w, b).sum())(w).shape
         (2, 3)
     """
-    x = as_numeric_array(x, "x")
-    weight = as_numeric_array(weight, "weight")
+    x = check_array(x, "x")
+    weight = check_array(weight, "weight")
     if isinstance(bias, (bool, np.bool_)):
         # The seed's `bias=False` idiom: refuse it rather than read it as an array.
         raise TypeError(f"`bias` must be an array of shape (out_features,) or None; got {bias!r}.")
     if bias is not None:
-        bias = as_numeric_array(bias, "bias")
+        bias = check_array(bias, "bias")
     _check_shapes(x, weight, bias)
     config = _config(precision, preferred_element_type, False, out_sharding)
     return _linear(x, weight, bias, config)
@@ -174,7 +174,7 @@ def _matmul(x, weight, config, out_dtype):
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+@functools.partial(custom_vjp, nondiff_argnums=(3,))
 def _linear(x, weight, bias, config):
     out_dtype = _result_dtype(x, weight, bias, config.preferred_element_type)
     y = _matmul(x, weight, config, out_dtype)
@@ -184,30 +184,28 @@ def _linear(x, weight, bias, config):
 
 
 def _linear_fwd(x, weight, bias, config):
-    # With symbolic_zeros=True every differentiable argument arrives wrapped in a
-    # CustomVJPPrimal carrying `.value` and `.perturbed`.
+    # With symbolic_zeros=True each argument arrives with `.value` and `.perturbed`
+    # (PyTorch's needs_input_grad). grad_x needs the weight and grad_weight needs x;
+    # grad_bias needs neither. Only those are kept (references, no copies), with
+    # the Python facts the backward needs (dtypes, shardings, which bias grad).
     xv, wv = x.value, weight.value
     bv = None if bias is None else bias.value
-    y = _linear(xv, wv, bv, config)
-    perturbed = (x.perturbed, weight.perturbed, bias is not None and bias.perturbed)
-    # grad_x needs weight and grad_weight needs x; grad_bias needs neither. Only
-    # those are kept (references to the inputs, no copies); `pack` stores a
-    # zero-size placeholder for the other, so that the residual structure is the
-    # same whatever is perturbed (JAX's jit caching requires it: _residuals.py).
-    w_for_x = wv if x.perturbed else None
-    x_for_w = xv if weight.perturbed else None
-    specs = Static((grad_spec(xv), grad_spec(wv), grad_spec(bv)))
-    return y, pack(perturbed, (w_for_x, x_for_w), specs)
+    res = (
+        wv if x.perturbed else None,
+        xv if weight.perturbed else None,
+        bias is not None and bias.perturbed,
+        _type(xv),
+        _type(wv),
+        None if bv is None else _type(bv),
+    )
+    return _linear(xv, wv, bv, config), res
 
 
-def _linear_bwd(config, residuals, g):
-    (x_wanted, w_wanted, b_wanted), (w_for_x, x_for_w), specs = unpack(residuals, "jaxext.linear")
-    x_spec, w_spec, b_spec = specs.value
-    if isinstance(g, SymbolicZero):
-        return None, None, None
+def _linear_bwd(config, res, g):
+    w_for_x, x_for_w, bias_wanted, x_type, w_type, b_type = res
     batch_axes = tuple(range(g.ndim - 1))
     grad_x = grad_w = grad_b = None
-    if x_wanted:
+    if w_for_x is not None:
         # (..., out) x (out, in) -> (..., in); the kernel's out axis is 1.
         dtype = jnp.promote_types(g.dtype, w_for_x.dtype)
         grad_x = lax.dot_general(
@@ -215,10 +213,10 @@ def _linear_bwd(config, residuals, g):
             w_for_x.astype(dtype),
             (((g.ndim - 1,), (1 if config.flax_layout else 0,)), ((), ())),
             precision=config.precision,
-            out_sharding=x_spec.sharding,  # needed when the contraction axis is sharded
+            out_sharding=x_type.sharding,  # needed when the contraction axis is sharded
         )
-        grad_x = finish_grad(grad_x, x_spec)
-    if w_wanted:
+        grad_x = _as_grad(grad_x, x_type)
+    if x_for_w is not None:
         # Contract every leading (batch) axis: (..., out) x (..., in) -> (out, in),
         # or (..., in) x (..., out) -> (in, out) for a kernel.
         dtype = jnp.promote_types(g.dtype, x_for_w.dtype)
@@ -228,16 +226,33 @@ def _linear_bwd(config, residuals, g):
             rhs.astype(dtype),
             ((batch_axes, batch_axes), ((), ())),
             precision=config.precision,
-            out_sharding=w_spec.sharding,
+            out_sharding=w_type.sharding,
         )
-        grad_w = finish_grad(grad_w, w_spec)
-    if b_wanted:
+        grad_w = _as_grad(grad_w, w_type)
+    if bias_wanted:
         # Sum over leading axes only, so the shape stays (out_features,) even when it
         # is 1. lax.reduce with add is the reduction autodiff's transpose emits, in
         # g's own dtype: bit-identical to flax's bias gradient, bfloat16 included.
-        grad_b = lax.reduce(g, np.zeros((), g.dtype), lax.add, batch_axes)
-        grad_b = finish_grad(grad_b, b_spec)
+        grad_b = _as_grad(lax.reduce(g, np.zeros((), g.dtype), lax.add, batch_axes), b_type)
     return grad_x, grad_w, grad_b
 
 
 _linear.defvjp(_linear_fwd, _linear_bwd, symbolic_zeros=True)
+
+
+class _Type(NamedTuple):
+    """What a gradient must match besides its shape: its input's dtype and sharding."""
+
+    dtype: Any
+    sharding: Any
+
+
+def _type(value: jax.Array) -> _Type:
+    return _Type(value.dtype, jax.typeof(value).sharding)
+
+
+def _as_grad(grad: jax.Array, kind: _Type) -> jax.Array:
+    """``grad`` in its input's dtype; the real part for a real input of a complex result."""
+    if jnp.iscomplexobj(grad) and not jnp.issubdtype(kind.dtype, jnp.complexfloating):
+        grad = jnp.real(grad)
+    return grad.astype(kind.dtype)

@@ -1,4 +1,7 @@
-"""`mul_constant`: ``x * constant`` with a hand-written VJP.
+"""`mul_constant`: ``x * constant`` with a hand-written VJP, on ``jaxext.custom_vjp``.
+
+This module is a template for your own op: its checks, the primal, ``fwd`` and
+``bwd``, written with the public ``jaxext.custom_vjp`` and ``jax.numpy`` only.
 
 Two cases, chosen at trace time from the *type* of ``constant`` (never its value):
 
@@ -17,12 +20,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.custom_derivatives import SymbolicZero
 from jax.typing import ArrayLike
 
-from ._gradspec import finish_grad, grad_spec
-from ._residuals import pack, unpack
-from ._validation import Static, as_numeric_array, is_static_scalar
+from jaxext import check_array, custom_vjp
 
 __all__ = ["mul_constant"]
 
@@ -56,9 +56,13 @@ def mul_constant(x: ArrayLike, constant: Any) -> jax.Array:
         Array([3., 3.], dtype=float32)
         >>> jax.grad(lambda c: jaxext.mul_constant(jnp.arange(3.0), c).sum())(jnp.array(2.0))
         Array(3., dtype=float32)
+        >>> jax.jvp(lambda x: jaxext.mul_constant(x, 3.0), (jnp.ones(2),), (jnp.ones(2),))[1]
+        Array([3., 3.], dtype=float32)
     """
-    x = as_numeric_array(x, "x")
-    if is_static_scalar(constant):
+    x = check_array(x, "x")
+    if isinstance(constant, (int, float, complex, np.number)) and not isinstance(
+        constant, (bool, np.bool_)
+    ):
         return _mul_static(x, constant)
     if isinstance(constant, (bool, np.bool_)) or not hasattr(constant, "dtype"):
         hint = " (wrap it with jnp.asarray)" if isinstance(constant, (list, tuple)) else ""
@@ -66,7 +70,7 @@ def mul_constant(x: ArrayLike, constant: Any) -> jax.Array:
             "`constant` must be a Python/NumPy number or a numeric array; "
             f"got {type(constant).__name__}{hint}."
         )
-    constant = as_numeric_array(constant, "constant")
+    constant = check_array(constant, "constant")
     try:
         jnp.broadcast_shapes(x.shape, constant.shape)
     except ValueError:
@@ -77,21 +81,38 @@ def mul_constant(x: ArrayLike, constant: Any) -> jax.Array:
     return _mul_array(x, constant)
 
 
+def _as_grad(g: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """``g`` summed down to ``shape`` (undoing broadcasting) in ``dtype``.
+
+    For a real input of a complex result the gradient is the real part, as in
+    JAX's own autodiff.
+    """
+    extra = g.ndim - len(shape)
+    axes = tuple(range(extra)) + tuple(
+        extra + i for i, n in enumerate(shape) if n == 1 and g.shape[extra + i] != 1
+    )
+    g = jnp.sum(g, axis=axes, keepdims=True).reshape(shape) if axes else g
+    if jnp.iscomplexobj(g) and not jnp.issubdtype(dtype, jnp.complexfloating):
+        g = jnp.real(g)
+    return g.astype(dtype)
+
+
 # -- static constant: a nondiff argument, hashable and part of the trace ------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+@functools.partial(custom_vjp, nondiff_argnums=(1,))
 def _mul_static(x, constant):
     return x * constant
 
 
 def _mul_static_fwd(x, constant):
-    # No array is needed by the backward, only x's dtype (static).
-    return _mul_static(x, constant), Static(x.dtype)
+    # The backward needs no array, only x's shape and dtype (Python values).
+    return _mul_static(x, constant), (x.shape, x.dtype)
 
 
-def _mul_static_bwd(constant, x_dtype, g):
-    return ((g * constant).astype(x_dtype.value),)
+def _mul_static_bwd(constant, res, g):
+    shape, dtype = res
+    return (_as_grad(g * constant, shape, dtype),)
 
 
 _mul_static.defvjp(_mul_static_fwd, _mul_static_bwd)
@@ -100,28 +121,29 @@ _mul_static.defvjp(_mul_static_fwd, _mul_static_bwd)
 # -- array constant: both operands are differentiable -------------------------------
 
 
-@jax.custom_vjp
+@custom_vjp
 def _mul_array(x, constant):
     return x * constant
 
 
 def _mul_array_fwd(x, constant):
+    # With symbolic_zeros=True each argument arrives with `.value` and `.perturbed`
+    # (PyTorch's needs_input_grad): grad_x needs the constant and grad_constant
+    # needs x, so only those are kept.
     xv, cv = x.value, constant.value
-    # grad_x needs the constant and grad_constant needs x: only those are kept
-    # (see _linear_fwd and _residuals.py).
-    c_for_x = cv if x.perturbed else None
-    x_for_c = xv if constant.perturbed else None
-    specs = Static((grad_spec(xv), grad_spec(cv)))
-    return _mul_array(xv, cv), pack((x.perturbed, constant.perturbed), (c_for_x, x_for_c), specs)
+    res = (
+        cv if x.perturbed else None,
+        xv if constant.perturbed else None,
+        (xv.shape, xv.dtype),
+        (cv.shape, cv.dtype),
+    )
+    return xv * cv, res
 
 
-def _mul_array_bwd(residuals, g):
-    (x_wanted, c_wanted), (c_for_x, x_for_c), specs = unpack(residuals, "jaxext.mul_constant")
-    if isinstance(g, SymbolicZero):
-        return None, None
-    x_spec, c_spec = specs.value
-    grad_x = finish_grad(g * c_for_x, x_spec) if x_wanted else None
-    grad_c = finish_grad(g * x_for_c, c_spec) if c_wanted else None
+def _mul_array_bwd(res, g):
+    c, x, x_type, c_type = res
+    grad_x = None if c is None else _as_grad(g * c, *x_type)
+    grad_c = None if x is None else _as_grad(g * x, *c_type)
     return grad_x, grad_c
 
 

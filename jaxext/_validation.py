@@ -2,27 +2,43 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Static", "as_numeric_array", "is_static_scalar", "unbroadcast"]
+__all__ = ["as_numeric_array", "check_array", "is_static_scalar"]
 
 
-def as_numeric_array(value: Any, name: str) -> jax.Array:
-    """Converts ``value`` to a JAX array, refusing non-numeric input by name.
+def check_array(value: Any, name: str) -> jax.Array:
+    """Converts an op's argument to a JAX array, refusing non-numeric input by name.
 
-    Tracers pass through untouched, so this is safe under ``jit``/``grad``.
-    Python lists and tuples are refused, as ``jnp`` functions refuse them: an
-    implicit conversion would hide an element-by-element copy (and, under
-    ``jit``, one traced scalar per element). Wrap them in ``jnp.asarray``.
+    The argument check jaxext's own ops run first; use it in yours. Tracers
+    pass through untouched, so it is safe under ``jit`` and ``grad``. Python
+    lists and tuples are refused, as ``jnp`` functions refuse them: an implicit
+    conversion would hide an element-by-element copy (and, under ``jit``, one
+    traced scalar per element).
+
+    Args:
+        value: the argument as the caller gave it.
+        name: the argument's name, quoted in the error.
+
+    Returns:
+        ``value`` as a JAX array (or the tracer itself).
 
     Raises:
         TypeError: if ``value`` is not an array or scalar of a numeric
             (integer, floating or complex, not bool) dtype.
+
+    Example:
+        >>> import jaxext
+        >>> jaxext.check_array(3.0, "x")
+        Array(3., dtype=float32, weak_type=True)
+        >>> jaxext.check_array("3", "x")
+        Traceback (most recent call last):
+        ...
+        TypeError: `x` must be a numeric array; got str.
     """
     if isinstance(value, (str, bytes)) or value is None:
         raise TypeError(f"`{name}` must be a numeric array; got {type(value).__name__}.")
@@ -42,30 +58,11 @@ def as_numeric_array(value: Any, name: str) -> jax.Array:
     return array
 
 
+as_numeric_array = check_array  # the name the Flax layers use
+
+
 def is_static_scalar(value: Any) -> bool:
     """True for Python and NumPy numeric scalars (not bools), which are hashable constants."""
     if isinstance(value, (bool, np.bool_)):
         return False
     return isinstance(value, (int, float, complex, np.number))
-
-
-def unbroadcast(g: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Sums ``g`` down to ``shape``, undoing NumPy broadcasting."""
-    extra = g.ndim - len(shape)
-    axes = tuple(range(extra)) + tuple(
-        extra + i for i, n in enumerate(shape) if n == 1 and g.shape[extra + i] != 1
-    )
-    g = jnp.sum(g, axis=axes, keepdims=True) if axes else g
-    return g.reshape(shape)
-
-
-@jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True)
-class Static:
-    """A residual that is trace-time data (dtypes, shapes, flags), never an array.
-
-    Registered as a static pytree: it passes through ``custom_vjp`` residuals
-    as part of the tree structure, so it costs nothing at run time.
-    """
-
-    value: Any

@@ -124,3 +124,13 @@ def assert_trees_equal(actual, expected):
     for a, e in zip(leaves_a, leaves_e, strict=True):
         assert a.dtype == e.dtype and a.shape == e.shape
         np.testing.assert_array_equal(np.asarray(a, np.float64), np.asarray(e, np.float64))
+
+
+def uses_custom_rule(f, *args):
+    """True when differentiating ``f`` goes through a ``jaxext.custom_vjp`` rule.
+
+    The JVP of such a call holds its tangent primitive, linear in the tangents,
+    which reverse mode transposes into the hand-written backward.
+    """
+    jaxpr = jax.make_jaxpr(lambda *a: jax.jvp(f, a, a))(*args)
+    return "jaxext_custom_vjp_tangent" in str(jaxpr)
