@@ -33,7 +33,14 @@ from ._problem import Problem, first_order, float_dtype, second_order
 from ._report import GradcheckError as GradcheckError
 from ._report import dtype_error, gradcheck_error
 
-__all__ = ["FULL_MAX_ENTRIES", "GradcheckError", "gradcheck", "gradgradcheck"]
+__all__ = [
+    "FULL_MAX_ENTRIES",
+    "GradcheckError",
+    "Settings",
+    "check_gradients",
+    "gradcheck",
+    "gradgradcheck",
+]
 
 # The full (entrywise) method covers Jacobians up to this many entries (1.3e8).
 FULL_MAX_ENTRIES = 2**27
@@ -146,17 +153,14 @@ def gradcheck(
         True
     """
     args = _as_args(func, inputs)
-    settings = _Settings.validate(
+    settings = Settings.validate(
         eps, atol, rtol, nondet_tol, fast_mode, modes, check_forward_ad, check_backward_ad,
         num_directions, seed,
     )  # fmt: skip
-    extras = _flags(check_undefined_grad, check_batched_grad, check_grad_dtypes)
-    with float64_numerics():
-        problem, low, low_out = first_order(func, args)
-        _warn_precision(low, low_out)
-        error = _check(problem, settings, *extras[:2])
-        if error is None and extras[2]:
-            error = _grad_dtypes(func, args)
+    undefined, batched, dtypes = _flags(check_undefined_grad, check_batched_grad, check_grad_dtypes)
+    error = check_gradients(
+        func, args, order=1, settings=settings, undefined=undefined, batched=batched, dtypes=dtypes
+    )
     if error is not None and raise_exception:
         raise error
     return error is None
@@ -233,16 +237,15 @@ def gradgradcheck(
         True
     """
     args = _as_args(func, inputs)
-    settings = _Settings.validate(
+    settings = Settings.validate(
         eps, atol, rtol, nondet_tol, fast_mode, modes, check_fwd_over_rev, check_rev_over_rev,
         num_directions, seed,
     )  # fmt: skip
     undefined, batched, _ = _flags(check_undefined_grad, check_batched_grad, False)
-    with float64_numerics():
-        first, low, low_out = first_order(func, args)
-        problem, low_ct = second_order(first, grad_outputs, len(args), settings.seed)
-        _warn_precision(low + low_ct, low_out)
-        error = _check(problem, settings, undefined, batched)
+    error = check_gradients(
+        func, args, order=2, settings=settings, undefined=undefined, batched=batched,
+        grad_outputs=grad_outputs,
+    )  # fmt: skip
     if error is not None and raise_exception:
         raise error
     return error is None
@@ -252,7 +255,7 @@ def gradgradcheck(
 
 
 @dataclasses.dataclass(frozen=True)
-class _Settings:
+class Settings:
     """The validated numerics settings shared by gradcheck and gradgradcheck."""
 
     eps: float
@@ -267,7 +270,7 @@ class _Settings:
     @classmethod
     def validate(
         cls, eps, atol, rtol, nondet_tol, fast_mode, modes, forward, backward, num_directions, seed
-    ) -> _Settings:
+    ) -> Settings:
         if fast_mode is not None and not isinstance(fast_mode, bool):
             raise TypeError(f"`fast_mode` must be None, True or False; got {fast_mode!r}.")
         modes = (modes,) if isinstance(modes, str) else tuple(modes)
@@ -337,22 +340,62 @@ def _warn_precision(upcast: list[str], low_outputs: list[str]) -> None:
             "(finite differences in lower precision are unreliable). Pass float64 arrays to "
             "silence this warning.",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
     if low_outputs:
         warnings.warn(
             f"gradcheck: {', '.join(low_outputs)} not float64 although the inputs are (`func` "
             "computes in lower precision); the numerical derivatives will be imprecise.",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
 
 
 # -- the checks -----------------------------------------------------------------------------
 
 
+def check_gradients(
+    func: Callable[..., Any],
+    args: tuple,
+    *,
+    order: int,
+    settings: Settings,
+    undefined: bool,
+    batched: bool,
+    dtypes: bool = False,
+    reentrant: bool = True,
+    grad_outputs: Any = None,
+) -> GradcheckError | None:
+    """The checks of ``gradcheck`` (``order=1``) or ``gradgradcheck`` (``order=2``).
+
+    Args:
+        func: the function.
+        args: its positional arguments.
+        order: 1 or 2.
+        settings: validated numerics settings (``Settings.validate``).
+        undefined: run the zero-cotangent check.
+        batched: run the batched-gradient check.
+        dtypes: run the gradient dtype/shape check (order 1).
+        reentrant: run the reentrancy check (two runs of the backward).
+        grad_outputs: cotangents for ``order=2`` (``None``: random).
+
+    Returns:
+        ``None`` if all pass, else the error describing the first failure.
+    """
+    with float64_numerics():
+        problem, low, low_out = first_order(func, args)
+        if order == 2:
+            problem, low_ct = second_order(problem, grad_outputs, len(args), settings.seed)
+            low = low + low_ct
+        _warn_precision(low, low_out)
+        error = _check(problem, settings, undefined, batched, reentrant)
+        if error is None and dtypes:
+            error = _grad_dtypes(func, args)
+    return error
+
+
 def _check(
-    problem: Problem, settings: _Settings, undefined: bool, batched: bool
+    problem: Problem, settings: Settings, undefined: bool, batched: bool, reentrant: bool
 ) -> GradcheckError | None:
     """Runs the checks on the flat problem; the first failure becomes the error."""
     jac = FlatJacobians(problem.f, problem.x0, problem.vjp)
@@ -393,7 +436,7 @@ def _check(
         if found:
             return error("undefined_grad", "rev", None, found)
     cotangent = rng.standard_normal(jac.m)
-    found = _nondeterminism(jac, cotangent, in_slices, settings.nondet_tol)
+    found = _nondeterminism(jac, cotangent, in_slices, settings.nondet_tol) if reentrant else []
     if found:
         return gradcheck_error(
             problem, "nondeterministic", "rev", None, found, atol=settings.nondet_tol, rtol=0.0
@@ -437,7 +480,7 @@ def _method(fast_mode: bool | None, n: int, m: int) -> str:
         "of one gradient. Check on smaller inputs, or pass fast_mode=False to force the "
         "full check (slow).",
         UserWarning,
-        stacklevel=4,
+        stacklevel=5,
     )
     return "directional"
 
