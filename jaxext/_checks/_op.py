@@ -39,12 +39,15 @@ class OpUnderTest:
             NumPy arrays.
         positions: leaf positions (in ``args``' flattening) of the float arrays.
         labels: how messages name those leaves, e.g. ``"input 1['w']"``.
+        forward_error: why ``jax.jvp`` cannot differentiate the op (the
+            ``TypeError`` a plain ``jax.custom_vjp`` raises), or ``None``.
     """
 
     func: Callable[..., Any]
     args: tuple
     positions: tuple[int, ...]
     labels: tuple[str, ...]
+    forward_error: str | None = None
 
     @classmethod
     def build(cls, func: Callable[..., Any], args: tuple) -> OpUnderTest:
@@ -62,8 +65,9 @@ class OpUnderTest:
                 "`args` holds no floating-point array to differentiate (Python and NumPy "
                 "scalars are constants: pass np.asarray(value) to differentiate one)."
             )
-        new_args = jax.tree_util.tree_unflatten(treedef, leaves)
-        return cls(func, tuple(new_args), tuple(positions), tuple(labels))
+        new_args = tuple(jax.tree_util.tree_unflatten(treedef, leaves))
+        op = cls(func, new_args, tuple(positions), tuple(labels))
+        return dataclasses.replace(op, forward_error=_forward_mode_error(op))
 
     # -- calling -------------------------------------------------------------------------
 
@@ -111,6 +115,22 @@ class OpUnderTest:
 
     def tangents(self, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
         return tuple(rng.standard_normal(p.shape) for p in self.primals)
+
+
+def _forward_mode_error(op: OpUnderTest) -> str | None:
+    """Why ``jax.jvp`` cannot differentiate the op, or ``None``.
+
+    A plain ``jax.custom_vjp`` raises its ``TypeError`` only when the JVP is
+    lowered, not when it is traced, so this lowers one.
+    """
+    primals = op.primals
+    try:
+        jax.jit(lambda *p: jax.jvp(op.call, p, p)).lower(*primals)
+    except TypeError as err:
+        return f"TypeError: {str(err).splitlines()[0]}"
+    except Exception:  # noqa: BLE001 -- an op that fails to trace fails the checks themselves
+        return None
+    return None
 
 
 def _random_like(rng: np.random.Generator, leaf: Any, scale: float) -> Any:
