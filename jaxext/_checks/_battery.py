@@ -281,7 +281,7 @@ def vmap(op: OpUnderTest, settings: Settings) -> str:
             batched = jax.jit(jax.vmap(tangent))(batch, stacked(ts))
             assert_trees_close(batched, looped, what=f"{what}: JVP", rtol=TIGHT)
         checked.append(index)
-    parts = "output, gradient" + (" and JVP" if forward else "")
+    parts = "output, gradient and JVP" if forward else "output and gradient"
     return f"{parts} under vmap over input(s) {checked} equal a loop"
 
 
