@@ -39,8 +39,9 @@ CHUNK_ENTRIES = 2**21  # most entries of one stacked array per call (16 MiB in f
 FlatFn = Callable[[jax.Array], jax.Array]
 
 
-def _one_hot(k: jax.Array, size: int) -> jax.Array:
-    return (jnp.arange(size) == k).astype(jnp.float64)
+def _basis_or(k: jax.Array, size: int, extra: jax.Array) -> jax.Array:
+    """The one-hot vector ``e_k``, or ``extra`` where ``k < 0``."""
+    return jnp.where(k >= 0, (jnp.arange(size) == k).astype(jnp.float64), extra)
 
 
 def _padded(indices: Sequence[int] | range, size: int) -> tuple[np.ndarray, int]:
@@ -96,25 +97,27 @@ class FlatJacobians:
             rows = jnp.broadcast_to(x, (ks.shape[0], n)).at[jnp.arange(ks.shape[0]), ks]
             return jax.lax.map(f, rows.set(values))
 
-        def vjp_rows(x, ks):
+        def vjp_rows(x, ks, extra):
+            # Row k is the pullback of the one-hot cotangent e_k, or of `extra` where k < 0.
             y, pullback = vjp(x)
-            return y, jax.lax.map(lambda k: pullback(_one_hot(k, m)), ks)
+            return y, jax.lax.map(lambda k: pullback(_basis_or(k, m, extra)), ks)
 
-        def jvp_columns(x, ks):
+        def jvp_columns(x, ks, extra):
             y, jvp_fn = jax.linearize(f, x)
-            return y, jax.lax.map(lambda k: jvp_fn(_one_hot(k, n)), ks)
+            return y, jax.lax.map(lambda k: jvp_fn(_basis_or(k, n, extra)), ks)
 
-        self._call = jax.jit(f)
-        self._difference = jax.jit(lambda plus, minus, steps: (plus - minus) / steps[:, None])
+        # Two programs serve the full method: the stacked evaluations of f (which also
+        # give f(x0)) and the stacked pullbacks (which also give the AD primal and the
+        # pullback of any one cotangent). Each compiles once per check.
         self._perturbed = jax.jit(perturbed)
         self._vjp_rows = jax.jit(vjp_rows)
         self._jvp_columns = jax.jit(jvp_columns)
-        self._vjp = jax.jit(lambda x, u: (lambda y, pullback: (y, pullback(u)))(*vjp(x)))
-        self._jvp = jax.jit(lambda x, v: jax.jvp(f, (x,), (v,)))
+        self._call = jax.jit(f)
 
     def value(self) -> np.ndarray:
-        """``f(x0)`` from a plain (jitted) call."""
-        return np.asarray(self._call(self.x0))
+        """``f(x0)``, from the program of ``numerical`` with nothing perturbed."""
+        ks = np.zeros(self.col_chunk, dtype=np.int64)
+        return np.asarray(self._perturbed(self.x0, ks, self.x0_host[ks]))[0]
 
     def numerical(self, cols: Sequence[int] | range, eps: float) -> tuple[np.ndarray, np.ndarray]:
         """Central differences for the input elements ``cols`` (at most ``col_chunk``).
@@ -129,34 +132,36 @@ class FlatJacobians:
         plus = self.x0_host[ks] + eps
         minus = self.x0_host[ks] - eps
         steps = plus - minus
-        # Two calls of one compiled program; the difference is a separate program.
-        y_plus = self._perturbed(self.x0, ks, plus)
-        y_minus = self._perturbed(self.x0, ks, minus)
-        block = np.asarray(self._difference(y_plus, y_minus, steps))
-        return block[:count], steps[:count]
+        # Two calls of one compiled program, each perturbed input in the same row.
+        y_plus = np.asarray(self._perturbed(self.x0, ks, plus))[:count]
+        y_minus = np.asarray(self._perturbed(self.x0, ks, minus))[:count]
+        steps = steps[:count]
+        return (y_plus - y_minus) / steps[:, None], steps
 
     def reverse(self, rows: Sequence[int] | range) -> tuple[np.ndarray, np.ndarray]:
         """``(primal, block)``: rows ``rows`` of the Jacobian, one VJP each."""
         ks, count = _padded(rows, self.row_chunk)
-        y, block = self._vjp_rows(self.x0, ks)
+        y, block = self._vjp_rows(self.x0, ks, np.zeros(self.m))
         return np.asarray(y), np.asarray(block)[:count]
 
     def forward(self, cols: Sequence[int] | range) -> tuple[np.ndarray, np.ndarray]:
         """``(primal, block)``: columns ``cols`` of the Jacobian, one JVP each, as the
         rows of ``block`` (shape ``(len(cols), m)``, like ``numerical``)."""
         ks, count = _padded(cols, self.col_chunk)
-        y, block = self._jvp_columns(self.x0, ks)
+        y, block = self._jvp_columns(self.x0, ks, np.zeros(self.n))
         return np.asarray(y), np.asarray(block)[:count]
 
     def vjp(self, cotangent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(primal, J^T u)`` for one cotangent ``u``."""
-        y, grad = self._vjp(self.x0, jnp.asarray(cotangent))
-        return np.asarray(y), np.asarray(grad)
+        """``(primal, J^T u)`` for one cotangent ``u`` (from the program of ``reverse``)."""
+        ks = np.full(self.row_chunk, -1, dtype=np.int64)
+        y, block = self._vjp_rows(self.x0, ks, np.asarray(cotangent, np.float64))
+        return np.asarray(y), np.asarray(block[0])
 
     def jvp(self, tangent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(primal, J v)`` for one tangent ``v``."""
-        y, out = self._jvp(self.x0, jnp.asarray(tangent))
-        return np.asarray(y), np.asarray(out)
+        """``(primal, J v)`` for one tangent ``v`` (from the program of ``forward``)."""
+        ks = np.full(self.col_chunk, -1, dtype=np.int64)
+        y, block = self._jvp_columns(self.x0, ks, np.asarray(tangent, np.float64))
+        return np.asarray(y), np.asarray(block[0])
 
     def difference(self, direction: np.ndarray, eps: float) -> tuple[np.ndarray, float]:
         """``(f(x0 + eps v) - f(x0 - eps v), 2 eps)``, both sides from one program."""
