@@ -10,12 +10,16 @@ from ._custom_vjp import custom_vjp as custom_vjp
 from ._validation import check_array as check_array
 
 # isort: split
+from ._checks import CheckResult as CheckResult
+from ._checks import GradcheckError as GradcheckError
+from ._checks import OpcheckError as OpcheckError
+from ._checks import OpcheckReport as OpcheckReport
+from ._checks import gradcheck as gradcheck
+from ._checks import gradgradcheck as gradgradcheck
+from ._checks import opcheck as opcheck
 from ._function import Function as Function
 from ._function_ctx import FunctionCtx as FunctionCtx
 from ._function_ctx import once_differentiable as once_differentiable
-from ._gradcheck import GradcheckError as GradcheckError
-from ._gradcheck import gradcheck as gradcheck
-from ._gradcheck import gradgradcheck as gradgradcheck
 from ._linear import linear as linear
 from ._mul_constant import mul_constant as mul_constant
 from ._torch_interop import export_torch_linear as export_torch_linear

@@ -19,7 +19,7 @@ from helpers import rand, reference_linear
 from jax.test_util import check_grads
 
 import jaxext
-from jaxext import _gradcheck
+from jaxext._checks import _precision
 
 
 def f64(seed, shape):
@@ -361,14 +361,154 @@ def test_gradgradcheck_names_grad_outputs_after_inputs():
     assert "grad_outputs for output 0" in str(info.value)
 
 
-# -- directional method for large inputs --------------------------------------------------
+# -- large magnitudes: never fail a correct function ---------------------------------------
 
 
-def test_directional_method_on_large_input():
-    x, w = f64(0, (256, 64)), f64(1, (32, 64))  # 18432 input elements: above the limit
-    assert jaxext.gradcheck(jaxext.linear, (x, w))
-    rule, _ = BROKEN_BACKWARDS["wrong_sign"]
+def elementwise_op(fn, derivative, *, scale=1.0, bump=0.0):
+    """A custom_vjp ``fn`` whose backward is ``g * derivative(x)``, times ``scale``,
+    with ``bump`` added to the first element of the gradient (wrong unless 1 and 0)."""
+
+    @jax.custom_vjp
+    def op(x):
+        return fn(x)
+
+    def op_fwd(x):
+        return fn(x), x
+
+    def op_bwd(x, g):
+        grad = scale * g * derivative(x)
+        return (grad.reshape(-1).at[0].add(bump).reshape(grad.shape),)
+
+    op.defvjp(op_fwd, op_bwd)
+    return op
+
+
+# name -> (function, its derivative, input range): outputs reach 1e6, inputs 1e3.
+LARGE_MAGNITUDES = {
+    "mul_constant_1000": (
+        lambda x: jaxext.mul_constant(x, 1000.0), lambda x: 1000.0 + 0 * x, (1e3, 2e3)
+    ),
+    "square": (lambda x: x**2, lambda x: 2 * x, (1e3, 2e3)),
+    "cube": (lambda x: x**3, lambda x: 3 * x**2, (50.0, 100.0)),
+    "sin_1e6": (lambda x: jnp.sin(x) * 1e6, lambda x: 1e6 * jnp.cos(x), (-20.0, 20.0)),
+    "exp": (jnp.exp, jnp.exp, (10.0, 13.8)),
+    "affine_1e6": (lambda x: 1e6 + x, lambda x: 1.0 + 0 * x, (-1.0, 1.0)),
+}  # fmt: skip
+
+
+def uniform(seed, bounds, shape):
+    return np.random.default_rng(seed).uniform(*bounds, shape)
+
+
+@pytest.mark.parametrize("shape", [(4,), (3, 5), (64,)])
+@pytest.mark.parametrize("name", sorted(LARGE_MAGNITUDES))
+def test_large_magnitudes_pass_with_default_tolerances(name, shape):
+    fn, derivative, bounds = LARGE_MAGNITUDES[name]
+    x = uniform(0, bounds, shape)
+    assert jaxext.gradcheck(fn, (x,))
+    assert jaxext.gradcheck(elementwise_op(fn, derivative), (x,))
+    assert jaxext.gradgradcheck(fn, (x,))
+
+
+@pytest.mark.parametrize("shape", [(4,), (3, 5)])
+@pytest.mark.parametrize("name", sorted(LARGE_MAGNITUDES))
+@pytest.mark.parametrize(
+    ("scale", "bump", "rtol"),
+    [(1.001, 0.0, 1e-4), (1.01, 0.0, 1e-3), (1.0, 1e-2, 1e-3)],
+    ids=["scaled_1.001_rtol_1e-4", "scaled_1.01", "one_element_plus_1e-2"],
+)
+def test_large_magnitudes_wrong_backward_fails(name, shape, scale, bump, rtol):
+    # A 0.1% scale error is exactly rtol=1e-3 (PyTorch's default too): it needs a tighter rtol.
+    fn, derivative, bounds = LARGE_MAGNITUDES[name]
+    x = uniform(0, bounds, shape)
     with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(elementwise_op(fn, derivative, scale=scale, bump=bump), (x,), rtol=rtol)
+    assert info.value.kind == "jacobian"
+    if bump:
+        assert info.value.input_element == (0,) * len(shape)
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
+def test_untouched_outputs_difference_to_exact_zero(x64, scale):
+    from jaxext._checks._jacobians import FlatJacobians
+
+    x0 = jnp.asarray(uniform(1, (1e3, 2e3), (300,)))
+    jac = FlatJacobians(lambda x: jnp.sin(x) * scale * 1e6 + x**2, x0)
+    block, steps = jac.numerical(range(jac.col_chunk), 1e-6)
+    off_diagonal = ~np.eye(jac.col_chunk, 300, dtype=bool)
+    assert np.all(block[off_diagonal] == 0.0)
+    np.testing.assert_array_equal(steps, (x0[:128] + 1e-6) - (x0[:128] - 1e-6))
+
+
+def test_torch_agrees_on_the_large_magnitude_functions():
+    torch = pytest.importorskip("torch")
+    x = uniform(0, (1e3, 2e3), (4,))
+    t = torch.tensor(x, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: t * 1000.0, (t,))
+    assert jaxext.gradcheck(lambda x: jaxext.mul_constant(x, 1000.0), (x,))
+
+
+# -- large problems: the full method, in chunks ---------------------------------------------
+
+
+def linear_with_grad_w(change):
+    """Custom_vjp linear whose ``grad_w`` is passed through ``change``."""
+    return make_linear(lambda x, w, g: (grad_x(x, w, g), change(grad_w(x, w, g))))
+
+
+LARGE_WRONG_GRAD_W = {
+    # name -> (change to grad_w, rtol)
+    "scaled_1.001": (lambda gw: gw * 1.001, 1e-4),
+    "one_element_plus_1e-3": (lambda gw: gw.at[0, 0].add(1e-3), 1e-3),
+    "one_element_times_1.01": (lambda gw: gw.at[5, 7].multiply(1.01), 1e-3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LARGE_WRONG_GRAD_W))
+def test_large_problem_is_checked_element_by_element(name):
+    # 9000 inputs x 5600 outputs: 5e7 Jacobian entries, compared in chunks.
+    change, rtol = LARGE_WRONG_GRAD_W[name]
+    x, w = f64(0, (80, 60)), f64(1, (70, 60))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback to random directions
+        with pytest.raises(jaxext.GradcheckError) as info:
+            jaxext.gradcheck(linear_with_grad_w(change), (x, w), rtol=rtol)
+    err = info.value
+    assert (err.kind, err.method, err.output_index, err.input_index) == ("jacobian", "full", 0, 1)
+    assert err.num_checked == 5600 * 4200
+    if name == "one_element_times_1.01":
+        assert err.input_element == (5, 7)
+
+
+def test_large_problem_correct_op_passes():
+    x, w = f64(0, (80, 60)), f64(1, (70, 60))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert jaxext.gradcheck(CORRECT, (x, w))
+
+
+def test_dense_jacobian_over_several_tiles(monkeypatch):
+    # A dense Jacobian larger than the tile: the comparison takes several passes.
+    from jaxext._checks import _compare
+
+    monkeypatch.setattr(_compare, "TILE_BYTES", 2**16)
+    x, dense = f64(0, (300,)), jnp.asarray(f64(1, (300, 300)) / 17)
+    assert jaxext.gradcheck(jax.nn.softmax, (x,))
+    good = elementwise_op(jnp.tanh, lambda x: 1 - jnp.tanh(x) ** 2)
+    assert jaxext.gradcheck(lambda x: good(dense @ x), (x,))
+    bad = elementwise_op(jnp.tanh, lambda x: 1 - jnp.tanh(x) ** 2, scale=1.01)
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(lambda x: bad(dense @ x), (x,))
+    assert (info.value.kind, info.value.method) == ("jacobian", "full")
+    assert info.value.num_mismatched > 300 * 300 // 2
+
+
+def test_directional_fallback_warns_and_says_what_it_can_miss():
+    x, w = f64(0, (256, 64)), f64(1, (32, 64))  # 18432 x 8192 entries: above the limit
+    with pytest.warns(UserWarning, match="random projections.*can miss.*one wrong element"):
+        assert jaxext.gradcheck(jaxext.linear, (x, w))
+    rule, _ = BROKEN_BACKWARDS["wrong_sign"]
+    with pytest.raises(jaxext.GradcheckError) as info, pytest.warns(UserWarning):
         jaxext.gradcheck(make_linear(rule), (x, w))
     err = info.value
     assert (err.method, err.input_index, err.output_index) == ("directional", 0, 0)
@@ -433,19 +573,29 @@ def test_low_precision_output_warns():
      ("tpu", True, "highest"), ("TPU", True, "highest")],
 )  # fmt: skip
 def test_numerics_plan(platform, use_cpu, precision):
-    plan = _gradcheck._numerics_plan(platform)
+    plan = _precision.numerics_plan(platform)
     assert (plan.use_cpu, plan.matmul_precision) == (use_cpu, precision)
 
 
-@pytest.mark.parametrize("platform", ["tpu", "gpu"])
-def test_float64_numerics_context_restores_config(platform):
-    before = (jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision)
-    with _gradcheck._float64_numerics(platform):
+@pytest.mark.parametrize(("platform", "moves_to_cpu"), [("tpu", True), ("gpu", False)])
+def test_float64_numerics_context_applies_and_restores_the_plan(platform, moves_to_cpu):
+    before = (
+        jax.config.jax_enable_x64,
+        jax.config.jax_default_matmul_precision,
+        jax.config.jax_default_device,
+    )
+    with _precision.float64_numerics(platform):
         assert jax.config.jax_enable_x64
         assert jax.config.jax_default_matmul_precision == "highest"
         assert jnp.zeros(2).dtype == jnp.float64
-        assert next(iter(jnp.zeros(2).devices())).platform == "cpu"
-    assert (jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision) == before
+        expected_device = jax.devices("cpu")[0] if moves_to_cpu else before[2]
+        assert jax.config.jax_default_device == expected_device
+    after = (
+        jax.config.jax_enable_x64,
+        jax.config.jax_default_matmul_precision,
+        jax.config.jax_default_device,
+    )
+    assert after == before
 
 
 # -- argument validation ------------------------------------------------------------------
@@ -486,3 +636,121 @@ def test_invalid_func_and_inputs():
         jaxext.gradcheck(lambda x: jnp.argmax(x), (x,))
     with pytest.raises(TypeError, match="complex"):
         jaxext.gradcheck(jnp.sin, (x.astype(np.complex128),))
+
+
+# -- PyTorch's option names -------------------------------------------------------------------
+
+
+def mul_with_bwd(bwd):
+    """A custom_vjp ``x * c`` (c a 0-d array) whose backward is ``bwd(x, c, g)``."""
+    return make_mul(bwd)
+
+
+def _callback_noise(values):
+    return values * (1 + np.random.default_rng().normal(size=values.shape) * 1e-12)
+
+
+OPTION_CASES = {
+    # name -> (backward that only the option's check catches, option that turns it off, kind)
+    "undefined_grad": (
+        lambda x, c, g: (jnp.where(jnp.all(g == 0), 1.0, g * c), jnp.sum(g * x)),
+        {"check_undefined_grad": False},
+        "undefined_grad",
+    ),
+    "nondeterministic": (
+        lambda x, c, g: (
+            jax.pure_callback(
+                _callback_noise, jax.ShapeDtypeStruct(g.shape, g.dtype), g * c,
+                vmap_method="sequential",
+            ),
+            jnp.sum(g * x),
+        ),
+        {"nondet_tol": 1e-9},
+        "nondeterministic",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(OPTION_CASES))
+def test_option_checks_catch_what_the_jacobian_misses(name):
+    bwd, turn_off, kind = OPTION_CASES[name]
+    inputs = (f64(0, (3, 4)), np.array(1.5))
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(mul_with_bwd(bwd), inputs)
+    assert (info.value.kind, info.value.input_index) == (kind, 0)
+    assert jaxext.gradcheck(mul_with_bwd(bwd), inputs, **turn_off)
+
+
+def _sum_all(values):
+    return np.broadcast_to(values.sum(), values.shape).copy()  # ignores a batch axis
+
+
+def test_check_batched_grad_catches_a_wrong_batching_rule():
+    # The backward's callback sums over all axes, batch included, under vmap.
+    def bwd(x, c, g):
+        total = jax.pure_callback(
+            _sum_all, jax.ShapeDtypeStruct(g.shape, g.dtype), g * x, vmap_method="expand_dims"
+        )
+        return g * c, total.reshape(-1)[0]
+
+    inputs = (f64(0, (3, 4)), np.array(1.5))
+    assert jaxext.gradcheck(mul_with_bwd(bwd), inputs)  # default: not checked, as in PyTorch
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(mul_with_bwd(bwd), inputs, check_batched_grad=True)
+    assert (info.value.kind, info.value.input_index) == ("batched_grad", 1)
+    assert jaxext.gradcheck(CORRECT, (f64(0, (3, 4)), f64(1, (2, 4))), check_batched_grad=True)
+
+
+def test_check_grad_dtypes_catches_a_float32_gradient():
+    def bwd(x, c, g):
+        return (g * c).astype(jnp.float32), jnp.sum(g * x)
+
+    inputs = (f64(0, (3, 4)), np.array(1.5))
+    assert jaxext.gradcheck(mul_with_bwd(bwd), inputs)  # JAX accepts it silently
+    with pytest.raises(jaxext.GradcheckError, match="float32") as info:
+        jaxext.gradcheck(mul_with_bwd(bwd), inputs, check_grad_dtypes=True)
+    assert (info.value.kind, info.value.input_index) == ("grad_dtype", 0)
+    assert jaxext.gradcheck(jaxext.linear, (f64(0, (3, 4)), f64(1, (2, 4))), check_grad_dtypes=True)
+
+
+def test_check_forward_and_backward_ad_select_the_modes():
+    @jax.custom_jvp
+    def square(x):
+        return x**2
+
+    @square.defjvp
+    def square_jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        return square(x), 2.02 * x * t  # 1% too large
+
+    x = f64(0, (5,))
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(square, (x,), check_forward_ad=True, check_backward_ad=False)
+    assert info.value.mode == "fwd"
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(square, (x,), check_forward_ad=True)
+    assert info.value.mode == "rev"  # reverse mode is checked first, and is wrong too
+    assert jaxext.gradcheck(
+        reference_linear, (f64(0, (3, 4)), f64(1, (2, 4))), check_forward_ad=True
+    )
+    with pytest.raises(ValueError, match="nothing to check"):
+        jaxext.gradcheck(square, (x,), check_backward_ad=False)
+    with pytest.raises(TypeError, match="forward"):
+        jaxext.gradcheck(CORRECT, (f64(0, (3, 4)), f64(1, (2, 4))), check_forward_ad=True)
+    assert jaxext.gradgradcheck(
+        reference_linear, (f64(0, (3, 4)), f64(1, (2, 4))), check_fwd_over_rev=True
+    )
+    with pytest.raises(ValueError, match="nothing to check"):
+        jaxext.gradgradcheck(reference_linear, (x,), check_rev_over_rev=False)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"nondet_tol": -1.0}, {"check_undefined_grad": 1}, {"check_batched_grad": "yes"},
+     {"check_grad_dtypes": None}, {"check_forward_ad": 0}, {"check_backward_ad": "no"}],
+)  # fmt: skip
+def test_invalid_pytorch_options(kwargs):
+    name = next(iter(kwargs))
+    error = ValueError if name == "nondet_tol" else TypeError
+    with pytest.raises(error, match=f"`{name}`"):
+        jaxext.gradcheck(jaxext.mul_constant, (f64(0, (3,)), 2.0), **kwargs)

@@ -1,4 +1,4 @@
-"""The `python -m jaxext` main job: environment report, gradchecks, training demo."""
+"""The `python -m jaxext` main job: environment report, opcheck tables, training demo."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 import jaxext
 from jaxext import __main__ as main_module
+from jaxext._checks import CHECK_NAMES
 
 pytest.importorskip("optax")
 pytest.importorskip("sklearn")
@@ -22,15 +23,19 @@ def _accuracy_line(text: str) -> float:
     return float(match.group(1))
 
 
-def test_main_job_reports_gradchecks_and_reaches_95_percent(capsys, tmp_path):
+def test_main_job_prints_opcheck_tables_and_reaches_95_percent(capsys, tmp_path):
     plot = tmp_path / "curves.png"
     assert main_module.main(["--epochs", "20", "--seed", "0", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
     assert f"jax {jax.__version__}" in out
     assert f"backend: {jax.default_backend()}" in out
-    assert re.search(r"^gradcheck linear\s+PASS$", out, flags=re.MULTILINE)
-    assert re.search(r"^gradcheck mul_constant\s+PASS$", out, flags=re.MULTILINE)
-    assert "FAIL" not in out
+    for op in ("linear", "mul_constant"):
+        table = out.split(f"opcheck {op}\n", 1)[1].split("\n\n", 1)[0]
+        rows = dict(re.findall(r"^(\w+) +(PASS|FAIL|SKIP) ", table, flags=re.MULTILINE))
+        assert set(rows) == set(CHECK_NAMES), table
+        assert rows["gradcheck"] == rows["vmap"] == rows["jvp"] == "PASS", table
+        assert re.search(r"^\d+ PASS, 0 FAIL, \d+ SKIP$", table, flags=re.MULTILINE), table
+    assert " FAIL " not in out
     assert len(re.findall(r"^epoch +\d+/20 ", out, flags=re.MULTILINE)) == 20
     assert _accuracy_line(out) >= 0.95
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -66,12 +71,13 @@ def _wrong_bwd(residuals, g):
 _linear_with_wrong_weight_grad.defvjp(_wrong_fwd, _wrong_bwd)
 
 
-def test_failing_gradcheck_exits_non_zero(capsys, monkeypatch):
+def test_failing_opcheck_exits_non_zero(capsys, monkeypatch):
     monkeypatch.setattr(jaxext, "linear", _linear_with_wrong_weight_grad)
     assert main_module.main(["--epochs", "1"]) == 1
     captured = capsys.readouterr()
-    assert re.search(r"^gradcheck linear\s+FAIL$", captured.out, flags=re.MULTILINE)
-    assert "input 1" in captured.out  # the diagnostic names the weight
+    assert re.search(r"^gradcheck +FAIL ", captured.out, flags=re.MULTILINE)
+    assert "FAIL gradcheck:" in captured.out
+    assert "with respect to input 1" in captured.out  # the diagnostic names the weight
     assert "epoch" not in captured.out
 
 

@@ -1,4 +1,4 @@
-"""Pytree plumbing for ``jaxext.gradcheck``: the caller's function as ``R^n -> R^m``.
+"""The caller's function and pytrees as one flat float64 function ``R^n -> R^m``.
 
 ``first_order`` turns ``func(*args)`` into a function of one flat float64
 vector, ``Problem.f``, whose input blocks are the floating-point array leaves of
@@ -48,6 +48,9 @@ class Problem:
 
     f: Callable[[jax.Array], jax.Array]
     x0: jax.Array
+    # x -> (f(x), pullback: u -> J(x)^T u); each input block's gradient is cast to float64
+    # before the blocks are joined, so a backward of the wrong dtype cannot break the check.
+    vjp: Callable[[jax.Array], tuple[jax.Array, Callable[[jax.Array], jax.Array]]]
     inputs: tuple[Segment, ...]
     outputs: tuple[Segment, ...]
     order: int
@@ -105,10 +108,34 @@ def first_order(func: Callable[..., Any], args: tuple) -> tuple[Problem, list[st
             new[position] = x[segment.slice].reshape(segment.shape)
         return func(*jax.tree_util.tree_unflatten(treedef, new))
 
-    def f(x):
-        outs = jax.tree_util.tree_leaves(f_tree(x))
+    def flat_outputs(tree):
+        outs = jax.tree_util.tree_leaves(tree)
         parts = [jnp.ravel(outs[p]).astype(jnp.float64) for p in out_positions]
         return jnp.concatenate(parts) if parts else jnp.zeros((0,))
+
+    def f(x):
+        return flat_outputs(f_tree(x))
+
+    def of_blocks(*blocks):
+        new = list(leaves)
+        for position, block in zip(positions, blocks, strict=True):
+            new[position] = block
+        return func(*jax.tree_util.tree_unflatten(treedef, new))
+
+    def vjp(x):
+        blocks = [x[segment.slice].reshape(segment.shape) for segment in segments]
+        out, vjp_fn = jax.vjp(of_blocks, *blocks)
+        out_leaves, out_def = jax.tree_util.tree_flatten(out)
+
+        def pullback(u):
+            cotangents = [np.zeros(leaf.shape, jax.dtypes.float0) for leaf in out_leaves]
+            for segment, position in zip(outputs, out_positions, strict=True):
+                leaf = out_leaves[position]
+                cotangents[position] = u[segment.slice].reshape(leaf.shape).astype(leaf.dtype)
+            grads = vjp_fn(jax.tree_util.tree_unflatten(out_def, cotangents))
+            return jnp.concatenate([jnp.ravel(g).astype(jnp.float64) for g in grads])
+
+        return flat_outputs(out), pullback
 
     example = jax.eval_shape(f_tree, x0)
     outputs, offset, low_out = [], 0, []
@@ -126,7 +153,9 @@ def first_order(func: Callable[..., Any], args: tuple) -> tuple[Problem, list[st
         offset += math.prod(leaf.shape)
     if not outputs:
         raise ValueError("`func` returned no floating-point array to check.")
-    problem = Problem(f, x0, tuple(segments), tuple(outputs), 1, out_treedef, tuple(out_positions))
+    problem = Problem(
+        f, x0, vjp, tuple(segments), tuple(outputs), 1, out_treedef, tuple(out_positions)
+    )
     return problem, low, low_out
 
 
@@ -196,8 +225,11 @@ def second_order(
     )
 
     def g(z):
-        _, vjp_fn = jax.vjp(first.f, z[:n_x])
-        return vjp_fn(z[n_x:])[0]
+        return first.vjp(z[:n_x])[1](z[n_x:])
+
+    def vjp(z):
+        y, vjp_fn = jax.vjp(g, z)
+        return y, lambda u: vjp_fn(u)[0]
 
     z0 = jnp.concatenate([first.x0, jnp.asarray(np.concatenate([c.ravel() for c in cotangents]))])
-    return Problem(g, z0, first.inputs + ct_inputs, gradients, order=2), low
+    return Problem(g, z0, vjp, first.inputs + ct_inputs, gradients, order=2), low

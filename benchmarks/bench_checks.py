@@ -1,0 +1,202 @@
+"""How long do jaxext's checks take? gradcheck against torch.autograd.gradcheck, opcheck's battery.
+
+Three sections, each a wall-clock time of what a user waits for (compilation included,
+since every call of a checker compiles the function it checks):
+
+* gradcheck: ``jaxext.gradcheck(jaxext.linear, (x, w))`` against
+  ``torch.autograd.gradcheck(F.linear, (x, w))`` on the same float64 inputs, x 20x20 and
+  w 30x20 (a 1000-input, 600-output Jacobian, compared entry by entry by both);
+* opcheck: the whole battery on ``jaxext.linear`` with small inputs (x 4x3, w 2x3, b 2),
+  with the time of each check;
+* large: ``jaxext.gradcheck`` on problems of about 1e4 inputs by 1e4 outputs, with the
+  process's peak resident memory (which includes JAX itself, about 0.3 GB).
+
+Usage::
+
+    python benchmarks/bench_checks.py                 # writes benchmarks/results/checks_cpu.*
+    python benchmarks/bench_checks.py --quick         # no torch, no large problems
+    python benchmarks/bench_checks.py --torch-repeats 1 --note "machine shared"
+
+Nothing here is a test: no timing is asserted anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchlib import machine_info  # noqa: E402
+
+import jaxext  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _times(fn, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        ok = fn()
+        times.append(time.perf_counter() - start)
+        if not ok:
+            raise AssertionError("a checker rejected a correct function")
+    return times
+
+
+def _peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+
+
+def bench_gradcheck(repeats: int, torch_repeats: int) -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((20, 20)), rng.standard_normal((30, 20))
+    result: dict[str, Any] = {"problem": "linear, x 20x20, w 30x20, float64"}
+    result["jaxext_s"] = _times(lambda: jaxext.gradcheck(jaxext.linear, (x, w)), repeats)
+    if torch_repeats:
+        try:
+            import torch
+            import torch.nn.functional as F  # noqa: N812
+        except ImportError:
+            torch = None
+        if torch is not None:
+            tx = torch.tensor(x, requires_grad=True)
+            tw = torch.tensor(w, requires_grad=True)
+            result["torch_s"] = _times(
+                lambda: torch.autograd.gradcheck(F.linear, (tx, tw)), torch_repeats
+            )
+            result["torch_version"] = torch.__version__
+    return result
+
+
+def bench_opcheck(repeats: int) -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    args = (rng.standard_normal((4, 3)), rng.standard_normal((2, 3)), rng.standard_normal(2))
+    totals, per_check = [], {}
+    for _ in range(repeats):
+        start = time.perf_counter()
+        report = jaxext.opcheck(jaxext.linear, args)
+        totals.append(time.perf_counter() - start)
+        for r in report.results:
+            per_check.setdefault(r.name, []).append(r.seconds)
+    return {
+        "problem": "jaxext.linear, x 4x3, w 2x3, b 2",
+        "total_s": totals,
+        "per_check_s": {name: statistics.median(t) for name, t in per_check.items()},
+        "statuses": report.statuses,
+    }
+
+
+def bench_large() -> list[dict[str, Any]]:
+    rng = np.random.default_rng(0)
+    rows = []
+    for x_shape, w_shape in [((80, 60), (70, 60)), ((100, 50), (100, 50))]:
+        x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
+        n, m = x.size + w.size, x_shape[0] * w_shape[0]
+        start = time.perf_counter()
+        assert jaxext.gradcheck(jaxext.linear, (x, w))
+        rows.append(
+            {
+                "problem": f"linear, x {x_shape[0]}x{x_shape[1]}, w {w_shape[0]}x{w_shape[1]}",
+                "inputs": n,
+                "outputs": m,
+                "entries": n * m,
+                "seconds": time.perf_counter() - start,
+                "peak_rss_gib_so_far": _peak_rss_gib(),
+            }
+        )
+    x = rng.standard_normal(10_000)
+    start = time.perf_counter()
+    assert jaxext.gradcheck(lambda v: jaxext.mul_constant(v, 1.5) / (1 + v @ v), (x,))
+    rows.append(
+        {
+            "problem": "dense Jacobian: x * 1.5 / (1 + |x|^2), 10,000 elements",
+            "inputs": 10_000,
+            "outputs": 10_000,
+            "entries": 10**8,
+            "seconds": time.perf_counter() - start,
+            "peak_rss_gib_so_far": _peak_rss_gib(),
+        }
+    )
+    return rows
+
+
+def render(results: dict[str, Any]) -> str:
+    med = statistics.median
+    lines = ["# jaxext checks: timings", ""]
+    machine = results["machine"]
+    lines.append(
+        f"Machine: {machine.get('cpu_model')}, {machine.get('usable_cpus')} usable CPUs. "
+        f"{results['note']} Load average (1 min) before/after: "
+        f"{results['load_average']['before'][0]:.1f} / {results['load_average']['after'][0]:.1f}."
+    )
+    g = results["gradcheck"]
+    lines += ["", f"## gradcheck vs torch.autograd.gradcheck ({g['problem']})", ""]
+    lines += ["| checker | median s | runs |", "|---|---|---|"]
+    lines.append(f"| jaxext.gradcheck | {med(g['jaxext_s']):.2f} | {len(g['jaxext_s'])} |")
+    if "torch_s" in g:
+        lines.append(
+            f"| torch.autograd.gradcheck ({g['torch_version']}) | {med(g['torch_s']):.2f} | "
+            f"{len(g['torch_s'])} |"
+        )
+        lines += ["", f"Speed-up: {med(g['torch_s']) / med(g['jaxext_s']):.0f}x (target: 20x)."]
+    o = results["opcheck"]
+    lines += ["", f"## opcheck battery ({o['problem']})", ""]
+    lines.append(
+        f"Total: median {med(o['total_s']):.1f} s over {len(o['total_s'])} runs "
+        "(target: under 20 s on 2 cores)."
+    )
+    lines += ["", "| check | status | median s |", "|---|---|---|"]
+    for name, seconds in o["per_check_s"].items():
+        lines.append(f"| {name} | {o['statuses'][name]} | {seconds:.2f} |")
+    if results.get("large"):
+        lines += ["", "## gradcheck on large problems (full element-by-element method)", ""]
+        lines += ["| problem | inputs x outputs | Jacobian entries | s | peak RSS so far (GiB) |"]
+        lines += ["|---|---|---|---|---|"]
+        for row in results["large"]:
+            lines.append(
+                f"| {row['problem']} | {row['inputs']} x {row['outputs']} | "
+                f"{row['entries']:.2e} | {row['seconds']:.1f} | {row['peak_rss_gib_so_far']:.2f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="no torch, no large problems")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of the jaxext checks")
+    parser.add_argument("--torch-repeats", type=int, default=1, help="runs of torch's gradcheck")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="output folder")
+    parser.add_argument("--note", default="", help="stored with the results")
+    args = parser.parse_args(argv)
+    load_before = os.getloadavg()
+    results = {
+        "machine": machine_info(),
+        "note": args.note,
+        "gradcheck": bench_gradcheck(args.repeats, 0 if args.quick else args.torch_repeats),
+        "opcheck": bench_opcheck(1 if args.quick else args.repeats),
+        "large": [] if args.quick else bench_large(),
+    }
+    results["load_average"] = {"before": load_before, "after": os.getloadavg()}
+    text = render(results)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "checks_cpu.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    (args.out / "checks_cpu.md").write_text(text)
+    print(json.dumps({k: v for k, v in results.items() if k != "machine"}, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""Checking custom ops: ``gradcheck`` / ``gradgradcheck`` and ``opcheck``.
+
+One idea per module; data flows down this list:
+
+* ``_precision``: float64 numerics on any backend.
+* ``_problem``: the caller's function and pytrees as a flat ``R^n -> R^m``.
+* ``_jacobians``: numerical and automatic Jacobians, a chunk at a time.
+* ``_compare``: the entrywise comparison, block by block, into ``Mismatch`` records.
+* ``_report``: ``GradcheckError`` and its message; ``OpcheckReport``, ``OpcheckError``.
+* ``_gradcheck``: the ``gradcheck`` / ``gradgradcheck`` entry points.
+* ``_op``: the op under test, as a function of its float array leaves.
+* ``_battery``: the checks of ``opcheck``, one function each.
+* ``_opcheck``: the ``opcheck`` entry point.
+"""
+
+from ._gradcheck import GradcheckError as GradcheckError
+from ._gradcheck import gradcheck as gradcheck
+from ._gradcheck import gradgradcheck as gradgradcheck
+from ._opcheck import CHECK_NAMES as CHECK_NAMES
+from ._opcheck import opcheck as opcheck
+from ._report import CheckResult as CheckResult
+from ._report import OpcheckError as OpcheckError
+from ._report import OpcheckReport as OpcheckReport

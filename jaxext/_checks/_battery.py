@@ -1,0 +1,516 @@
+"""The checks of ``jaxext.opcheck``, one function each, in the order they run.
+
+Each check takes the op under test and the settings, and returns a short
+detail for the report, raises ``Skip`` with the reason it does not apply, or
+raises ``CheckFailed`` with the diagnostic. Cheap structural checks run first.
+Comparisons of two float64 programs that compute the same math (jit against
+eager, vmap against a loop, checkpointed against plain ...) use ``TIGHT``, a
+normwise relative tolerance far above float64 rounding and far below any bug.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._gradcheck import Settings, check_gradients
+from ._op import CheckFailed, OpUnderTest, assert_trees_close, float_output_leaves
+
+__all__ = ["CHECKS", "TIGHT", "Skip"]
+
+TIGHT = 1e-9
+_BATCH = 3
+_POLICIES = {
+    "default": None,
+    "everything_saveable": jax.checkpoint_policies.everything_saveable,
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Skip(Exception):
+    """Raised by a check that does not apply to the op, with the reason."""
+
+
+def _require_forward_mode(op: OpUnderTest) -> None:
+    if op.forward_error is not None:
+        raise Skip(f"no forward mode (jax.jvp raises {op.forward_error})")
+
+
+def _inner(u: Any, out: Any) -> jax.Array:
+    """``sum <u_i, out_i>`` over the float leaves of two output pytrees."""
+    pairs = zip(float_output_leaves(u), float_output_leaves(out), strict=True)
+    return sum((jnp.sum(a * b) for (_, a), (_, b) in pairs), jnp.zeros(()))
+
+
+def _vjp(fn: Callable, primals, u) -> tuple:
+    return jax.vjp(fn, *primals)[1](u)
+
+
+def _fresh(op: OpUnderTest) -> Callable:
+    """The op behind a new Python function, so that no trace cache is shared."""
+    return lambda *values: op.func(*op.args_with(values))
+
+
+def _gradient_settings(settings: Settings, modes: tuple[str, ...]) -> Settings:
+    return Settings(
+        eps=settings.eps, atol=settings.atol, rtol=settings.rtol, nondet_tol=settings.nondet_tol,
+        fast_mode=None, modes=modes, num_directions=settings.num_directions, seed=settings.seed,
+    )  # fmt: skip
+
+
+# -- 1. forward rule, gradients, second order ------------------------------------------------
+
+
+def forward_rule(op: OpUnderTest, settings: Settings) -> str:
+    primals = op.primals
+    plain = jax.jit(op.call)(*primals)
+    via_vjp = jax.jit(lambda *p: jax.vjp(op.call, *p)[0])(*primals)
+    assert_trees_close(via_vjp, plain, what="primal output of jax.vjp vs the op", rtol=TIGHT)
+    if op.forward_error is not None:
+        return "jax.vjp's primal equals the op's output (no forward mode to compare)"
+    via_jvp = jax.jit(lambda *p: jax.jvp(op.call, p, p)[0])(*primals)
+    assert_trees_close(via_jvp, plain, what="primal output of jax.jvp vs the op", rtol=TIGHT)
+    return "the primal outputs of jax.vjp and jax.jvp equal the op's output"
+
+
+def _gradient_check(op: OpUnderTest, settings: Settings, order: int, mode: str) -> None:
+    error = check_gradients(
+        op.func, op.args, order=order, settings=_gradient_settings(settings, (mode,)),
+        undefined=False, batched=False, reentrant=False,
+    )  # fmt: skip
+    if error is not None:
+        raise CheckFailed(str(error))
+
+
+def gradcheck(op: OpUnderTest, settings: Settings) -> str:
+    _gradient_check(op, settings, 1, "rev")
+    return "full Jacobian from VJPs matches central differences"
+
+
+def gradgradcheck(op: OpUnderTest, settings: Settings) -> str:
+    try:
+        _gradient_check(op, settings, 2, "rev")
+    except RuntimeError as err:
+        if "once_differentiable" in str(err):
+            raise Skip(f"the backward is once_differentiable ({str(err).splitlines()[0]})") from err
+        raise
+    return "second derivatives (VJP of the VJP) match central differences"
+
+
+# -- 2. forward mode -----------------------------------------------------------------------
+
+
+def jvp(op: OpUnderTest, settings: Settings) -> str:
+    _require_forward_mode(op)
+    _gradient_check(op, settings, 1, "fwd")
+    return "full Jacobian from JVPs matches central differences"
+
+
+def jvp_vjp(op: OpUnderTest, settings: Settings) -> str:
+    _require_forward_mode(op)
+    rng = np.random.default_rng(settings.seed + 1)
+    primals, u, v = op.primals, op.cotangent(rng), op.tangents(rng)
+    jv = jax.jit(lambda *p: jax.jvp(op.call, p, v)[1])(*primals)
+    jtu = jax.jit(lambda *p: _vjp(op.call, p, u))(*primals)
+    left = float(_inner(u, jv))
+    right = float(sum(np.sum(np.asarray(a) * b) for a, b in zip(jtu, v, strict=True)))
+    scale = float(_inner(jax.tree_util.tree_map(np.abs, u), jax.tree_util.tree_map(np.abs, jv)))
+    scale += float(sum(np.sum(np.abs(np.asarray(a) * b)) for a, b in zip(jtu, v, strict=True)))
+    if not abs(left - right) <= TIGHT * scale:
+        raise CheckFailed(
+            f"u . (J v) = {left:.12g} from jax.jvp but (J^T u) . v = {right:.12g} from jax.vjp "
+            f"(random u, v; abs difference {abs(left - right):.3e}, allowed {TIGHT * scale:.3e}): "
+            "forward and reverse mode disagree."
+        )
+    return "u . (J v) from jax.jvp equals (J^T u) . v from jax.vjp"
+
+
+# -- 3. and 4. jit ---------------------------------------------------------------------------
+
+
+def jit(op: OpUnderTest, settings: Settings) -> str:
+    rng = np.random.default_rng(settings.seed + 2)
+    primals, u = op.primals, op.cotangent(rng)
+    eager = op.call(*primals)
+    jitted = jax.jit(op.call)(*primals)
+    assert_trees_close(jitted, eager, what="output under jit vs eager", rtol=TIGHT)
+    eager_grads = _vjp(op.call, primals, u)
+    jitted_grads = jax.jit(lambda *p: _vjp(op.call, p, u))(*primals)
+    for label, a, e in zip(op.labels, jitted_grads, eager_grads, strict=True):
+        assert_trees_close(a, e, what=f"gradient of {label} under jit vs eager", rtol=TIGHT)
+    return "values and gradients under jit equal eager ones"
+
+
+def _subsets(count: int) -> list[tuple[int, ...]]:
+    if count <= 4:
+        return [s for r in range(1, count + 1) for s in itertools.combinations(range(count), r)]
+    return [(i,) for i in range(count)] + [tuple(range(count))]
+
+
+def jit_reuse(op: OpUnderTest, settings: Settings) -> str:
+    rng = np.random.default_rng(settings.seed + 3)
+    primals, u, u2 = op.primals, op.cotangent(rng), op.cotangent(rng)
+    subsets = _subsets(len(primals))
+    everything = tuple(range(len(primals)))
+    shared = jax.jit(_fresh(op))
+
+    def grads(fn, subset, cotangent):
+        return _vjp(op.with_only(subset, fn), [primals[i] for i in subset], cotangent)
+
+    # The reference: every input differentiated at once, in a fresh trace.
+    full = {id(c): jax.jit(lambda c=c: grads(_fresh(op), everything, c))() for c in (u, u2)}
+    for s in subsets:  # one jitted op, reused across calls with other inputs differentiated
+        runs = {
+            "eager": lambda s=s: grads(shared, s, u),
+            "in jit": jax.jit(lambda s=s: grads(shared, s, u)),
+            "fresh jit": jax.jit(lambda s=s: grads(_fresh(op), s, u)),
+        }
+        for how, run in runs.items():
+            try:
+                got = run()
+            except Exception as err:  # noqa: BLE001 -- attributed to the subset, then reported
+                raise CheckFailed(
+                    f"differentiating only {[op.labels[j] for j in s]} ({how}) raised "
+                    f"{type(err).__name__}: {err}"
+                ) from err
+            for i, a in zip(s, got, strict=True):
+                what = (
+                    f"gradient of {op.labels[i]} differentiating only "
+                    f"{[op.labels[j] for j in s]} ({how}) vs all inputs at once"
+                )
+                assert_trees_close(a, full[id(u)][i], what=what, rtol=TIGHT)
+    pairs = [(a, b) for a, b in zip(subsets, subsets[1:] + subsets[:1], strict=True) if a != b]
+    for first, second in pairs:
+        # The same jitted op twice in one differentiated computation, with other inputs
+        # differentiated each time: the form in which a residual-layout bug shows.
+        def both(*values, first=first, second=second):
+            outs = []
+            for subset in (first, second):
+                kept = [
+                    v if i in subset else jax.lax.stop_gradient(v) for i, v in enumerate(values)
+                ]
+                outs.append(shared(*kept))
+            return _inner(u, outs[0]) + _inner(u2, outs[1])
+
+        got = jax.grad(both, argnums=everything)(*primals)
+        for i, label in enumerate(op.labels):
+            expected = np.zeros_like(primals[i])
+            if i in first:
+                expected = expected + np.asarray(full[id(u)][i])
+            if i in second:
+                expected = expected + np.asarray(full[id(u2)][i])
+            what = (
+                f"gradient of {label} with the op used twice in one computation (first "
+                f"differentiating {[op.labels[j] for j in first]}, then "
+                f"{[op.labels[j] for j in second]})"
+            )
+            assert_trees_close(got[i], expected, what=what, rtol=TIGHT)
+    return f"{len(subsets)} subsets of differentiated inputs, {len(pairs)} pairs in one computation"
+
+
+# -- 5. vmap -------------------------------------------------------------------------------
+
+
+def _batched_argument(arg: Any, rng: np.random.Generator) -> Any:
+    def stack(leaf):
+        if not isinstance(leaf, (jax.Array, np.ndarray)):
+            return leaf
+        leaf = np.asarray(leaf)
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            return np.stack(
+                [leaf * (1 + 0.1 * rng.standard_normal(leaf.shape)) for _ in range(_BATCH)]
+            )
+        return np.stack([leaf] * _BATCH)
+
+    return jax.tree_util.tree_map(stack, arg)
+
+
+def _has_arrays(arg: Any) -> bool:
+    return any(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in jax.tree_util.tree_leaves(arg))
+
+
+def vmap(op: OpUnderTest, settings: Settings) -> str:
+    rng = np.random.default_rng(settings.seed + 4)
+    forward = op.forward_error is None
+    checked = []
+    for index, arg in enumerate(op.args):
+        if not _has_arrays(arg):
+            continue  # a static argument cannot be batched
+        batch = _batched_argument(arg, rng)
+
+        def full_args(value, index=index):
+            return op.args[:index] + (value,) + op.args[index + 1 :]
+
+        def apply(value, full_args=full_args):
+            return op.func(*full_args(value))
+
+        def gradient(value, u, full_args=full_args):
+            args = full_args(value)
+            return _vjp(lambda *v: op.func(*op.args_with(v, args)), op.float_leaves(args), u)
+
+        def tangent(value, t, full_args=full_args):
+            args = full_args(value)
+            fn = lambda *v: op.func(*op.args_with(v, args))  # noqa: E731
+            return jax.jvp(fn, tuple(op.float_leaves(args)), tuple(t))[1]
+
+        def pick(tree, b):
+            return jax.tree_util.tree_map(lambda leaf: leaf[b] if np.ndim(leaf) else leaf, tree)
+
+        def stacked(results):
+            return jax.tree_util.tree_map(lambda *leaves: np.stack(leaves), *results)
+
+        what = f"vmap over input {index} vs a loop"
+        looped = stacked([jax.jit(apply)(pick(batch, b)) for b in range(_BATCH)])
+        assert_trees_close(
+            jax.jit(jax.vmap(apply))(batch), looped, what=f"{what}: output", rtol=TIGHT
+        )
+        us = [op.cotangent(rng) for _ in range(_BATCH)]
+        looped = stacked([jax.jit(gradient)(pick(batch, b), us[b]) for b in range(_BATCH)])
+        batched = jax.jit(jax.vmap(gradient))(batch, stacked(us))
+        assert_trees_close(batched, looped, what=f"{what}: gradients", rtol=TIGHT)
+        if forward:
+            ts = [op.tangents(rng) for _ in range(_BATCH)]
+            looped = stacked([jax.jit(tangent)(pick(batch, b), ts[b]) for b in range(_BATCH)])
+            batched = jax.jit(jax.vmap(tangent))(batch, stacked(ts))
+            assert_trees_close(batched, looped, what=f"{what}: JVP", rtol=TIGHT)
+        checked.append(index)
+    parts = "output, gradient and JVP" if forward else "output and gradient"
+    return f"{parts} under vmap over input(s) {checked} equal a loop"
+
+
+# -- 6. zero cotangents ---------------------------------------------------------------------
+
+
+def zero_cotangent(op: OpUnderTest, settings: Settings) -> str:
+    primals = op.primals
+    zero = jax.tree_util.tree_map(
+        lambda leaf: (
+            np.zeros(leaf.shape, leaf.dtype)
+            if jnp.issubdtype(leaf.dtype, jnp.inexact)
+            else np.zeros(leaf.shape, jax.dtypes.float0)
+        ),
+        op.output_shapes(),
+    )
+    grads = jax.jit(lambda *p: _vjp(op.call, p, zero))(*primals)
+    for label, grad in zip(op.labels, grads, strict=True):
+        grad = np.asarray(grad, np.float64)
+        if np.any(grad != 0):
+            worst = np.unravel_index(
+                int(np.argmax(np.abs(np.nan_to_num(grad, nan=np.inf)))), grad.shape
+            )
+            raise CheckFailed(
+                f"gradient of {label} for a zero cotangent is not zero: element "
+                f"{tuple(int(i) for i in worst)} is {grad[worst]:.10g} "
+                f"({int(np.sum(grad != 0))} of {grad.size} elements nonzero)."
+            )
+    outputs = float_output_leaves(op.output_shapes())
+    if len(outputs) < 2:
+        return "a zero cotangent gives zero gradients"
+    rng = np.random.default_rng(settings.seed + 5)
+    u = op.cotangent(rng)
+    for keep, (path, _) in enumerate(outputs):
+        # Only output `keep` is used: JAX passes symbolic zeros for the others.
+        def loss(*p, keep=keep):
+            return _inner(
+                [leaf for i, (_, leaf) in enumerate(float_output_leaves(u)) if i == keep],
+                [leaf for i, (_, leaf) in enumerate(float_output_leaves(op.call(*p))) if i == keep],
+            )
+
+        got = jax.jit(jax.grad(loss, argnums=tuple(range(len(primals)))))(*primals)
+        only = _only_float_leaf(u, keep)
+        expected = jax.jit(lambda *p, only=only: _vjp(op.call, p, only))(*primals)
+        for label, a, e in zip(op.labels, got, expected, strict=True):
+            what = f"gradient of {label} with only output {path or keep} used (symbolic zeros)"
+            assert_trees_close(a, e, what=what, rtol=TIGHT)
+    return "a zero cotangent gives zero gradients; unused outputs (symbolic zeros) work"
+
+
+def _only_float_leaf(tree: Any, keep: int) -> Any:
+    """``tree`` with every float leaf but the ``keep``-th replaced by zeros."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    index = -1
+    for position, leaf in enumerate(leaves):
+        if jnp.issubdtype(leaf.dtype, jnp.inexact):
+            index += 1
+            if index != keep:
+                leaves[position] = np.zeros_like(leaf)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+# -- 7. gradient dtypes ---------------------------------------------------------------------
+
+
+def grad_dtypes(op: OpUnderTest, settings: Settings) -> str:
+    rng = np.random.default_rng(settings.seed + 6)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(op.args)
+    arrays = [p for p, (_, leaf) in enumerate(flat) if isinstance(leaf, (jax.Array, np.ndarray))]
+    for dtype in (np.float64, np.float32):
+        leaves = [leaf for _, leaf in flat]
+        for p in op.positions:
+            leaves[p] = np.asarray(leaves[p], dtype)
+        primals = [leaves[p] for p in arrays]
+
+        def fn(*values, leaves=leaves):
+            new = list(leaves)
+            for p, value in zip(arrays, values, strict=True):
+                new[p] = value
+            return op.func(*jax.tree_util.tree_unflatten(treedef, new))
+
+        out, pullback = jax.vjp(fn, *primals)
+        u = jax.tree_util.tree_map(lambda leaf: _cotangent_like(rng, leaf), out)
+        for p, primal, grad in zip(arrays, primals, pullback(u), strict=True):
+            path = flat[p][0]
+            label = f"input {path[0].idx}{jax.tree_util.keystr(path[1:])}"
+            inexact = jnp.issubdtype(primal.dtype, jnp.inexact)
+            expected = np.dtype(primal.dtype) if inexact else np.dtype(jax.dtypes.float0)
+            if np.dtype(grad.dtype) != expected or tuple(grad.shape) != tuple(primal.shape):
+                raise CheckFailed(
+                    f"gradient of {label} is {np.dtype(grad.dtype)}{tuple(grad.shape)} for an "
+                    f"input of {np.dtype(primal.dtype)}{tuple(primal.shape)}; expected "
+                    f"{expected}{tuple(primal.shape)} (JAX does not check a custom_vjp "
+                    "backward's dtypes)."
+                )
+    return "gradients have their inputs' dtypes and shapes (float64 and float32 inputs)"
+
+
+def _cotangent_like(rng: np.random.Generator, leaf: Any) -> Any:
+    if jnp.issubdtype(leaf.dtype, jnp.inexact):
+        return rng.standard_normal(leaf.shape).astype(leaf.dtype)
+    return np.zeros(leaf.shape, jax.dtypes.float0)
+
+
+# -- 8. reentrancy --------------------------------------------------------------------------
+
+
+def reentrancy(op: OpUnderTest, settings: Settings) -> str:
+    rng = np.random.default_rng(settings.seed + 7)
+    primals, u = op.primals, op.cotangent(rng)
+    jitted = jax.jit(lambda *p: _vjp(op.call, p, u))
+    runs = {"under jit": (jitted(*primals), jitted(*primals))}
+    runs["eagerly"] = (_vjp(op.call, primals, u), _vjp(op.call, primals, u))
+    for how, (first, second) in runs.items():
+        for label, a, b in zip(op.labels, first, second, strict=True):
+            what = f"gradient of {label}, second run of the backward {how} vs the first"
+            assert_trees_close(a, b, what=what, rtol=0.0, atol=settings.nondet_tol)
+    return f"two runs of the backward agree within nondet_tol={settings.nondet_tol:g}"
+
+
+# -- 9. checkpoint --------------------------------------------------------------------------
+
+
+def checkpoint(op: OpUnderTest, settings: Settings) -> str:
+    rng = np.random.default_rng(settings.seed + 8)
+    primals, u = op.primals, op.cotangent(rng)
+    reference = jax.jit(lambda *p: _vjp(op.call, p, u))(*primals)
+    for name, policy in _POLICIES.items():
+        remat = jax.checkpoint(_fresh(op), policy=policy)
+        got = jax.jit(lambda *p, remat=remat: _vjp(remat, p, u))(*primals)
+        for label, a, e in zip(op.labels, got, reference, strict=True):
+            what = f"gradient of {label} under jax.checkpoint(policy={name})"
+            assert_trees_close(a, e, what=what, rtol=TIGHT)
+    return f"same gradients under jax.checkpoint with {len(_POLICIES)} policies"
+
+
+# -- 10. export -----------------------------------------------------------------------------
+
+
+def _round_trip(fn: Callable, specs: list) -> Callable:
+    exported = jax.export.export(jax.jit(fn))(*specs)
+    return jax.export.deserialize(exported.serialize()).call
+
+
+def export(op: OpUnderTest, settings: Settings) -> str:
+    rng = np.random.default_rng(settings.seed + 9)
+    primals, u = op.primals, op.cotangent(rng)
+    specs = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in primals]
+    gradient = lambda *p: _vjp(_fresh(op), p, u)  # noqa: E731
+    try:
+        call = _round_trip(_fresh(op), specs)
+        call_gradient = _round_trip(gradient, specs)
+    except Exception as err:  # noqa: BLE001 -- not exportable: reported, not raised
+        raise CheckFailed(
+            f"the op cannot be exported with jax.export: {type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}"
+        ) from err
+    assert_trees_close(
+        call(*primals), jax.jit(op.call)(*primals), what="exported output", rtol=TIGHT
+    )
+    expected = jax.jit(gradient)(*primals)
+    for label, a, e in zip(op.labels, call_gradient(*primals), expected, strict=True):
+        assert_trees_close(a, e, what=f"exported gradient of {label}", rtol=TIGHT)
+    return "serialized, deserialized and called: same values and gradients"
+
+
+def export_symbolic(op: OpUnderTest, settings: Settings) -> str:
+    primals = op.primals
+    batched = next((i for i, p in enumerate(primals) if p.ndim >= 2), None)
+    if batched is None:
+        raise Skip("no float input has two or more dimensions to give a symbolic batch dimension")
+    specs = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in primals]
+    shape = jax.export.symbolic_shape("b, " + ", ".join(map(str, primals[batched].shape[1:])))
+    specs[batched] = jax.ShapeDtypeStruct(shape, primals[batched].dtype)
+    try:
+        call = _round_trip(_fresh(op), specs)
+    except Exception as err:  # noqa: BLE001 -- a capability the op lacks, not a wrong result
+        message = str(err).splitlines()[0] if str(err) else ""
+        raise Skip(
+            f"the op does not trace with a symbolic leading dimension of {op.labels[batched]} "
+            f"({type(err).__name__}: {message[:200]})"
+        ) from err
+    assert_trees_close(
+        call(*primals), jax.jit(op.call)(*primals), what="output exported with a symbolic "
+        f"leading dimension of {op.labels[batched]}", rtol=TIGHT,
+    )  # fmt: skip
+    return f"exported with a symbolic leading dimension of {op.labels[batched]}: same values"
+
+
+# -- 11. lower precision --------------------------------------------------------------------
+
+
+def low_precision(op: OpUnderTest, settings: Settings) -> str:
+    rng = np.random.default_rng(settings.seed + 10)
+    primals, u = op.primals, op.cotangent(rng)
+    reference = jax.jit(op.call)(*primals)
+    reference_grads = jax.jit(lambda *p: _vjp(op.call, p, u))(*primals)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        rtol = 16 * float(jnp.finfo(dtype).eps)
+        low = [jnp.asarray(p, dtype) for p in primals]
+        u_low = jax.tree_util.tree_map(
+            lambda leaf, dtype=dtype: (
+                leaf.astype(dtype) if jnp.issubdtype(leaf.dtype, jnp.inexact) else leaf
+            ),
+            u,
+        )
+        got = jax.jit(op.call)(*low)
+        name = jnp.dtype(dtype).name
+        assert_trees_close(got, reference, what=f"{name} output vs float64", rtol=rtol)
+        grads = jax.jit(lambda *p, u_low=u_low: _vjp(op.call, p, u_low))(*low)
+        for label, a, e in zip(op.labels, grads, reference_grads, strict=True):
+            assert_trees_close(a, e, what=f"{name} gradient of {label} vs float64", rtol=rtol)
+    return "float32 and bfloat16 run; outputs and gradients within 16 eps of float64"
+
+
+CHECKS: dict[str, Callable[[OpUnderTest, Settings], str]] = {
+    "forward_rule": forward_rule,
+    "grad_dtypes": grad_dtypes,
+    "zero_cotangent": zero_cotangent,
+    "reentrancy": reentrancy,
+    "gradcheck": gradcheck,
+    "gradgradcheck": gradgradcheck,
+    "jvp": jvp,
+    "jvp_vjp": jvp_vjp,
+    "jit": jit,
+    "jit_reuse": jit_reuse,
+    "vmap": vmap,
+    "checkpoint": checkpoint,
+    "export": export,
+    "export_symbolic": export_symbolic,
+    "low_precision": low_precision,
+}

@@ -1,0 +1,329 @@
+"""The entrywise comparison of numerical and automatic derivatives, block by block.
+
+An entry passes when ``|analytical - numerical| <= allowed`` with
+
+    allowed = atol + rtol * |numerical| + NOISE_ULPS * eps64 * |f(x)| / step
+
+The last term is the rounding noise of the finite difference itself: both
+``f(x + h)`` and ``f(x - h)`` carry a few ulps of ``|f(x)|``, and dividing their
+difference by the step magnifies that. It is what makes the check scale-aware:
+an output of 1e6 differenced with a step of 2e-6 cannot resolve a derivative to
+better than about 1e-3, so no correct function fails for lack of resolution,
+while for outputs of order one the term is about 1e-9 and changes nothing. (A
+true zero of the Jacobian needs no allowance: ``_jacobians`` makes it exact.)
+
+``full_mismatches`` compares the full Jacobians without ever holding them: it
+walks the numerical Jacobian a chunk of columns at a time and holds the chunks
+(as their nonzero entries where that is smaller: exact zeros are the rule for
+large problems, where an output depends on few inputs) until ``TILE_BYTES`` are
+held; then it streams the automatic Jacobian a chunk of rows at a time against
+that tile. Memory stays bounded for any size; a dense Jacobian simply takes
+several passes over the VJPs.
+``directional_mismatches`` compares ``u . J v`` for random unit vectors.
+Both return ``Mismatch`` records: the worst entry of each failing pair of an
+output block and an input block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from ._jacobians import FlatJacobians, unit_blocks
+
+__all__ = [
+    "NOISE_ULPS",
+    "TILE_BYTES",
+    "Mismatch",
+    "directional_mismatches",
+    "entry_mismatches",
+    "full_mismatches",
+]
+
+NOISE_ULPS = 4.0
+TILE_BYTES = 2**27  # numerical-Jacobian columns held at once (128 MiB)
+_EPS64 = float(np.finfo(np.float64).eps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mismatch:
+    """The worst failing entry of one (output block, input block) pair.
+
+    ``out_element`` / ``in_element`` are flat positions inside the blocks
+    (``None`` where they do not apply); ``direction`` is the index of the
+    random direction (or of the batch entry) for checks that have one.
+    ``expected`` is the reference value (numerical derivative, plain call,
+    first run ...), ``actual`` the value under test.
+    """
+
+    out_block: int | None
+    in_block: int | None
+    out_element: int | None
+    in_element: int | None
+    direction: int | None
+    expected: float
+    actual: float
+    allowed: float
+    count: int
+    total: int
+
+
+class _Tally:
+    """Counts failing entries per block pair and keeps the worst of each."""
+
+    def __init__(self, out_slices: Sequence[slice], in_slices: Sequence[slice]) -> None:
+        self.out_starts = np.array([s.start for s in out_slices], dtype=np.int64)
+        self.in_starts = np.array([s.start for s in in_slices], dtype=np.int64)
+        self.out_sizes = [s.stop - s.start for s in out_slices]
+        self.in_sizes = [s.stop - s.start for s in in_slices]
+        self.counts: dict[tuple[int, int], int] = {}
+        self.worst: dict[tuple[int, int], tuple] = {}
+
+    def add(self, row0: int, col0: int, expected, actual, allowed) -> None:
+        error = np.abs(actual - expected)
+        with np.errstate(invalid="ignore"):
+            bad = ~(error <= allowed)
+        if not bad.any():
+            return
+        r, c = np.nonzero(bad)
+        excess = np.nan_to_num(error[r, c] - allowed[r, c], nan=np.inf)
+        rows, cols = r + row0, c + col0
+        out_block = np.searchsorted(self.out_starts, rows, side="right") - 1
+        in_block = np.searchsorted(self.in_starts, cols, side="right") - 1
+        pair = out_block * len(self.in_starts) + in_block
+        for key in np.unique(pair):
+            members = np.nonzero(pair == key)[0]
+            best = members[np.argmax(excess[members])]
+            i, j = divmod(int(key), len(self.in_starts))
+            self.counts[i, j] = self.counts.get((i, j), 0) + members.size
+            candidate = (
+                float(excess[best]),
+                int(rows[best] - self.out_starts[i]),
+                int(cols[best] - self.in_starts[j]),
+                float(expected[r[best], c[best]]),
+                float(actual[r[best], c[best]]),
+                float(allowed[r[best], c[best]]),
+            )
+            if (i, j) not in self.worst or candidate[0] > self.worst[i, j][0]:
+                self.worst[i, j] = candidate
+
+    def mismatches(self) -> list[Mismatch]:
+        found = []
+        for (i, j), count in sorted(self.counts.items()):
+            _, out_element, in_element, expected, actual, allowed = self.worst[i, j]
+            total = self.out_sizes[i] * self.in_sizes[j]
+            found.append(
+                Mismatch(
+                    i, j, out_element, in_element, None, expected, actual, allowed, count, total
+                )
+            )
+        return found
+
+
+def _allowed(expected, atol: float, rtol: float, noise) -> np.ndarray:
+    return atol + rtol * np.abs(expected) + noise
+
+
+def entry_mismatches(
+    expected: np.ndarray,
+    actual: np.ndarray,
+    slices: Sequence[slice],
+    *,
+    atol: float,
+    rtol: float,
+    on_inputs: bool,
+) -> list[Mismatch]:
+    """Blocks of two flat vectors that differ by more than ``atol + rtol * |expected|``.
+
+    Args:
+        expected, actual: flat vectors (a plain call and an AD primal; two
+            gradients ...).
+        slices: the blocks.
+        atol, rtol: tolerances.
+        on_inputs: whether the blocks are input blocks (else output blocks).
+
+    Returns:
+        One ``Mismatch`` per failing block, in order.
+    """
+    found = []
+    for index, block in enumerate(slices):
+        e, a = expected[block], actual[block]
+        error = np.abs(a - e)
+        allowed = _allowed(e, atol, rtol, 0.0)
+        with np.errstate(invalid="ignore"):
+            bad = ~(error <= allowed)
+        if not bad.any():
+            continue
+        worst = int(np.argmax(np.where(bad, np.nan_to_num(error - allowed, nan=np.inf), -np.inf)))
+        out_block, in_block = (None, index) if on_inputs else (index, None)
+        element = worst
+        found.append(
+            Mismatch(
+                out_block,
+                in_block,
+                None if on_inputs else element,
+                element if on_inputs else None,
+                None,
+                float(e[worst]),
+                float(a[worst]),
+                float(allowed[worst]),
+                int(bad.sum()),
+                int(e.size),
+            )
+        )
+    return found
+
+
+class _Tile:
+    """Consecutive columns of the numerical Jacobian, held until compared with VJP rows.
+
+    Each chunk of columns is kept dense, or as its nonzero entries sorted by
+    row when that is smaller (the usual case for large problems).
+    """
+
+    def __init__(self, start: int) -> None:
+        self.start = self.stop = start
+        self.nbytes = 0
+        self.chunks: list[tuple[int, np.ndarray | None, tuple | None]] = []
+
+    def add(self, start: int, block: np.ndarray) -> None:
+        """Adds ``block``, the transposed columns ``start, start + 1, ...``."""
+        cols, rows = np.nonzero(block)
+        if 16 * rows.size < block.nbytes:
+            order = np.argsort(rows, kind="stable")
+            values = block[cols[order], rows[order]]
+            sparse = (rows[order].astype(np.int32), cols[order].astype(np.int32), values)
+            self.chunks.append((start, None, sparse))
+            self.nbytes += 16 * rows.size
+        else:
+            self.chunks.append((start, block, None))
+            self.nbytes += block.nbytes
+        self.stop = start + block.shape[0]
+
+    def rows(self, first: int, stop: int) -> np.ndarray:
+        """The dense ``(stop - first, self.stop - self.start)`` block of rows ``[first, stop)``."""
+        out = np.zeros((stop - first, self.stop - self.start))
+        for start, dense, sparse in self.chunks:
+            offset = start - self.start
+            if dense is not None:
+                out[:, offset : offset + dense.shape[0]] = dense[:, first:stop].T
+            else:
+                rows, cols, values = sparse
+                lo, hi = np.searchsorted(rows, [first, stop])
+                out[rows[lo:hi] - first, cols[lo:hi] + offset] = values[lo:hi]
+        return out
+
+
+def full_mismatches(
+    jac: FlatJacobians,
+    y0: np.ndarray,
+    out_slices: Sequence[slice],
+    in_slices: Sequence[slice],
+    *,
+    eps: float,
+    atol: float,
+    rtol: float,
+    modes: Sequence[str],
+    tile_bytes: int = TILE_BYTES,
+) -> dict[str, list[Mismatch]]:
+    """Entrywise comparison of the full Jacobians, per mode (``"rev"``, ``"fwd"``).
+
+    Returns:
+        For each mode, the failing block pairs in output-major order.
+    """
+    n, m = jac.n, jac.m
+    tallies = {mode: _Tally(out_slices, in_slices) for mode in modes}
+    if n == 0 or m == 0:
+        return {mode: [] for mode in modes}
+    noise = NOISE_ULPS * _EPS64 * np.abs(y0)
+    steps = np.empty(n)
+    tile = _Tile(0)
+    for start in range(0, n, jac.col_chunk):
+        cols = range(start, min(n, start + jac.col_chunk))
+        numerical, steps[cols.start : cols.stop] = jac.numerical(cols, eps)
+        if "fwd" in modes:
+            automatic = jac.forward(cols)[1]
+            allowed = _allowed(numerical, atol, rtol, noise[None, :] / steps[cols, None])
+            tallies["fwd"].add(0, start, numerical.T, automatic.T, allowed.T)
+        if "rev" in modes:
+            tile.add(start, numerical)
+            if tile.nbytes >= tile_bytes or cols.stop == n:
+                _stream_rows(jac, tile, steps, noise, atol, rtol, tallies["rev"])
+                tile = _Tile(cols.stop)
+    return {mode: tally.mismatches() for mode, tally in tallies.items()}
+
+
+def _stream_rows(jac, tile: _Tile, steps, noise, atol, rtol, tally: _Tally) -> None:
+    """Compares the columns held in ``tile`` with VJP rows, a chunk of rows at a time."""
+    col0, col1 = tile.start, tile.stop
+    for start in range(0, jac.m, jac.row_chunk):
+        stop = min(jac.m, start + jac.row_chunk)
+        automatic = jac.reverse(range(start, stop))[1][:, col0:col1]
+        numerical = tile.rows(start, stop)
+        allowed = _allowed(numerical, atol, rtol, noise[start:stop, None] / steps[None, col0:col1])
+        tally.add(start, col0, numerical, automatic, allowed)
+
+
+def directional_mismatches(
+    jac: FlatJacobians,
+    y0: np.ndarray,
+    out_slices: Sequence[slice],
+    in_slices: Sequence[slice],
+    *,
+    eps: float,
+    atol: float,
+    rtol: float,
+    mode: str,
+    num_directions: int,
+    seed: int,
+) -> list[Mismatch]:
+    """``u . J v`` per (output block, input block) pair and random direction.
+
+    For direction ``d``, each input block ``j`` gets its own random unit vector
+    ``v`` and each output block ``i`` its own random unit vector ``u``; the
+    numerical value is ``u . (f(x0 + eps v) - f(x0 - eps v)) / (2 eps)`` with
+    ``v`` confined to block ``j``, the automatic one ``vjp(u)[block j] . v``
+    (``mode="rev"``) or ``u . jvp(v)[block i]`` (``mode="fwd"``).
+    """
+    rng = np.random.default_rng(seed)
+    shape = (num_directions, len(out_slices), len(in_slices))
+    numerical, automatic, allowed = np.zeros(shape), np.zeros(shape), np.zeros(shape)
+    for d in range(num_directions):
+        v = unit_blocks(rng, in_slices, jac.n)
+        u = unit_blocks(rng, out_slices, jac.m)
+        for j, in_block in enumerate(in_slices):
+            v_j = np.zeros(jac.n)
+            v_j[in_block] = v[in_block]
+            diff, step = jac.difference(v_j, eps)
+            tangent = jac.jvp(v_j)[1] if mode == "fwd" else None
+            for i, out_block in enumerate(out_slices):
+                numerical[d, i, j] = u[out_block] @ diff[out_block] / step
+                noise = NOISE_ULPS * _EPS64 * (np.abs(u[out_block]) @ np.abs(y0[out_block]))
+                allowed[d, i, j] = atol + rtol * abs(numerical[d, i, j]) + noise / step
+                if tangent is not None:
+                    automatic[d, i, j] = u[out_block] @ tangent[out_block]
+        if mode == "rev":
+            for i, out_block in enumerate(out_slices):
+                u_i = np.zeros(jac.m)
+                u_i[out_block] = u[out_block]
+                grad = jac.vjp(u_i)[1]
+                for j, in_block in enumerate(in_slices):
+                    automatic[d, i, j] = grad[in_block] @ v[in_block]
+    found = []
+    for i in range(len(out_slices)):
+        for j in range(len(in_slices)):
+            e, a, tol = numerical[:, i, j], automatic[:, i, j], allowed[:, i, j]
+            error = np.abs(a - e)
+            with np.errstate(invalid="ignore"):
+                bad = ~(error <= tol)
+            if bad.any():
+                d = int(np.argmax(np.where(bad, np.nan_to_num(error - tol, nan=np.inf), -np.inf)))
+                found.append(
+                    Mismatch(
+                        i, j, None, None, d, float(e[d]), float(a[d]), float(tol[d]),
+                        int(bad.sum()), num_directions,
+                    )
+                )  # fmt: skip
+    return found

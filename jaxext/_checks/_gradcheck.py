@@ -1,0 +1,545 @@
+"""`gradcheck` / `gradgradcheck`: PyTorch-style gradient checks for JAX functions.
+
+``jax.test_util.check_grads`` compares automatic and numerical derivatives along
+one random direction. That catches gross errors but can miss one wrong entry of
+one gradient, and its failure names neither the input nor the output. These
+checks follow ``torch.autograd.gradcheck`` instead, with its option names: in
+float64, the *full* Jacobian from central differences is compared entry by
+entry with the Jacobian assembled from one VJP per output element, in chunks,
+for problems up to ``FULL_MAX_ENTRIES`` Jacobian entries; larger ones fall back
+(with a warning) to a few random directions per (output, input) pair.
+
+The flow is one way: arguments -> ``_problem`` (the caller's function as a flat
+``R^n -> R^m``) -> ``_compare`` (mismatches) -> ``_report`` (the error).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._compare import Mismatch, directional_mismatches, entry_mismatches, full_mismatches
+from ._jacobians import FlatJacobians
+from ._precision import float64_numerics
+from ._problem import Problem, first_order, float_dtype, second_order
+from ._report import GradcheckError as GradcheckError
+from ._report import dtype_error, gradcheck_error
+
+__all__ = [
+    "FULL_MAX_ENTRIES",
+    "GradcheckError",
+    "Settings",
+    "check_gradients",
+    "gradcheck",
+    "gradgradcheck",
+]
+
+# The full (entrywise) method covers Jacobians up to this many entries (1.3e8).
+FULL_MAX_ENTRIES = 2**27
+_BATCH = 3  # cotangents in the batched-gradient check
+
+
+def gradcheck(
+    func: Callable[..., Any],
+    inputs: Any,
+    *,
+    eps: float = 1e-6,
+    atol: float = 1e-5,
+    rtol: float = 1e-3,
+    raise_exception: bool = True,
+    nondet_tol: float = 0.0,
+    check_undefined_grad: bool = True,
+    check_grad_dtypes: bool = False,
+    check_batched_grad: bool = False,
+    check_forward_ad: bool = False,
+    check_backward_ad: bool = True,
+    fast_mode: bool | None = None,
+    modes: str | Sequence[str] = ("rev",),
+    num_directions: int = 3,
+    seed: int = 0,
+) -> bool:
+    """Checks ``func``'s first derivatives against central finite differences.
+
+    Everything runs in float64 (the caller's ``jax_enable_x64`` setting is
+    restored afterwards). First, the primal output of ``jax.vjp`` must match a
+    plain call of ``func``: this catches a ``custom_vjp`` forward rule that
+    returns something else than the function. Then, per (output leaf, input
+    leaf) pair, every compared entry must satisfy
+    ``|analytical - numerical| <= atol + rtol * |numerical| + noise``, where
+    ``noise = 4 * 2.2e-16 * |f(x)| / (2 * eps)`` is the rounding noise of the
+    finite difference (about 1e-9 for outputs of order one; it keeps outputs
+    of 1e6 from failing a correct function):
+
+    * Full method (up to ``FULL_MAX_ENTRIES`` = 2**27 Jacobian entries, e.g.
+      10,000 inputs by 10,000 outputs): the numerical Jacobian, one central
+      difference per input element, against the analytical one built from one
+      VJP per output element with a basis cotangent (so a backward that
+      ignores its cotangent fails too). Both are computed and compared in
+      chunks: memory stays bounded (well under 1 GB) whatever the size. An
+      output that an input does not touch differences to exactly zero.
+    * Directional method (``fast_mode=True``, or larger problems, with a
+      warning): it compares ``u . J v`` for ``num_directions`` seeded random
+      unit vectors per (output leaf, input leaf) pair. Cheaper, and blind to
+      an error small against the whole Jacobian.
+
+    Then, as in PyTorch (reverse mode only): a zero cotangent must give exactly
+    zero gradients (``check_undefined_grad``), the backward run twice must agree
+    within ``nondet_tol``, gradients computed for a batch of cotangents under
+    ``jax.vmap`` must match one at a time (``check_batched_grad``), and each
+    gradient must have its input's dtype and shape (``check_grad_dtypes``).
+
+    Floating-point array leaves of ``inputs`` are differentiated; integer and
+    boolean arrays, Python/NumPy scalars and other leaves are passed through
+    unchanged. Integer and boolean outputs are ignored. Complex inputs or
+    outputs raise ``TypeError``: they are not supported. On a TPU (or another
+    backend without float64) the check runs on the CPU backend; on a GPU the
+    default matmul precision is raised to ``"highest"`` while it runs.
+
+    Args:
+        func: function of the positional arguments ``inputs``, returning an
+            array or a pytree of arrays.
+        inputs: tuple (or list) of positional arguments, each an array or a
+            pytree of arrays; anything else is taken as the single argument.
+        eps: finite-difference step (> 0).
+        atol: absolute tolerance (>= 0).
+        rtol: relative tolerance (>= 0).
+        raise_exception: raise ``GradcheckError`` on failure (``True``) or
+            return ``False``.
+        nondet_tol: how far two runs of the backward on the same cotangent may
+            differ (PyTorch's reentrancy check; 0 means bit-equal).
+        check_undefined_grad: check that a zero cotangent gives zero
+            gradients (PyTorch's undefined output gradients).
+        check_grad_dtypes: check each gradient's dtype and shape against its
+            input's (JAX itself accepts a float32 gradient for a float64 input).
+        check_batched_grad: check ``jax.vmap`` of the VJP over a batch of
+            cotangents against one VJP per cotangent.
+        check_forward_ad: also check forward mode (adds ``"fwd"`` to ``modes``).
+        check_backward_ad: check reverse mode (``False`` removes ``"rev"``).
+        fast_mode: ``None`` picks by size as above; ``True`` forces the
+            directional method, ``False`` the full one.
+        modes: ``"rev"`` (VJPs; works for ``custom_vjp``), ``"fwd"`` (JVPs; for
+            plain and ``custom_jvp`` functions, and ``jaxext.custom_vjp``), or both.
+        num_directions: random directions per pair in the directional method.
+        seed: seed of those directions and of random cotangents.
+
+    Returns:
+        ``True`` if every check passed; ``False`` on failure when
+        ``raise_exception=False``.
+
+    Raises:
+        GradcheckError: on failure, naming the check (``kind``), the output,
+            input, order, mode and the worst entry.
+        TypeError: if ``func`` is not callable, an argument has the wrong type,
+            a float input/output is complex, or ``"fwd"`` is asked of a
+            function without forward mode (a plain ``jax.custom_vjp``).
+        ValueError: if ``eps``/``atol``/``rtol``/``nondet_tol`` are out of range,
+            no mode is left, ``inputs`` is empty or has no float array, or
+            ``func`` returns no float array.
+
+    Example:
+        >>> import numpy as np
+        >>> import jaxext
+        >>> x = np.linspace(-1.0, 1.0, 12).reshape(4, 3)  # float64: no upcast warning
+        >>> w = np.linspace(0.5, 1.5, 6).reshape(2, 3)
+        >>> jaxext.gradcheck(jaxext.linear, (x, w), eps=1e-6, atol=1e-4)
+        True
+    """
+    args = _as_args(func, inputs)
+    settings = Settings.validate(
+        eps, atol, rtol, nondet_tol, fast_mode, modes, check_forward_ad, check_backward_ad,
+        num_directions, seed,
+    )  # fmt: skip
+    undefined, batched, dtypes = _flags(check_undefined_grad, check_batched_grad, check_grad_dtypes)
+    error = check_gradients(
+        func, args, order=1, settings=settings, undefined=undefined, batched=batched, dtypes=dtypes
+    )
+    if error is not None and raise_exception:
+        raise error
+    return error is None
+
+
+def gradgradcheck(
+    func: Callable[..., Any],
+    inputs: Any,
+    grad_outputs: Any = None,
+    *,
+    eps: float = 1e-6,
+    atol: float = 1e-5,
+    rtol: float = 1e-3,
+    raise_exception: bool = True,
+    nondet_tol: float = 0.0,
+    check_undefined_grad: bool = True,
+    check_batched_grad: bool = False,
+    check_fwd_over_rev: bool = False,
+    check_rev_over_rev: bool = True,
+    fast_mode: bool | None = None,
+    modes: str | Sequence[str] = ("rev",),
+    num_directions: int = 3,
+    seed: int = 0,
+) -> bool:
+    """Checks ``func``'s second derivatives against finite differences.
+
+    As in PyTorch, this runs the check of ``gradcheck`` on the function
+    ``(inputs, grad_outputs) -> VJP of func at inputs applied to grad_outputs``:
+    its Jacobian with respect to both the inputs and the cotangents. A backward
+    rule that is right at first order but cuts the gradient through one of its
+    residuals (a ``stop_gradient`` on a saved input, say) passes ``gradcheck``
+    and fails here. First derivatives are not checked: call ``gradcheck`` too.
+
+    Args:
+        func: as for ``gradcheck``.
+        inputs: as for ``gradcheck``.
+        grad_outputs: cotangents for ``func``'s output, with its structure
+            (a 1-tuple is accepted for a single array output); entries for
+            integer outputs are ignored. ``None`` draws standard-normal ones
+            from ``seed``.
+        eps: as for ``gradcheck``.
+        atol: as for ``gradcheck``.
+        rtol: as for ``gradcheck``.
+        raise_exception: as for ``gradcheck``.
+        nondet_tol: as for ``gradcheck``, applied to the second-order VJP.
+        check_undefined_grad: as for ``gradcheck``, for the VJP function.
+        check_batched_grad: as for ``gradcheck``, for the VJP function.
+        check_fwd_over_rev: also differentiate the VJP in forward mode (PyTorch's
+            name; adds ``"fwd"`` to ``modes``).
+        check_rev_over_rev: differentiate the VJP in reverse mode (``False``
+            removes ``"rev"``).
+        fast_mode: as for ``gradcheck``.
+        modes: as for ``gradcheck``: how the VJP function is differentiated.
+        num_directions: as for ``gradcheck``.
+        seed: as for ``gradcheck``.
+
+    Returns:
+        ``True`` if every check passed; ``False`` on failure when
+        ``raise_exception=False``.
+
+    Raises:
+        GradcheckError: on failure. ``input_index`` counts ``grad_outputs``
+            after the positional inputs; ``output_index`` is the index of the
+            input whose gradient failed.
+        TypeError: as for ``gradcheck``.
+        ValueError: as for ``gradcheck``, and if ``grad_outputs`` does not
+            match ``func``'s output.
+
+    Example:
+        >>> import numpy as np
+        >>> import jaxext
+        >>> x, c = np.arange(1.0, 4.0), np.array(2.0)
+        >>> jaxext.gradgradcheck(jaxext.mul_constant, (x, c))
+        True
+    """
+    args = _as_args(func, inputs)
+    settings = Settings.validate(
+        eps, atol, rtol, nondet_tol, fast_mode, modes, check_fwd_over_rev, check_rev_over_rev,
+        num_directions, seed,
+    )  # fmt: skip
+    undefined, batched, _ = _flags(check_undefined_grad, check_batched_grad, False)
+    error = check_gradients(
+        func, args, order=2, settings=settings, undefined=undefined, batched=batched,
+        grad_outputs=grad_outputs,
+    )  # fmt: skip
+    if error is not None and raise_exception:
+        raise error
+    return error is None
+
+
+# -- settings ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The validated numerics settings shared by gradcheck and gradgradcheck."""
+
+    eps: float
+    atol: float
+    rtol: float
+    nondet_tol: float
+    fast_mode: bool | None
+    modes: tuple[str, ...]
+    num_directions: int
+    seed: int
+
+    @classmethod
+    def validate(
+        cls, eps, atol, rtol, nondet_tol, fast_mode, modes, forward, backward, num_directions, seed
+    ) -> Settings:
+        if fast_mode is not None and not isinstance(fast_mode, bool):
+            raise TypeError(f"`fast_mode` must be None, True or False; got {fast_mode!r}.")
+        modes = (modes,) if isinstance(modes, str) else tuple(modes)
+        if not modes or len(set(modes)) != len(modes) or not set(modes) <= {"rev", "fwd"}:
+            raise ValueError(f"`modes` must be distinct entries of ('rev', 'fwd'); got {modes!r}.")
+        for name, flag in (("check_forward_ad", forward), ("check_backward_ad", backward)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"`{name}` must be True or False; got {flag!r}.")
+        if forward and "fwd" not in modes:
+            modes += ("fwd",)
+        if not backward:
+            modes = tuple(mode for mode in modes if mode != "rev")
+        if not modes:
+            raise ValueError(
+                "nothing to check: `check_backward_ad` is False and forward mode is not asked "
+                "for (pass check_forward_ad=True)."
+            )
+        for name, value in (("num_directions", num_directions), ("seed", seed)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"`{name}` must be an int; got {type(value).__name__}.")
+        if num_directions < 1:
+            raise ValueError(f"`num_directions` must be at least 1; got {num_directions}.")
+        return cls(
+            eps=_as_tolerance(eps, "eps", allow_zero=False),
+            atol=_as_tolerance(atol, "atol", allow_zero=True),
+            rtol=_as_tolerance(rtol, "rtol", allow_zero=True),
+            nondet_tol=_as_tolerance(nondet_tol, "nondet_tol", allow_zero=True),
+            fast_mode=fast_mode,
+            modes=modes,
+            num_directions=int(num_directions),
+            seed=int(seed),
+        )
+
+
+def _as_tolerance(value: Any, name: str, *, allow_zero: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"`{name}` must be a real number; got {type(value).__name__}.")
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        expected = "non-negative" if allow_zero else "positive"
+        raise ValueError(f"`{name}` must be a finite {expected} number; got {value!r}.")
+    return value
+
+
+def _as_args(func: Any, inputs: Any) -> tuple:
+    if not callable(func):
+        raise TypeError(f"`func` must be callable; got {type(func).__name__}.")
+    args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    if not args:
+        raise ValueError("`inputs` must hold at least one positional argument; got none.")
+    return args
+
+
+def _flags(undefined: Any, batched: Any, dtypes: Any) -> tuple[bool, bool, bool]:
+    names = ("check_undefined_grad", "check_batched_grad", "check_grad_dtypes")
+    for name, flag in zip(names, (undefined, batched, dtypes), strict=True):
+        if not isinstance(flag, bool):
+            raise TypeError(f"`{name}` must be True or False; got {flag!r}.")
+    return undefined, batched, dtypes
+
+
+def _warn_precision(upcast: list[str], low_outputs: list[str]) -> None:
+    """Warns, at the caller of gradcheck/gradgradcheck, about lower-precision floats."""
+    if upcast:
+        warnings.warn(
+            f"gradcheck: {', '.join(upcast)} not float64; upcasting to float64 for the check "
+            "(finite differences in lower precision are unreliable). Pass float64 arrays to "
+            "silence this warning.",
+            UserWarning,
+            stacklevel=4,
+        )
+    if low_outputs:
+        warnings.warn(
+            f"gradcheck: {', '.join(low_outputs)} not float64 although the inputs are (`func` "
+            "computes in lower precision); the numerical derivatives will be imprecise.",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+# -- the checks -----------------------------------------------------------------------------
+
+
+def check_gradients(
+    func: Callable[..., Any],
+    args: tuple,
+    *,
+    order: int,
+    settings: Settings,
+    undefined: bool,
+    batched: bool,
+    dtypes: bool = False,
+    reentrant: bool = True,
+    grad_outputs: Any = None,
+) -> GradcheckError | None:
+    """The checks of ``gradcheck`` (``order=1``) or ``gradgradcheck`` (``order=2``).
+
+    Args:
+        func: the function.
+        args: its positional arguments.
+        order: 1 or 2.
+        settings: validated numerics settings (``Settings.validate``).
+        undefined: run the zero-cotangent check.
+        batched: run the batched-gradient check.
+        dtypes: run the gradient dtype/shape check (order 1).
+        reentrant: run the reentrancy check (two runs of the backward).
+        grad_outputs: cotangents for ``order=2`` (``None``: random).
+
+    Returns:
+        ``None`` if all pass, else the error describing the first failure.
+    """
+    with float64_numerics():
+        problem, low, low_out = first_order(func, args)
+        if order == 2:
+            problem, low_ct = second_order(problem, grad_outputs, len(args), settings.seed)
+            low = low + low_ct
+        _warn_precision(low, low_out)
+        error = _check(problem, settings, undefined, batched, reentrant)
+        if error is None and dtypes:
+            error = _grad_dtypes(func, args)
+    return error
+
+
+def _check(
+    problem: Problem, settings: Settings, undefined: bool, batched: bool, reentrant: bool
+) -> GradcheckError | None:
+    """Runs the checks on the flat problem; the first failure becomes the error."""
+    jac = FlatJacobians(problem.f, problem.x0, problem.vjp)
+    in_slices = [segment.slice for segment in problem.inputs]
+    out_slices = [segment.slice for segment in problem.outputs]
+    tolerances = {"atol": settings.atol, "rtol": settings.rtol}
+
+    def error(kind: str, mode: str, method: str | None, found: list[Mismatch]) -> GradcheckError:
+        return gradcheck_error(problem, kind, mode, method, found, **tolerances)
+
+    y_call = jac.value()
+    for mode in settings.modes:
+        y_auto = _ad_primal(jac, mode)
+        found = entry_mismatches(y_call, y_auto, out_slices, on_inputs=False, **tolerances)
+        if found:
+            return error("primal", mode, None, found)
+    method = _method(settings.fast_mode, jac.n, jac.m)
+    if method == "full":
+        results = full_mismatches(
+            jac, y_call, out_slices, in_slices, eps=settings.eps, modes=settings.modes, **tolerances
+        )
+    else:
+        results = {
+            mode: directional_mismatches(
+                jac, y_call, out_slices, in_slices, eps=settings.eps, mode=mode,
+                num_directions=settings.num_directions, seed=settings.seed, **tolerances,
+            )
+            for mode in settings.modes
+        }  # fmt: skip
+    for mode in settings.modes:
+        if results[mode]:
+            return error("jacobian", mode, method, results[mode])
+    if "rev" not in settings.modes:
+        return None
+    rng = np.random.default_rng(settings.seed)
+    if undefined:
+        found = _undefined_grad(jac, in_slices)
+        if found:
+            return error("undefined_grad", "rev", None, found)
+    cotangent = rng.standard_normal(jac.m)
+    found = _nondeterminism(jac, cotangent, in_slices, settings.nondet_tol) if reentrant else []
+    if found:
+        return gradcheck_error(
+            problem, "nondeterministic", "rev", None, found, atol=settings.nondet_tol, rtol=0.0
+        )
+    if batched:
+        cotangents = rng.standard_normal((_BATCH, jac.m))
+        found = _batched_grad(jac, cotangents, in_slices, **tolerances)
+        if isinstance(found, Exception):
+            return gradcheck_error(
+                problem, "batched_grad", "rev", None, [], cause=found, **tolerances
+            )
+        if found:
+            return error("batched_grad", "rev", None, found)
+    return None
+
+
+def _ad_primal(jac: FlatJacobians, mode: str) -> np.ndarray:
+    """The primal output of ``jax.vjp`` (``"rev"``) or ``jax.linearize`` (``"fwd"``)."""
+    if mode == "rev":
+        return jac.vjp(np.zeros(jac.m))[0]
+    try:
+        return jac.jvp(np.zeros(jac.n))[0]
+    except TypeError as err:
+        raise TypeError(
+            "forward mode ('fwd' in `modes`, or check_forward_ad=True) was asked for, but "
+            "forward-mode differentiation of `func` failed (a plain jax.custom_vjp supports "
+            f"reverse mode only: use jaxext.custom_vjp, or modes=('rev',)): {err}"
+        ) from err
+
+
+def _method(fast_mode: bool | None, n: int, m: int) -> str:
+    if fast_mode is not None:
+        return "directional" if fast_mode else "full"
+    if n * m <= FULL_MAX_ENTRIES:
+        return "full"
+    warnings.warn(
+        f"gradcheck: the Jacobian has {n} x {m} = {n * m:.3g} entries, more than the "
+        f"{FULL_MAX_ENTRIES:.3g} the element-by-element check covers; comparing random "
+        "projections u . J v per (output, input) pair instead. This can miss an error that is "
+        "small against the whole Jacobian: one wrong element, or a small relative scale error "
+        "of one gradient. Check on smaller inputs, or pass fast_mode=False to force the "
+        "full check (slow).",
+        UserWarning,
+        stacklevel=5,
+    )
+    return "directional"
+
+
+def _undefined_grad(jac: FlatJacobians, in_slices) -> list[Mismatch]:
+    """Input blocks whose gradient is not exactly zero for a zero cotangent."""
+    grad = jac.vjp(np.zeros(jac.m))[1]
+    return entry_mismatches(np.zeros(jac.n), grad, in_slices, atol=0.0, rtol=0.0, on_inputs=True)
+
+
+def _nondeterminism(jac: FlatJacobians, cotangent, in_slices, nondet_tol: float) -> list[Mismatch]:
+    """Input blocks whose gradient differs between two runs of the same backward."""
+    first = jac.vjp(cotangent)[1]
+    second = jac.vjp(cotangent)[1]
+    return entry_mismatches(first, second, in_slices, atol=nondet_tol, rtol=0.0, on_inputs=True)
+
+
+def _batched_grad(jac: FlatJacobians, cotangents, in_slices, *, atol, rtol):
+    """Mismatches of ``vmap(vjp)`` against a loop, or the exception vmap raised."""
+    looped = np.stack([jac.vjp(u)[1] for u in cotangents])
+    try:
+        batched_vjp = jax.jit(lambda x, us: jax.vmap(jac.vjp_fn(x)[1])(us))
+        batched = np.asarray(batched_vjp(jac.x0, jnp.asarray(cotangents)))
+    except Exception as err:  # noqa: BLE001 -- any failure of vmap is the finding
+        return err
+    found = []
+    for b in range(cotangents.shape[0]):
+        for mismatch in entry_mismatches(
+            looped[b], batched[b], in_slices, atol=atol, rtol=rtol, on_inputs=True
+        ):
+            found.append(dataclasses.replace(mismatch, direction=b))
+    return found
+
+
+def _grad_dtypes(func: Callable[..., Any], args: tuple) -> GradcheckError | None:
+    """Checks each float input's gradient dtype and shape (and float0 for the others)."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(args)
+    positions = [p for p, (_, leaf) in enumerate(flat) if float_dtype(leaf, "input") is not None]
+    leaves = [leaf for _, leaf in flat]
+    primals = [jnp.asarray(np.asarray(leaves[p], np.float64)) for p in positions]
+
+    def g(*diff):
+        new = list(leaves)
+        for p, value in zip(positions, diff, strict=True):
+            new[p] = value
+        return func(*jax.tree_util.tree_unflatten(treedef, new))
+
+    out, vjp_fn = jax.vjp(g, *primals)
+    cotangent = jax.tree_util.tree_map(
+        lambda o: (
+            jnp.ones_like(o)
+            if jnp.issubdtype(o.dtype, jnp.inexact)
+            else np.zeros(o.shape, jax.dtypes.float0)
+        ),
+        out,
+    )
+    for p, primal, grad in zip(positions, primals, vjp_fn(cotangent), strict=True):
+        if grad.dtype != primal.dtype or grad.shape != primal.shape:
+            path = flat[p][0]
+            label = f"input {path[0].idx}{jax.tree_util.keystr(path[1:])}"
+            return dtype_error(label, path[0].idx, jax.tree_util.keystr(path[1:]), primal, grad)
+    return None

@@ -1,0 +1,186 @@
+"""The op under test: ``f(*args)`` seen as a function of its floating-point array leaves.
+
+``opcheck``'s checks all need the same few views of the caller's op: call it with
+other values for its float array leaves (differentiable inputs), draw random
+cotangents and tangents of the right structure, take VJPs and JVPs, and compare
+two results leaf by leaf. They live here, once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._problem import float_dtype
+
+__all__ = ["CheckFailed", "OpUnderTest", "assert_trees_close"]
+
+
+class CheckFailed(Exception):
+    """Raised by a check with the diagnostic of its failure."""
+
+
+def _is_array(leaf: Any) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray))
+
+
+@dataclasses.dataclass(frozen=True)
+class OpUnderTest:
+    """``func(*args)`` as a function of the float array leaves of ``args``.
+
+    Attributes:
+        func: the op.
+        args: its positional arguments, float array leaves converted to float64
+            NumPy arrays.
+        positions: leaf positions (in ``args``' flattening) of the float arrays.
+        labels: how messages name those leaves, e.g. ``"input 1['w']"``.
+        forward_error: why ``jax.jvp`` cannot differentiate the op (the
+            ``TypeError`` a plain ``jax.custom_vjp`` raises), or ``None``.
+    """
+
+    func: Callable[..., Any]
+    args: tuple
+    positions: tuple[int, ...]
+    labels: tuple[str, ...]
+    forward_error: str | None = None
+
+    @classmethod
+    def build(cls, func: Callable[..., Any], args: tuple) -> OpUnderTest:
+        flat, treedef = jax.tree_util.tree_flatten_with_path(args)
+        leaves, positions, labels = [], [], []
+        for position, (path, leaf) in enumerate(flat):
+            label = f"input {path[0].idx}{jax.tree_util.keystr(path[1:])}"
+            if float_dtype(leaf, label) is not None:
+                leaf = np.asarray(leaf, dtype=np.float64)
+                positions.append(position)
+                labels.append(label)
+            leaves.append(leaf)
+        if not positions:
+            raise ValueError(
+                "`args` holds no floating-point array to differentiate (Python and NumPy "
+                "scalars are constants: pass np.asarray(value) to differentiate one)."
+            )
+        new_args = tuple(jax.tree_util.tree_unflatten(treedef, leaves))
+        op = cls(func, new_args, tuple(positions), tuple(labels))
+        return dataclasses.replace(op, forward_error=_forward_mode_error(op))
+
+    # -- calling -------------------------------------------------------------------------
+
+    @property
+    def primals(self) -> list[np.ndarray]:
+        leaves = jax.tree_util.tree_leaves(self.args)
+        return [leaves[p] for p in self.positions]
+
+    def args_with(self, values: Sequence[Any], args: tuple | None = None) -> tuple:
+        """``args`` (default: the op's) with its float leaves replaced by ``values``."""
+        leaves, treedef = jax.tree_util.tree_flatten(self.args if args is None else args)
+        for position, value in zip(self.positions, values, strict=True):
+            leaves[position] = value
+        return tuple(jax.tree_util.tree_unflatten(treedef, leaves))
+
+    def float_leaves(self, args: tuple) -> list[Any]:
+        leaves = jax.tree_util.tree_leaves(args)
+        return [leaves[p] for p in self.positions]
+
+    def call(self, *values: Any) -> Any:
+        """The op at the float leaves ``values`` (the other arguments as given)."""
+        return self.func(*self.args_with(values))
+
+    def with_only(self, subset: Sequence[int], fn: Callable | None = None) -> Callable:
+        """A function of the float leaves in ``subset``; the others are constants."""
+        fn = self.call if fn is None else fn
+        primals = self.primals
+
+        def partial(*chosen):
+            values = list(primals)
+            for index, value in zip(subset, chosen, strict=True):
+                values[index] = value
+            return fn(*values)
+
+        return partial
+
+    # -- random data ---------------------------------------------------------------------
+
+    def output_shapes(self) -> Any:
+        return jax.eval_shape(self.call, *self.primals)
+
+    def cotangent(self, rng: np.random.Generator, scale: float = 1.0) -> Any:
+        """A random cotangent for the output (float0 zeros for non-float leaves)."""
+        return jax.tree_util.tree_map(lambda o: _random_like(rng, o, scale), self.output_shapes())
+
+    def tangents(self, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+        return tuple(rng.standard_normal(p.shape) for p in self.primals)
+
+
+def _forward_mode_error(op: OpUnderTest) -> str | None:
+    """Why ``jax.jvp`` cannot differentiate the op, or ``None``.
+
+    A plain ``jax.custom_vjp`` raises its ``TypeError`` only when the JVP is
+    lowered, not when it is traced, so this lowers one.
+    """
+    primals = op.primals
+    try:
+        jax.jit(lambda *p: jax.jvp(op.call, p, p)).lower(*primals)
+    except TypeError as err:
+        return f"TypeError: {str(err).splitlines()[0]}"
+    except Exception:  # noqa: BLE001 -- an op that fails to trace fails the checks themselves
+        return None
+    return None
+
+
+def _random_like(rng: np.random.Generator, leaf: Any, scale: float) -> Any:
+    if jnp.issubdtype(leaf.dtype, jnp.inexact):
+        return (scale * rng.standard_normal(leaf.shape)).astype(leaf.dtype)
+    return np.zeros(leaf.shape, jax.dtypes.float0)
+
+
+def float_output_leaves(tree: Any) -> list[tuple[str, Any]]:
+    """``(key path, leaf)`` of the floating-point leaves of an output pytree."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [
+        (jax.tree_util.keystr(path), leaf)
+        for path, leaf in flat
+        if _is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.inexact)
+    ]
+
+
+def assert_trees_close(
+    actual: Any, expected: Any, *, what: str, rtol: float, atol: float = 0.0
+) -> None:
+    """Raises ``CheckFailed`` unless every float leaf is close, normwise per leaf.
+
+    A leaf passes when ``max |actual - expected| <= atol + rtol * max |expected|``:
+    two programs computing the same math round differently, and normwise
+    comparison does not punish entries that are small by cancellation.
+    """
+    a_leaves = float_output_leaves(actual)
+    e_leaves = float_output_leaves(expected)
+    if [p for p, _ in a_leaves] != [p for p, _ in e_leaves]:
+        raise CheckFailed(
+            f"{what}: the structures differ: {[p for p, _ in a_leaves]} against "
+            f"{[p for p, _ in e_leaves]}."
+        )
+    for (path, a), (_, e) in zip(a_leaves, e_leaves, strict=True):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        if a.shape != e.shape:
+            raise CheckFailed(f"{what}{path}: shape {a.shape}, expected {e.shape}.")
+        if a.size == 0:
+            continue
+        error = np.abs(a - e)
+        allowed = atol + rtol * float(np.max(np.abs(e)))
+        with np.errstate(invalid="ignore"):
+            bad = ~(error <= allowed)
+        if bad.any():
+            worst = np.unravel_index(
+                int(np.argmax(np.where(bad, np.nan_to_num(error, nan=np.inf), -1))), a.shape
+            )
+            raise CheckFailed(
+                f"{what}{path}: element {tuple(int(i) for i in worst)} is {a[worst]:.10g}, "
+                f"expected {e[worst]:.10g} (abs error {error[worst]:.3e}, allowed "
+                f"{allowed:.3e}; {int(bad.sum())} of {a.size} elements differ)."
+            )

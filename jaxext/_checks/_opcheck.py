@@ -1,0 +1,157 @@
+"""`opcheck`: one call that checks a custom op under every JAX transformation.
+
+The flow is one way: arguments -> ``OpUnderTest`` -> each check of ``_battery``
+(PASS with a detail, SKIP with a reason, FAIL with a diagnostic; an exception
+raised by the op inside a check is that check's failure, never a crash) ->
+``OpcheckReport`` -> ``OpcheckError`` if anything failed.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ._battery import CHECKS, Skip
+from ._gradcheck import Settings
+from ._op import CheckFailed, OpUnderTest
+from ._precision import float64_numerics
+from ._report import CheckResult, OpcheckError, OpcheckReport
+
+__all__ = ["CHECK_NAMES", "opcheck"]
+
+CHECK_NAMES: tuple[str, ...] = tuple(CHECKS)
+
+
+def opcheck(
+    func: Callable[..., Any],
+    args: Any,
+    *,
+    checks: Sequence[str] | None = None,
+    skip: Sequence[str] = (),
+    eps: float = 1e-6,
+    atol: float = 1e-5,
+    rtol: float = 1e-3,
+    nondet_tol: float = 0.0,
+    raise_exception: bool = True,
+    seed: int = 0,
+) -> OpcheckReport:
+    """Checks a custom op under JAX's transformations; returns a report.
+
+    The JAX counterpart of ``torch.library.opcheck``, with the checks a custom
+    VJP op can get wrong. All run in float64 on ``args`` (keep them small: a
+    few elements per dimension), in this order:
+
+    * ``forward_rule``: the primal outputs of ``jax.vjp`` (and ``jax.jvp``)
+      equal the op's output: a ``custom_vjp`` forward rule computes the op.
+    * ``grad_dtypes``: each gradient has its input's dtype and shape, for
+      float64 and float32 inputs (``float0`` for integer inputs); JAX itself
+      accepts a float32 gradient for a float64 input without a word.
+    * ``zero_cotangent``: a zero cotangent gives exactly zero gradients, and
+      using only one of several outputs (the others symbolic zeros) works.
+    * ``reentrancy``: the backward run twice agrees within ``nondet_tol``.
+    * ``gradcheck`` / ``gradgradcheck``: first and second derivatives against
+      finite differences, entry by entry (``jaxext.gradcheck``).
+    * ``jvp``: forward mode against finite differences; ``jvp_vjp``: ``u . (J v)``
+      from ``jax.jvp`` equals ``(J^T u) . v`` from ``jax.vjp``. Both SKIP for an
+      op without forward mode (a plain ``jax.custom_vjp``; use
+      ``jaxext.custom_vjp`` to get it).
+    * ``jit``: values and gradients under ``jit`` equal eager ones.
+    * ``jit_reuse``: one jitted op, differentiated with respect to every subset
+      of its inputs in turn, and used twice in one differentiated computation
+      with different inputs differentiated, gives the gradients of fresh traces.
+    * ``vmap``: output, gradient and JVP under ``vmap`` over each argument in
+      turn equal a Python loop.
+    * ``checkpoint``: the same gradients under ``jax.checkpoint`` with the
+      standard policies.
+    * ``export``: a ``jax.export`` round trip (serialize, deserialize, call)
+      gives the same values and gradients; ``export_symbolic`` exports with a
+      symbolic leading dimension on the first input of two or more dimensions
+      (SKIP when the op does not trace with one).
+    * ``low_precision``: float32 and bfloat16 inputs run, and outputs and
+      gradients stay within ``16 * eps(dtype)`` (normwise) of float64.
+
+    Comparisons of two programs computing the same math in float64 (jit and
+    eager, vmap and a loop ...) allow a normwise relative error of 1e-9.
+
+    Args:
+        func: the op: a function of the positional arguments ``args``.
+        args: tuple (or list) of positional arguments: arrays, pytrees of
+            arrays, and static values (Python scalars, strings ...). Float
+            array leaves are the differentiable inputs.
+        checks: names of the checks to run (default: all, ``CHECK_NAMES``).
+        skip: names of checks not to run.
+        eps: finite-difference step of the gradient checks.
+        atol: absolute tolerance of the gradient checks.
+        rtol: relative tolerance of the gradient checks.
+        nondet_tol: how far two runs of the backward may differ.
+        raise_exception: raise ``OpcheckError`` if a check fails (else return
+            the report with its FAIL rows).
+        seed: seed of the random cotangents, tangents and batches.
+
+    Returns:
+        The ``OpcheckReport``; ``print(report)`` shows the table.
+
+    Raises:
+        OpcheckError: if a check fails and ``raise_exception`` is true, naming
+            each failed check with its diagnostic.
+        TypeError: if ``func`` is not callable or an option has the wrong type.
+        ValueError: for an unknown check name, an option out of range, or
+            ``args`` without a floating-point array.
+
+    Example:
+        >>> import numpy as np
+        >>> import jaxext
+        >>> x, w = np.ones((2, 3)), np.ones((4, 3))
+        >>> report = jaxext.opcheck(jaxext.linear, (x, w), checks=["gradcheck", "vmap"])
+        >>> report.failed
+        ()
+    """
+    if not callable(func):
+        raise TypeError(f"`func` must be callable; got {type(func).__name__}.")
+    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+    selected = _selected(checks, skip)
+    settings = Settings.validate(
+        eps, atol, rtol, nondet_tol, None, ("rev",), False, True, 3, seed
+    )  # fmt: skip
+    if not isinstance(raise_exception, bool):
+        raise TypeError(f"`raise_exception` must be True or False; got {raise_exception!r}.")
+    with float64_numerics():
+        op = OpUnderTest.build(func, args)
+        results = tuple(_run(name, op, settings) for name in selected)
+    report = OpcheckReport(getattr(func, "__name__", type(func).__name__), results)
+    if report.failed and raise_exception:
+        raise OpcheckError(report)
+    return report
+
+
+def _selected(checks: Sequence[str] | None, skip: Sequence[str]) -> list[str]:
+    for name, names in (("checks", checks), ("skip", skip)):
+        if names is None:
+            continue
+        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"`{name}` must be a sequence of check names; got {names!r}.")
+        unknown = sorted(set(names) - set(CHECK_NAMES))
+        if unknown:
+            raise ValueError(f"`{name}`: unknown checks {unknown}; expected some of {CHECK_NAMES}.")
+    wanted = set(CHECK_NAMES if checks is None else checks) - set(skip)
+    if not wanted:
+        raise ValueError("no check left to run: `checks` minus `skip` is empty.")
+    return [name for name in CHECK_NAMES if name in wanted]
+
+
+def _run(name: str, op: OpUnderTest, settings: Settings) -> CheckResult:
+    start = time.perf_counter()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # upcasts and the like: not findings
+            detail, status = CHECKS[name](op, settings), "PASS"
+    except Skip as reason:
+        detail, status = str(reason), "SKIP"
+    except CheckFailed as failure:
+        detail, status = str(failure), "FAIL"
+    except Exception as err:  # noqa: BLE001 -- an op raising inside a check fails that check
+        message = str(err).strip()
+        detail, status = f"raised {type(err).__name__}: {message}", "FAIL"
+    return CheckResult(name, status, detail, time.perf_counter() - start)

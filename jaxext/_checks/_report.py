@@ -1,0 +1,377 @@
+"""What the checks report: ``GradcheckError`` (PyTorch-style: which check, output, input,
+how far off) and ``opcheck``'s ``OpcheckReport`` / ``OpcheckError``."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from ._compare import Mismatch
+from ._problem import Problem, Segment
+
+__all__ = [
+    "CheckResult",
+    "GradcheckError",
+    "OpcheckError",
+    "OpcheckReport",
+    "dtype_error",
+    "gradcheck_error",
+]
+
+_MODE_NAMES = {"rev": "reverse mode (VJP)", "fwd": "forward mode (JVP)"}
+
+
+class GradcheckError(AssertionError):
+    """A gradient check failed. The message reads like PyTorch's; the fields
+    below let code (and tests) find out what failed.
+
+    Attributes:
+        kind: which check failed: ``"jacobian"`` (derivatives differ),
+            ``"primal"`` (the output of ``jax.vjp``/``jax.linearize`` differs
+            from a plain call), ``"undefined_grad"`` (a zero cotangent gives a
+            nonzero gradient), ``"nondeterministic"`` (two runs of the backward
+            differ), ``"batched_grad"`` (``vmap`` of the VJP differs from a
+            loop), ``"grad_dtype"`` (a gradient's dtype or shape differs from
+            its input's).
+        order: 1 for ``gradcheck``, 2 for ``gradgradcheck``.
+        mode: ``"rev"`` or ``"fwd"``.
+        method: ``"full"`` (entrywise Jacobians) or ``"directional"``; ``None``
+            for the other kinds.
+        output_index, output_path: which output leaf failed: its position among
+            the leaves of ``func``'s output and its key path (``""`` for a bare
+            array). At order 2, the positional index and key path of the input
+            whose gradient failed.
+        input_index, input_path: positional index of the input (0-based; at
+            order 2, ``grad_outputs`` follow the positional inputs) and key path
+            inside it; ``None`` for a primal mismatch.
+        output_element, input_element: index of the worst entry in the output's
+            and the input's own shapes (``None`` where not applicable).
+        direction: index of the worst random direction (directional method).
+        numerical, analytical: the worst entry, from finite differences and
+            from JAX's AD (for a primal mismatch: the plain call and the AD
+            primal).
+        abs_error, rel_error: ``|analytical - numerical|`` and that over
+            ``|numerical|``.
+        num_mismatched, num_checked: failing and compared entries of the pair.
+        mismatched_pairs: ``(output_index, input_index)`` of every failing
+            (output leaf, input leaf) pair of that check, the reported one first.
+    """
+
+    def __init__(self, message: str, **fields: Any) -> None:
+        super().__init__(message)
+        for name in _ERROR_FIELDS:
+            setattr(self, name, fields.pop(name, None))
+        if fields:
+            raise TypeError(f"unknown GradcheckError fields: {sorted(fields)}")
+
+
+_ERROR_FIELDS = [
+    "kind",
+    "order",
+    "mode",
+    "method",
+    "output_index",
+    "output_path",
+    "input_index",
+    "input_path",
+    "output_element",
+    "input_element",
+    "direction",
+    "numerical",
+    "analytical",
+    "abs_error",
+    "rel_error",
+    "num_mismatched",
+    "num_checked",
+    "mismatched_pairs",
+]
+
+
+_KIND_TITLES = {
+    "undefined_grad": "Nonzero gradient for a zero cotangent",
+    "nondeterministic": "Nondeterministic backward",
+    "batched_grad": "Batched gradient mismatch",
+}
+_KIND_EXPLANATIONS = {
+    "undefined_grad": "the VJP with an all-zero cotangent must give exactly zero gradients "
+    "(PyTorch's check_undefined_grad)",
+    "nondeterministic": "two runs of the backward on the same cotangent differ by more than "
+    "`nondet_tol` (PyTorch's reentrancy check)",
+    "batched_grad": "jax.vmap of the VJP over a batch of cotangents differs from one VJP per "
+    "cotangent (PyTorch's check_batched_grad)",
+}
+
+
+def gradcheck_error(
+    problem: Problem,
+    kind: str,
+    mode: str,
+    method: str | None,
+    found: list[Mismatch],
+    *,
+    atol: float,
+    rtol: float,
+    cause: Exception | None = None,
+) -> GradcheckError:
+    """The exception for the first of ``found``, with PyTorch-style wording.
+
+    Args:
+        problem: the flat problem, for the labels of its blocks.
+        kind: ``"primal"``, ``"jacobian"``, ``"undefined_grad"``,
+            ``"nondeterministic"`` or ``"batched_grad"``.
+        mode: ``"rev"`` or ``"fwd"``.
+        method: ``"full"`` or ``"directional"`` (``kind="jacobian"`` only).
+        found: the mismatches, the reported one first (may be empty with
+            ``cause``).
+        atol: the absolute tolerance used.
+        rtol: the relative tolerance used.
+        cause: an exception that is itself the failure (``jax.vmap`` refusing
+            the VJP, for ``batched_grad``).
+
+    Returns:
+        The error, its message and fields filled in.
+    """
+    context = f"order {problem.order}, {_MODE_NAMES[mode]}"
+    if cause is not None:
+        message = (
+            f"{_KIND_TITLES[kind]} ({context}): {_KIND_EXPLANATIONS[kind]}; it raised "
+            f"{type(cause).__name__}: {cause}"
+        )
+        return GradcheckError(message, kind=kind, order=problem.order, mode=mode)
+    worst = found[0]
+    out = None if worst.out_block is None else problem.outputs[worst.out_block]
+    inp = None if worst.in_block is None else problem.inputs[worst.in_block]
+    num, auto = worst.expected, worst.actual
+    abs_error = abs(auto - num)
+    rel_error = abs_error / abs(num) if num != 0 else math.inf
+    out_element = None if worst.out_element is None else _unravel(worst.out_element, out.shape)
+    in_element = None if worst.in_element is None else _unravel(worst.in_element, inp.shape)
+    direction = worst.direction
+    ad_name = "jax.vjp" if mode == "rev" else "jax.linearize"
+    if kind == "primal":
+        lines = [
+            f"Primal mismatch for {out.label} ({context}): the primal output of {ad_name} "
+            "differs from calling the function (for a custom_vjp function: its forward rule "
+            "returns something else than the function itself).",
+            f"  worst element: index {out_element} of shape {out.shape}",
+            f"  function call: {num:.10g}",
+            f"  {ad_name}: {auto:.10g}",
+        ]
+        unit, reference = "elements", "function call"
+    elif kind == "jacobian":
+        how = "full Jacobian" if method == "full" else "random directions"
+        lines = [
+            f"Jacobian mismatch for {out.label} with respect to {inp.label} ({context}, {how})."
+        ]
+        if method == "full":
+            lines.append(
+                f"  worst entry: output element {out_element} (output shape {out.shape}), "
+                f"input element {in_element} (input shape {inp.shape})"
+            )
+            unit = "Jacobian entries for this pair"
+        else:
+            lines.append(
+                f"  worst direction: #{direction} of {worst.total} (compared u . J v for random "
+                "unit vectors u over the output and v over the input)"
+            )
+            unit = "directions"
+        lines += [f"  numerical:  {num:.10g}", f"  analytical: {auto:.10g}"]
+        reference = "numerical"
+    else:
+        lines = [
+            f"{_KIND_TITLES[kind]} for the gradient of {inp.label} ({context}): "
+            f"{_KIND_EXPLANATIONS[kind]}.",
+            f"  worst element: {in_element} (input shape {inp.shape})"
+            + ("" if direction is None else f", batch entry #{direction}"),
+        ]
+        names = {
+            "undefined_grad": ("expected", "gradient"),
+            "nondeterministic": ("first run", "second run"),
+            "batched_grad": ("one at a time", "under vmap"),
+        }[kind]
+        lines += [f"  {names[0]}: {num:.10g}", f"  {names[1]}: {auto:.10g}"]
+        unit, reference = "gradient elements", names[0]
+    lines += [
+        f"  abs error: {abs_error:.3e}, rel error: {rel_error:.3e}; allowed: {worst.allowed:.3e}"
+        + (
+            f" (atol + rtol * |{reference}| + finite-difference noise)"
+            if kind == "jacobian"
+            else ""
+        ),
+        f"  mismatched: {worst.count} of {worst.total} {unit}",
+    ]
+    if problem.order == 2:
+        lines.append(
+            "  (order 2 checks the Jacobian of (inputs, grad_outputs) -> VJP of `func`; "
+            "grad_outputs count as inputs after the positional ones)"
+        )
+    pairs = [
+        (
+            None if m.out_block is None else problem.outputs[m.out_block],
+            None if m.in_block is None else problem.inputs[m.in_block],
+        )
+        for m in found
+    ]
+    if len(pairs) > 1:
+        others = [_pair_label(o, i) for o, i in pairs[1:]]
+        lines.append(f"  also mismatched: {'; '.join(dict.fromkeys(others))}")
+    return GradcheckError(
+        "\n".join(lines),
+        kind=kind,
+        order=problem.order,
+        mode=mode,
+        method=method,
+        output_index=None if out is None else out.index,
+        output_path=None if out is None else out.path,
+        input_index=None if inp is None else inp.index,
+        input_path=None if inp is None else inp.path,
+        output_element=out_element,
+        input_element=in_element,
+        direction=direction,
+        numerical=num,
+        analytical=auto,
+        abs_error=abs_error,
+        rel_error=rel_error,
+        num_mismatched=worst.count,
+        num_checked=worst.total,
+        mismatched_pairs=tuple(
+            (None if o is None else o.index, None if i is None else i.index) for o, i in pairs
+        ),
+    )
+
+
+def dtype_error(label: str, index: int, path: str, primal: Any, grad: Any) -> GradcheckError:
+    """The exception for a gradient whose dtype or shape differs from its input's."""
+    return GradcheckError(
+        f"Gradient dtype/shape mismatch for {label}: the input is {primal.dtype}"
+        f"{tuple(primal.shape)} but its gradient is {grad.dtype}{tuple(grad.shape)} (JAX does "
+        "not check this for a custom_vjp backward; PyTorch's check_grad_dtypes).",
+        kind="grad_dtype",
+        order=1,
+        mode="rev",
+        input_index=index,
+        input_path=path,
+    )
+
+
+def _pair_label(out: Segment | None, inp: Segment | None) -> str:
+    if inp is None:
+        return out.label
+    if out is None:
+        return f"the gradient of {inp.label}"
+    return f"{out.label} w.r.t. {inp.label}"
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(int(i) for i in np.unravel_index(flat, shape))
+
+
+# -- opcheck ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckResult:
+    """The outcome of one ``opcheck`` check.
+
+    Attributes:
+        name: the check's name (``"gradcheck"``, ``"vmap"`` ...).
+        status: ``"PASS"``, ``"FAIL"`` or ``"SKIP"``.
+        detail: what was verified (PASS), the diagnostic (FAIL) or the reason
+            it does not apply (SKIP).
+        seconds: how long it took.
+    """
+
+    name: str
+    status: str
+    detail: str
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class OpcheckReport:
+    """What ``jaxext.opcheck`` found: one ``CheckResult`` per check, in run order.
+
+    ``str(report)`` is a table (check, PASS / FAIL / SKIP, detail); ``bool(report)``
+    is true when no check failed.
+
+    Attributes:
+        op: the name of the op checked.
+        results: the results, in the order the checks ran.
+
+    Example:
+        >>> import numpy as np
+        >>> import jaxext
+        >>> x, w = np.ones((2, 3)), np.ones((4, 3))
+        >>> report = jaxext.opcheck(jaxext.linear, (x, w), checks=["forward_rule", "jit"])
+        >>> print(report.statuses)
+        {'forward_rule': 'PASS', 'jit': 'PASS'}
+    """
+
+    op: str
+    results: tuple[CheckResult, ...]
+
+    @property
+    def statuses(self) -> dict[str, str]:
+        """``{check name: "PASS" | "FAIL" | "SKIP"}``."""
+        return {result.name: result.status for result in self.results}
+
+    @property
+    def failed(self) -> tuple[str, ...]:
+        """Names of the failed checks, in run order."""
+        return tuple(r.name for r in self.results if r.status == "FAIL")
+
+    @property
+    def skipped(self) -> tuple[str, ...]:
+        """Names of the skipped checks, in run order."""
+        return tuple(r.name for r in self.results if r.status == "SKIP")
+
+    def __getitem__(self, name: str) -> CheckResult:
+        for result in self.results:
+            if result.name == name:
+                return result
+        raise KeyError(f"no check named {name!r} in this report; ran {list(self.statuses)}")
+
+    def __bool__(self) -> bool:
+        return not self.failed
+
+    def table(self, width: int = 100) -> str:
+        """The report as a text table, details cut to fit ``width`` columns."""
+        name_width = max([len("check")] + [len(r.name) for r in self.results])
+        lines = [f"opcheck {self.op}", f"{'check':<{name_width}}  result  detail"]
+        for result in self.results:
+            detail = result.detail.splitlines()[0] if result.detail else ""
+            room = max(20, width - name_width - 10)
+            if len(detail) > room:
+                detail = detail[: room - 3] + "..."
+            lines.append(f"{result.name:<{name_width}}  {result.status:<6}  {detail}")
+        counts = {s: list(self.statuses.values()).count(s) for s in ("PASS", "FAIL", "SKIP")}
+        lines.append(", ".join(f"{n} {s}" for s, n in counts.items()))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+class OpcheckError(AssertionError):
+    """One or more ``jaxext.opcheck`` checks failed.
+
+    The message names each failed check with its full diagnostic (the output,
+    input and element for a gradient mismatch; the subset of differentiated
+    inputs, the vmapped input ...), after the report's table.
+
+    Attributes:
+        report: the ``OpcheckReport`` with every result.
+        failed: names of the failed checks, in run order.
+    """
+
+    def __init__(self, report: OpcheckReport) -> None:
+        self.report = report
+        self.failed = report.failed
+        sections = [str(report), ""]
+        for result in report.results:
+            if result.status == "FAIL":
+                sections.append(f"FAIL {result.name}:\n  " + result.detail.replace("\n", "\n  "))
+        super().__init__("\n".join(sections))

@@ -1,0 +1,367 @@
+"""Tests for `jaxext.opcheck`.
+
+Correct ops (jaxext's, the Flax layers, Function-defined ops, plain ``jax.custom_vjp``
+and ``jax.custom_jvp`` ops) must pass every check that applies. A catalogue of buggy
+ops, each written here with one known defect, must be rejected by the check for that
+defect (the first check to fail, named in the error), never by a crash.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import rand
+
+import jaxext
+from jaxext._checks import CHECK_NAMES
+
+
+def f64(seed, shape):
+    return rand(seed, shape, np.float64)
+
+
+# -- correct ops -------------------------------------------------------------------------------
+
+
+@jax.custom_vjp
+def plain_vjp_linear(x, w):
+    return x @ w.T
+
+
+plain_vjp_linear.defvjp(
+    lambda x, w: (plain_vjp_linear(x, w), (x, w)),
+    lambda res, g: (g @ res[1], g.T @ res[0]),
+)
+
+
+@jax.custom_jvp
+def plain_jvp_softplus(x):
+    return jnp.logaddexp(x, 0.0)
+
+
+@plain_jvp_softplus.defjvp
+def _softplus_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return plain_jvp_softplus(x), jax.nn.sigmoid(x) * t
+
+
+class LinearFunction(jaxext.Function):
+    @staticmethod
+    def forward(ctx, input, weight, bias=None):
+        ctx.save_for_backward(input, weight, bias)
+        output = input @ weight.T
+        return output if bias is None else output + bias
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight, bias = ctx.saved_tensors
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_input = grad_output @ weight
+        if ctx.needs_input_grad[1]:
+            grad_weight = grad_output.T @ input
+        if bias is not None and ctx.needs_input_grad[2]:
+            grad_bias = grad_output.sum(0)
+        return grad_input, grad_weight, grad_bias
+
+
+def nnx_linear_op():
+    nnx = pytest.importorskip("flax.nnx")
+    graphdef, params = nnx.split(jaxext.nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
+
+    def apply(params, x):
+        return nnx.merge(graphdef, params)(x)
+
+    return apply, (jax.tree_util.tree_map(np.asarray, params), f64(1, (4, 3)))
+
+
+def linen_dense_op():
+    pytest.importorskip("flax.linen")
+    layer = jaxext.linen.Dense(2)
+    params = layer.init(jax.random.key(0), jnp.ones((1, 3)))["params"]
+
+    def apply(params, x):
+        return layer.apply({"params": params}, x)
+
+    return apply, (jax.tree_util.tree_map(np.asarray, params), f64(1, (4, 3)))
+
+
+CORRECT_OPS = {
+    # name -> (function returning (op, args), checks expected to SKIP)
+    "jaxext.linear": (lambda: (jaxext.linear, (f64(0, (4, 3)), f64(1, (2, 3)), f64(2, (2,)))), ()),
+    "jaxext.mul_constant_static": (lambda: (jaxext.mul_constant, (f64(0, (4, 3)), 2.5)), ()),
+    "jaxext.mul_constant_array": (
+        lambda: (jaxext.mul_constant, (f64(0, (4, 3)), np.array([0.5, 2.0, -1.0]))),
+        (),
+    ),
+    "nnx.Linear": (nnx_linear_op, ()),
+    "linen.Dense": (linen_dense_op, ()),
+    "Function": (lambda: (LinearFunction.apply, (f64(0, (4, 3)), f64(1, (2, 3)))), ()),
+    "plain_custom_vjp": (
+        lambda: (plain_vjp_linear, (f64(0, (4, 3)), f64(1, (2, 3)))),
+        ("jvp", "jvp_vjp"),
+    ),
+    "plain_custom_jvp": (lambda: (plain_jvp_softplus, (f64(0, (4, 3)),)), ()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CORRECT_OPS))
+def test_correct_ops_pass(name):
+    make, expected_skips = CORRECT_OPS[name]
+    op, args = make()
+    report = jaxext.opcheck(op, args)
+    assert report.failed == ()
+    assert set(report.skipped) <= set(expected_skips) | {"export_symbolic"}
+    assert set(expected_skips) <= set(report.skipped)
+    assert len(report.results) == len(CHECK_NAMES)
+
+
+def test_plain_custom_vjp_skips_forward_mode_with_the_reason():
+    report = jaxext.opcheck(plain_vjp_linear, (f64(0, (4, 3)), f64(1, (2, 3))))
+    assert report["jvp"].status == report["jvp_vjp"].status == "SKIP"
+    assert "TypeError" in report["jvp"].detail and "forward mode" in report["jvp"].detail
+    table = str(report)
+    assert "jvp " in table and "SKIP" in table and "0 FAIL" in table
+
+
+# -- the catalogue of buggy ops ----------------------------------------------------------------
+
+
+def residual_layout_bug():
+    """fwd saves residuals by which inputs are differentiated, but the layout is recorded
+    once per input shapes (like a kernel cache) and reused: wrong as soon as the op is
+    differentiated with respect to another subset of its inputs."""
+    layouts = {}
+
+    @jax.custom_vjp
+    def op(x, w):
+        return x @ w.T
+
+    def fwd(x, w):
+        key = (x.value.shape, w.value.shape)
+        layouts.setdefault(key, (x.perturbed, w.perturbed))  # the bug: first trace wins
+        saved = [w.value] if x.perturbed else []
+        saved += [x.value] if w.perturbed else []
+        return op(x.value, w.value), (key, *saved)
+
+    def bwd(saved, g):
+        key, *saved = saved
+        want_x, want_w = layouts[key]
+        grad_x = g @ saved.pop(0) if want_x else None
+        grad_w = g.T @ saved.pop(0) if want_w else None
+        return grad_x, grad_w
+
+    op.defvjp(fwd, bwd, symbolic_zeros=True)
+    return op, (f64(0, (3, 3)), f64(1, (3, 3)))
+
+
+def _double_plus_sum(x):
+    return 2 * x + x.sum()  # sums a batch axis too, when given one
+
+
+def wrong_vmap_method():
+    """A pure_callback declared ``expand_dims`` whose host function is not batch-aware."""
+
+    @jax.custom_vjp
+    def op(x):
+        return jax.pure_callback(
+            _double_plus_sum, jax.ShapeDtypeStruct(x.shape, x.dtype), x, vmap_method="expand_dims"
+        )
+
+    op.defvjp(lambda x: (op(x), None), lambda _, g: (2 * g + g.sum(),))
+    return op, (f64(0, (3, 2)),)
+
+
+def nonzero_grad_for_zero_cotangent():
+    @jax.custom_vjp
+    def op(x, w):
+        return x @ w.T
+
+    def bwd(res, g):
+        x, w = res
+        return g @ w, jnp.where(jnp.all(g == 0), 1e-3, g.T @ x)
+
+    op.defvjp(lambda x, w: (op(x, w), (x, w)), bwd)
+    return op, (f64(0, (4, 3)), f64(1, (2, 3)))
+
+
+def forward_rule_differs():
+    @jax.custom_vjp
+    def op(x, w):
+        return x @ w.T
+
+    op.defvjp(lambda x, w: (x @ w.T + 1e-3, (x, w)), lambda res, g: (g @ res[1], g.T @ res[0]))
+    return op, (f64(0, (4, 3)), f64(1, (2, 3)))
+
+
+def eager_and_jit_differ():
+    """A NumPy fast path for concrete inputs that rounds through float32."""
+
+    def op(x, w):
+        if not isinstance(x, jax.core.Tracer) and not isinstance(w, jax.core.Tracer):
+            return jnp.asarray(np.asarray(x, np.float32) @ np.asarray(w, np.float32).T, x.dtype)
+        return jaxext.linear(x, w)
+
+    return op, (f64(0, (4, 3)), f64(1, (2, 3)))
+
+
+def _jitter(like):
+    return np.asarray(1 + 1e-12 * np.random.default_rng().standard_normal(), like.dtype)
+
+
+def nondeterministic_backward():
+    @jax.custom_vjp
+    def op(x, w):
+        return x @ w.T
+
+    def bwd(res, g):
+        x, w = res
+        factor = jax.pure_callback(
+            _jitter,
+            jax.ShapeDtypeStruct((), g.dtype),
+            jnp.zeros((), g.dtype),
+            vmap_method="sequential",
+        )
+        return g @ w * factor, g.T @ x
+
+    op.defvjp(lambda x, w: (op(x, w), (x, w)), bwd)
+    return op, (f64(0, (4, 3)), f64(1, (2, 3)))
+
+
+def wrong_gradient_dtype():
+    @jax.custom_vjp
+    def op(x, w):
+        return x @ w.T
+
+    def bwd(res, g):
+        x, w = res
+        return (g @ w).astype(jnp.float32), g.T @ x
+
+    op.defvjp(lambda x, w: (op(x, w), (x, w)), bwd)
+    return op, (f64(0, (4, 3)), f64(1, (2, 3)))
+
+
+def wrong_backward_value():
+    @jax.custom_vjp
+    def op(x, w):
+        return x @ w.T
+
+    op.defvjp(lambda x, w: (op(x, w), (x, w)), lambda res, g: (g @ res[1], 1.01 * g.T @ res[0]))
+    return op, (f64(0, (4, 3)), f64(1, (2, 3)))
+
+
+BUGGY_OPS = {
+    # name -> (builder, the check that must reject it)
+    "residual_layout": (residual_layout_bug, "jit_reuse"),
+    "wrong_vmap_method": (wrong_vmap_method, "vmap"),
+    "nonzero_grad_for_zero_cotangent": (nonzero_grad_for_zero_cotangent, "zero_cotangent"),
+    "forward_rule_differs": (forward_rule_differs, "forward_rule"),
+    "eager_and_jit_differ": (eager_and_jit_differ, "jit"),
+    "nondeterministic_backward": (nondeterministic_backward, "reentrancy"),
+    "wrong_gradient_dtype": (wrong_gradient_dtype, "grad_dtypes"),
+    "wrong_backward_value": (wrong_backward_value, "gradcheck"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUGGY_OPS))
+def test_buggy_op_rejected_by_the_right_check(name):
+    build, check = BUGGY_OPS[name]
+    op, args = build()
+    with pytest.raises(jaxext.OpcheckError) as info:
+        jaxext.opcheck(op, args)
+    err = info.value
+    assert err.failed[0] == check, str(err)
+    assert f"FAIL {check}:" in str(err)
+    # Run alone, the check still rejects it, and the others can be turned off.
+    report = jaxext.opcheck(op, args, checks=[check], raise_exception=False)
+    assert report.failed == (check,)
+
+
+def test_buggy_op_diagnostics_name_what_failed():
+    op, args = residual_layout_bug()
+    report = jaxext.opcheck(op, args, checks=["jit_reuse"], raise_exception=False)
+    assert "differentiating only" in report["jit_reuse"].detail
+    op, args = wrong_vmap_method()
+    report = jaxext.opcheck(op, args, checks=["vmap"], raise_exception=False)
+    assert "vmap over input 0 vs a loop" in report["vmap"].detail
+    op, args = wrong_backward_value()
+    report = jaxext.opcheck(op, args, checks=["gradcheck"], raise_exception=False)
+    assert "with respect to input 1" in report["gradcheck"].detail
+
+
+def test_an_op_that_raises_fails_its_checks_without_crashing():
+    def broken(x):
+        raise RuntimeError("kernel not available")
+
+    report = jaxext.opcheck(broken, (f64(0, (3,)),), raise_exception=False)
+    assert set(report.failed) == set(CHECK_NAMES) - set(report.skipped)
+    assert "kernel not available" in report["jit"].detail
+
+
+def test_unexportable_op_is_reported():
+    op, args = nondeterministic_backward()  # a host callback: jax.export refuses it
+    report = jaxext.opcheck(op, args, checks=["export"], raise_exception=False)
+    assert report.failed == ("export",)
+    assert "cannot be exported" in report["export"].detail
+
+
+# -- options -----------------------------------------------------------------------------------
+
+
+def test_checks_and_skip_select():
+    args = (f64(0, (4, 3)), f64(1, (2, 3)))
+    report = jaxext.opcheck(jaxext.linear, args, checks=["vmap", "jit", "gradcheck"])
+    assert list(report.statuses) == ["gradcheck", "jit", "vmap"]  # in run order
+    report = jaxext.opcheck(jaxext.linear, args, checks=["jit", "vmap"], skip=["vmap"])
+    assert list(report.statuses) == ["jit"]
+
+
+def test_tolerances_reach_the_gradient_check():
+    op, args = wrong_backward_value()  # 1% off
+    report = jaxext.opcheck(op, args, checks=["gradcheck"], rtol=0.05, atol=0.05)
+    assert report.failed == ()
+
+
+def test_nondet_tol_allows_a_nondeterministic_backward():
+    op, args = nondeterministic_backward()
+    report = jaxext.opcheck(op, args, checks=["reentrancy"], nondet_tol=1e-9)
+    assert report.failed == ()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "name"),
+    [
+        ({"checks": ["vmapp"]}, ValueError, "`checks`"),
+        ({"checks": "vmap"}, TypeError, "`checks`"),
+        ({"skip": ["nope"]}, ValueError, "`skip`"),
+        ({"checks": ["jit"], "skip": ["jit"]}, ValueError, "no check left"),
+        ({"rtol": -1.0}, ValueError, "`rtol`"),
+        ({"raise_exception": 1}, TypeError, "`raise_exception`"),
+    ],
+)
+def test_invalid_options(kwargs, error, name):
+    with pytest.raises(error, match=name):
+        jaxext.opcheck(jaxext.mul_constant, (f64(0, (3,)), 2.0), **kwargs)
+
+
+def test_invalid_func_and_args():
+    with pytest.raises(TypeError, match="`func`"):
+        jaxext.opcheck("linear", (f64(0, (3,)),))
+    with pytest.raises(ValueError, match="`args` holds no floating-point"):
+        jaxext.opcheck(lambda i: i * 2.0, (np.arange(3),))
+
+
+def test_report_table_and_error_message():
+    op, args = wrong_backward_value()
+    with pytest.raises(jaxext.OpcheckError) as info:
+        jaxext.opcheck(op, args, checks=["forward_rule", "gradcheck"])
+    err = info.value
+    assert isinstance(err, AssertionError)
+    assert not err.report
+    lines = str(err).splitlines()
+    assert lines[0] == "opcheck op"
+    assert any(line.startswith("forward_rule") and "PASS" in line for line in lines)
+    assert any(line.startswith("gradcheck") and "FAIL" in line for line in lines)
+    assert "1 PASS, 1 FAIL, 0 SKIP" in lines
