@@ -12,11 +12,12 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from ._validation import unbroadcast
 
-__all__ = ["GradSpec", "finish_grad", "grad_spec"]
+__all__ = ["GradSpec", "cast_grad", "finish_grad", "grad_spec"]
 
 
 class GradSpec(NamedTuple):
@@ -51,6 +52,18 @@ def _is_explicit(sharding: Any) -> bool:
     return jax.sharding.AxisType.Explicit in axis_types
 
 
+def cast_grad(grad: jax.Array, dtype: Any) -> jax.Array:
+    """Casts a gradient to its primal's ``dtype`` as autodiff's transposes do.
+
+    A complex gradient of a real primal keeps its real part, taken explicitly:
+    that is what the transpose of the forward's real-to-complex cast computes, and
+    it does not trip JAX's complex-to-real cast warning (a future error).
+    """
+    if jnp.iscomplexobj(grad) and not jnp.issubdtype(dtype, jnp.complexfloating):
+        grad = lax.real(grad)
+    return grad.astype(dtype)
+
+
 def finish_grad(grad: jax.Array, spec: GradSpec) -> jax.Array:
     """Gives ``grad`` its primal's shape, manual-axis variance, sharding and dtype.
 
@@ -60,7 +73,8 @@ def finish_grad(grad: jax.Array, spec: GradSpec) -> jax.Array:
       transpose of that cast is a ``psum``.
     * Under an explicit-sharding mesh the gradient is resharded like the primal,
       as autodiff's transposes do.
-    * Finally it is cast to the primal's dtype.
+    * Finally it is cast to the primal's dtype (:func:`cast_grad`: the real part
+      for a real primal).
     """
     if grad.shape != spec.shape:
         grad = unbroadcast(grad, spec.shape)
@@ -69,4 +83,4 @@ def finish_grad(grad: jax.Array, spec: GradSpec) -> jax.Array:
         grad = lax.psum(grad, extra)
     if _is_explicit(spec.sharding) and jax.typeof(grad).sharding != spec.sharding:
         grad = jax.sharding.reshard(grad, spec.sharding)
-    return grad.astype(spec.dtype)
+    return cast_grad(grad, spec.dtype)

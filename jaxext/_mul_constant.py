@@ -20,7 +20,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jax.typing import ArrayLike
 
-from ._gradspec import finish_grad, grad_spec
+from ._gradspec import cast_grad, finish_grad, grad_spec
 from ._residuals import pack, unpack
 from ._validation import Static, as_numeric_array, is_static_scalar
 
@@ -91,7 +91,8 @@ def _mul_static_fwd(x, constant):
 
 
 def _mul_static_bwd(constant, x_dtype, g):
-    return ((g * constant).astype(x_dtype.value),)
+    # A complex constant on a real x: the real part, as autodiff of x * constant.
+    return (cast_grad(g * constant, x_dtype.value),)
 
 
 _mul_static.defvjp(_mul_static_fwd, _mul_static_bwd)
