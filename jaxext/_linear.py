@@ -86,27 +86,8 @@ def linear(
     if bias is not None:
         bias = as_numeric_array(bias, "bias")
     _check_shapes(x, weight, bias)
-    config = _config(precision, preferred_element_type, False, out_sharding)
+    config = _config(precision, preferred_element_type, out_sharding)
     return _linear(x, weight, bias, config)
-
-
-def dense(
-    x: jax.Array,
-    kernel: jax.Array,
-    bias: jax.Array | None,
-    *,
-    precision: PrecisionLike,
-    preferred_element_type: DTypeLike | None,
-    out_sharding: OutSharding,
-) -> jax.Array:
-    """``x @ kernel + bias`` with ``kernel`` in Flax's ``(in_features, out_features)`` layout.
-
-    The same custom VJP as :func:`linear`, for the Flax layers: the kernel is used
-    (and, when needed, kept for the backward) as it is, never transposed. The
-    layers check their inputs themselves.
-    """
-    config = _config(precision, preferred_element_type, True, out_sharding)
-    return _linear(x, kernel, bias, config)
 
 
 class _Config(NamedTuple):
@@ -114,11 +95,10 @@ class _Config(NamedTuple):
 
     precision: PrecisionLike
     preferred_element_type: Any  # a numpy dtype or None
-    flax_layout: bool  # False: torch's (out, in) `weight`; True: flax's (in, out) `kernel`
     out_sharding: OutSharding
 
 
-def _config(precision, preferred_element_type, flax_layout, out_sharding) -> _Config:
+def _config(precision, preferred_element_type, out_sharding) -> _Config:
     if out_sharding is not None and not isinstance(
         out_sharding, (jax.sharding.PartitionSpec, jax.sharding.NamedSharding)
     ):
@@ -128,7 +108,7 @@ def _config(precision, preferred_element_type, flax_layout, out_sharding) -> _Co
         )
     if preferred_element_type is not None:
         preferred_element_type = jnp.dtype(preferred_element_type)
-    return _Config(precision, preferred_element_type, flax_layout, out_sharding)
+    return _Config(precision, preferred_element_type, out_sharding)
 
 
 def _check_shapes(x: jax.Array, weight: jax.Array, bias: jax.Array | None) -> None:
@@ -161,9 +141,9 @@ def _result_dtype(x, weight, bias, preferred_element_type):
 
 
 def _matmul(x, weight, config, out_dtype):
-    """``x @ weight.T`` (or ``x @ kernel``): contracts ``x``'s last axis with in_features."""
+    """``x @ weight.T``: contracts ``x``'s last axis with in_features."""
     dtype = jnp.promote_types(x.dtype, weight.dtype)
-    dims = (((x.ndim - 1,), (0 if config.flax_layout else 1,)), ((), ()))
+    dims = (((x.ndim - 1,), (1,)), ((), ()))
     return lax.dot_general(
         x.astype(dtype),
         weight.astype(dtype),
@@ -208,24 +188,22 @@ def _linear_bwd(config, residuals, g):
     batch_axes = tuple(range(g.ndim - 1))
     grad_x = grad_w = grad_b = None
     if x_wanted:
-        # (..., out) x (out, in) -> (..., in); the kernel's out axis is 1.
+        # (..., out) x (out, in) -> (..., in).
         dtype = jnp.promote_types(g.dtype, w_for_x.dtype)
         grad_x = lax.dot_general(
             g.astype(dtype),
             w_for_x.astype(dtype),
-            (((g.ndim - 1,), (1 if config.flax_layout else 0,)), ((), ())),
+            (((g.ndim - 1,), (0,)), ((), ())),
             precision=config.precision,
             out_sharding=x_spec.sharding,  # needed when the contraction axis is sharded
         )
         grad_x = finish_grad(grad_x, x_spec)
     if w_wanted:
-        # Contract every leading (batch) axis: (..., out) x (..., in) -> (out, in),
-        # or (..., in) x (..., out) -> (in, out) for a kernel.
+        # Contract every leading (batch) axis: (..., out) x (..., in) -> (out, in).
         dtype = jnp.promote_types(g.dtype, x_for_w.dtype)
-        lhs, rhs = (x_for_w, g) if config.flax_layout else (g, x_for_w)
         grad_w = lax.dot_general(
-            lhs.astype(dtype),
-            rhs.astype(dtype),
+            g.astype(dtype),
+            x_for_w.astype(dtype),
             ((batch_axes, batch_axes), ((), ())),
             precision=config.precision,
             out_sharding=w_spec.sharding,

@@ -17,7 +17,7 @@ from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
 from jax.typing import ArrayLike
 
 from ._mul_constant import mul_constant
-from ._nnx import _apply_kernel, _as_inputs, _refuse_dot_general
+from ._nnx import _apply_kernel, _refuse_dot_general, _refuse_missing_inputs
 from ._validation import is_static_scalar
 
 __all__ = ["Dense", "MulConstant"]
@@ -75,7 +75,9 @@ class Dense(nn.Module):
         """Applies ``inputs @ kernel + bias`` over the last axis of ``inputs``.
 
         Args:
-            inputs: array of shape ``(..., in_features)``.
+            inputs: array of shape ``(..., in_features)``, or anything the
+                layer's ``promote_dtype`` turns into one, as in Flax (a nested
+                Python list, a bool or integer array).
 
         Returns:
             Array of shape ``(..., features)``.
@@ -86,7 +88,9 @@ class Dense(nn.Module):
                 "`dot_general_cls` cannot be set for jaxext's linen.Dense (its matmul is "
                 f"jaxext.linear's custom VJP); got {self.dot_general_cls!r}."
             )
-        inputs = _as_inputs(inputs)
+        _refuse_missing_inputs(inputs)
+        if jnp.ndim(inputs) == 0:
+            raise TypeError("`inputs` must have shape (..., in_features); got a scalar.")
         kernel = self.param(
             "kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype
         )

@@ -22,9 +22,9 @@ from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
-from ._linear import dense
+from ._dense import dense
 from ._mul_constant import mul_constant
-from ._validation import as_numeric_array, is_static_scalar
+from ._validation import is_static_scalar
 
 __all__ = ["Linear", "MulConstant", "uniform_range"]
 
@@ -65,26 +65,24 @@ def uniform_range(low: float = -0.1, high: float = 0.1) -> Initializer:
     return init
 
 
-def _as_inputs(inputs: Any) -> jax.Array:
-    """The Flax layers' ``inputs`` as an array of rank >= 1, refused by name otherwise."""
-    inputs = as_numeric_array(inputs, "inputs")
-    if inputs.ndim == 0:
-        raise ValueError("`inputs` must have shape (..., in_features); got a scalar.")
-    return inputs
+def _refuse_missing_inputs(inputs: Any) -> None:
+    """Refuses, by name, ``inputs`` that no ``promote_dtype`` can turn into an array."""
+    if inputs is None or isinstance(inputs, (str, bytes)):
+        raise TypeError(f"`inputs` must be a numeric array; got {type(inputs).__name__}.")
 
 
 def _apply_kernel(inputs, kernel, bias, *, precision, preferred_element_type, out_sharding=None):
     """``inputs @ kernel + bias`` through jaxext's custom VJP, for the Flax layers.
 
-    ``inputs`` comes from :func:`_as_inputs`. The kernel stays in Flax's
-    ``(in_features, out_features)`` layout: it is used, and kept for the backward,
-    as it is (no transposed copy).
+    The operands are the layer's, after its ``promote_dtype``, used as they are,
+    exactly as Flax's layers use them (see ``_dense.py``). A shape that does not
+    contract is a ``TypeError``, as ``lax.dot_general`` raises in Flax's layers.
     """
     in_features = kernel.shape[0]
-    if inputs.shape[-1] != in_features:
-        raise ValueError(
+    if jnp.ndim(inputs) == 0 or jnp.shape(inputs)[-1] != in_features:
+        raise TypeError(
             f"`inputs` must have shape (..., in_features) = (..., {in_features}) to match "
-            f"the kernel of shape {kernel.shape}; got shape {inputs.shape}."
+            f"the kernel of shape {kernel.shape}; got shape {jnp.shape(inputs)}."
         )
     return dense(
         inputs,
@@ -195,6 +193,7 @@ class Linear(nnx.Module):
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.precision = precision
+        self.dot_general = dot_general
         self.promote_dtype = promote_dtype
         self.preferred_element_type = preferred_element_type
 
@@ -202,7 +201,9 @@ class Linear(nnx.Module):
         """Applies ``inputs @ kernel + bias`` over the last axis of ``inputs``.
 
         Args:
-            inputs: array of shape ``(..., in_features)``.
+            inputs: array of shape ``(..., in_features)``, or anything the
+                layer's ``promote_dtype`` turns into one, as in Flax (a nested
+                Python list, a bool or integer array).
             out_sharding: sharding of the result, as in ``flax.nnx.Linear``
                 (e.g. a ``PartitionSpec`` under ``jax.set_mesh``; needed for a
                 row-parallel layer on a mesh with explicit axes).
@@ -211,11 +212,11 @@ class Linear(nnx.Module):
             Array of shape ``(..., out_features)``.
 
         Raises:
-            TypeError: if ``inputs`` is not a numeric array or ``out_sharding`` is
-                not a sharding.
-            ValueError: if the last dimension of ``inputs`` is not ``in_features``.
+            TypeError: if ``inputs`` is ``None`` or a string, if its last dimension
+                is not ``in_features`` (the exception type ``flax.nnx.Linear``
+                raises), or if ``out_sharding`` is not a sharding.
         """
-        inputs = _as_inputs(inputs)
+        _refuse_missing_inputs(inputs)
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)

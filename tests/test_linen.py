@@ -198,7 +198,7 @@ def test_bad_inputs_refused_by_name():
     module = jaxext.linen.Dense(features=2)
     with pytest.raises(TypeError, match="`inputs`"):
         module.init(jax.random.key(0), "not an array")
-    with pytest.raises(ValueError, match="`inputs`.*scalar"):
+    with pytest.raises(TypeError, match="`inputs`.*scalar"):
         module.init(jax.random.key(0), jnp.float32(1.0))
 
 
