@@ -17,7 +17,7 @@ from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
 from jax.typing import ArrayLike
 
 from ._mul_constant import mul_constant
-from ._nnx import _apply_kernel, _refuse_dot_general, _refuse_missing_inputs
+from ._nnx import _apply_kernel, _refuse_dot_general, _refuse_missing_inputs, scale_dtype
 from ._validation import is_static_scalar
 
 __all__ = ["Dense", "MulConstant"]
@@ -113,7 +113,8 @@ class MulConstant(nn.Module):
     Attributes:
         constant: a Python or NumPy scalar (not a bool).
         learnable: store the constant as a trainable parameter ``scale``.
-        param_dtype: dtype of ``scale`` when ``learnable``.
+        param_dtype: dtype of ``scale`` when ``learnable``; for a complex
+            ``constant``, the complex dtype it promotes to with complex64.
 
     Raises:
         TypeError: (at ``init``/``apply``) if ``constant`` is not a scalar.
@@ -141,7 +142,10 @@ class MulConstant(nn.Module):
             )
         if self.learnable:
             scale = self.param(
-                "scale", lambda _key: jnp.asarray(self.constant, dtype=self.param_dtype)
+                "scale",
+                lambda _key: jnp.asarray(
+                    self.constant, dtype=scale_dtype(self.constant, self.param_dtype)
+                ),
             )
             return mul_constant(inputs, scale)
         return mul_constant(inputs, self.constant)

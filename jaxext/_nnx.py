@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.nnx.nn import dtypes
 from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
@@ -63,6 +64,14 @@ def uniform_range(low: float = -0.1, high: float = 0.1) -> Initializer:
         return jax.random.uniform(key, shape, dtype, minval=low, maxval=high)
 
     return init
+
+
+def scale_dtype(constant: Any, param_dtype: Any) -> Any:
+    """The dtype of a learnable ``MulConstant``'s ``scale``: ``param_dtype``, made
+    complex when ``constant`` is complex (a real parameter cannot hold it)."""
+    if isinstance(constant, (complex, np.complexfloating)):
+        return jnp.promote_types(param_dtype, jnp.complex64)
+    return param_dtype
 
 
 def _refuse_missing_inputs(inputs: Any) -> None:
@@ -241,7 +250,8 @@ class MulConstant(nnx.Module):
     Args:
         constant: a Python or NumPy real/complex scalar (not a bool).
         learnable: store the constant as a trainable scalar parameter.
-        param_dtype: dtype of the ``scale`` parameter when ``learnable``.
+        param_dtype: dtype of the ``scale`` parameter when ``learnable``; for a
+            complex ``constant``, the complex dtype it promotes to with complex64.
 
     Raises:
         TypeError: if ``constant`` is not a Python/NumPy scalar.
@@ -266,7 +276,7 @@ class MulConstant(nnx.Module):
         self.learnable = learnable
         self.scale: nnx.Param | None
         if learnable:
-            self.scale = nnx.Param(jnp.asarray(constant, dtype=param_dtype))
+            self.scale = nnx.Param(jnp.asarray(constant, dtype=scale_dtype(constant, param_dtype)))
         else:
             self.scale = nnx.data(None)
 
