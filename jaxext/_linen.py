@@ -1,7 +1,7 @@
 """Flax Linen layers whose forward and backward run through jaxext's custom VJPs.
 
 :class:`Dense` mirrors ``flax.linen.Dense`` (attributes, parameter tree,
-initializers, dtype promotion) and computes with :func:`jaxext.linear`;
+initializers, dtype promotion) with a hand-written VJP (``_dense.py``);
 :class:`MulConstant` wraps :func:`jaxext.mul_constant`.
 """
 
@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 from flax.linen.dtypes import promote_dtype
 from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
@@ -24,13 +25,13 @@ __all__ = ["Dense", "MulConstant"]
 
 
 class Dense(nn.Module):
-    """Drop-in for ``flax.linen.Dense`` computed by :func:`jaxext.linear`.
+    """Drop-in for ``flax.linen.Dense`` whose matmul is a hand-written custom VJP.
 
     Same attributes and parameters as ``flax.linen.Dense`` (``kernel`` of shape
     ``(in_features, features)``, ``bias`` of shape ``(features,)``, same default
     initializers): ``init`` with the same key gives the identical ``params`` tree,
-    and ``apply`` gives identical outputs and gradients, the backward being
-    jaxext's hand-written VJP.
+    and ``apply`` gives identical outputs and gradients (bit for bit under
+    ``jit``: the hand-written backward is the program Flax's autodiff compiles).
 
     Attributes:
         features: number of output features.
@@ -86,13 +87,13 @@ class Dense(nn.Module):
         if self.dot_general_cls is not None:
             raise ValueError(
                 "`dot_general_cls` cannot be set for jaxext's linen.Dense (its matmul is "
-                f"jaxext.linear's custom VJP); got {self.dot_general_cls!r}."
+                f"jaxext's custom VJP); got {self.dot_general_cls!r}."
             )
         _refuse_missing_inputs(inputs)
-        if jnp.ndim(inputs) == 0:
+        if np.ndim(inputs) == 0:
             raise TypeError("`inputs` must have shape (..., in_features); got a scalar.")
         kernel = self.param(
-            "kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype
+            "kernel", self.kernel_init, (np.shape(inputs)[-1], self.features), self.param_dtype
         )
         bias = None
         if self.use_bias:

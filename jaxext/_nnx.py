@@ -2,8 +2,9 @@
 
 :class:`Linear` mirrors ``flax.nnx.Linear`` (constructor, parameter names, shapes,
 initializers, dtype promotion), so a model can swap one for the other and keep its
-checkpoints; only the computation differs: it runs :func:`jaxext.linear`'s custom VJP
-on the kernel as stored.
+checkpoints. Its matmul and bias add run through a hand-written VJP (``_dense.py``)
+that emits the ops Flax's autodiff emits, so outputs and gradients are Flax's, bit
+for bit under ``jit``.
 :class:`MulConstant` wraps :func:`jaxext.mul_constant`.
 """
 
@@ -88,10 +89,10 @@ def _apply_kernel(inputs, kernel, bias, *, precision, preferred_element_type, ou
     contract is a ``TypeError``, as ``lax.dot_general`` raises in Flax's layers.
     """
     in_features = kernel.shape[0]
-    if jnp.ndim(inputs) == 0 or jnp.shape(inputs)[-1] != in_features:
+    if np.ndim(inputs) == 0 or np.shape(inputs)[-1] != in_features:
         raise TypeError(
             f"`inputs` must have shape (..., in_features) = (..., {in_features}) to match "
-            f"the kernel of shape {kernel.shape}; got shape {jnp.shape(inputs)}."
+            f"the kernel of shape {kernel.shape}; got shape {np.shape(inputs)}."
         )
     return dense(
         inputs,
@@ -107,7 +108,7 @@ def _refuse_dot_general(dot_general: Any, layer: str) -> None:
     if dot_general is not None and dot_general is not lax.dot_general:
         raise ValueError(
             f"`dot_general` cannot be customised for jaxext's {layer}: its forward and "
-            f"backward are jaxext.linear's custom VJP; got {dot_general!r}. Use flax's "
+            f"backward are jaxext's custom VJP; got {dot_general!r}. Use flax's "
             "own layer for a custom dot_general."
         )
 
@@ -124,13 +125,15 @@ def _feature_count(value: Any, name: str) -> int:
 
 
 class Linear(nnx.Module):
-    """Drop-in for ``flax.nnx.Linear`` computed by :func:`jaxext.linear`.
+    """Drop-in for ``flax.nnx.Linear`` whose matmul is a hand-written custom VJP.
 
     Same constructor, parameters (``kernel`` of shape ``(in_features,
     out_features)``, ``bias`` of shape ``(out_features,)``) and default
     initializers as ``flax.nnx.Linear``: built from the same ``nnx.Rngs`` it holds
-    identical parameters and returns identical outputs and gradients, while the
-    backward pass is jaxext's hand-written VJP.
+    identical parameters and returns identical outputs and gradients (bit for bit
+    under ``jit``: the hand-written backward is the program Flax's autodiff
+    compiles), for every ``dtype``, ``param_dtype``, ``precision`` and
+    ``preferred_element_type``.
 
     Args:
         in_features: number of input features.
@@ -141,8 +144,9 @@ class Linear(nnx.Module):
         precision: matmul precision, see ``jax.lax.Precision``.
         kernel_init: initializer of the kernel (default LeCun normal).
         bias_init: initializer of the bias (default zeros).
-        dot_general: accepted for signature compatibility; only
-            ``jax.lax.dot_general`` (the default) is allowed.
+        dot_general: accepted for signature compatibility and kept as the
+            ``dot_general`` attribute, as in Flax; only ``jax.lax.dot_general``
+            (the default) is allowed.
         promote_dtype: function ``((inputs, kernel, bias), dtype=...) -> tuple``
             casting the operands before the matmul, as in flax.
         preferred_element_type: accumulation/result dtype of the matmul.

@@ -76,6 +76,34 @@ def test_custom_dot_general_refused():
         jaxext.nnx.Linear(3, 2, dot_general=my_dot, rngs=nnx.Rngs(0))
 
 
+def test_dot_general_attribute_like_flax():
+    ours, ref = _pair(3, 2)
+    assert ours.dot_general is ref.dot_general is jax.lax.dot_general
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [
+        [[0.5, -1.0, 2.0], [1.5, 0.25, -3.0]],
+        [1.0, 2.0, 3.0],
+        np.array([[True, False, True]]),
+        np.array([[1, -2, 3]], np.int32),
+    ],
+    ids=["nested list", "list", "bool array", "int array"],
+)
+def test_inputs_flax_accepts_are_accepted(inputs):
+    # flax.nnx.Linear's promote_dtype turns lists, bool and integer arrays into
+    # float arrays; so does the drop-in's, before its matmul. Same program: same bits.
+    ours, ref = _pair(3, 2)
+
+    def run(layer):
+        return nnx.jit(lambda layer: layer(inputs))(layer)
+
+    y, y_ref = run(ours), run(ref)
+    assert y.dtype == y_ref.dtype == jnp.float32
+    np.testing.assert_array_equal(y, y_ref)
+
+
 def test_out_sharding_is_passed_through_like_flax():
     # One device here; tests/test_sharding.py runs a row-parallel layer on 8.
     mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
