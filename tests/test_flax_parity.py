@@ -4,20 +4,23 @@ For every combination of ``use_bias``, ``dtype``, ``param_dtype``, ``precision``
 and ``preferred_element_type`` (NNX; Linen's ``Dense`` has no
 ``preferred_element_type``), one jitted program per layer computes the outputs and
 all gradients (parameters and inputs) for inputs without batch axes, with one,
-with several and with an empty one, each in float32 and bfloat16.
+with several and with an empty one (in float32, and also in bfloat16 where the
+layer's ``dtype`` is None, so that the input's dtype enters the promotion).
 
 The claim tested is bit-equality, and it is legitimate only because both sides
 compile to the *same* program: jaxext's custom VJP (``jaxext/_dense.py``) emits
 the ops Flax's autodiff emits, in the same order with the same dtypes. So each
 test first checks that the two optimized XLA programs are identical (up to
-instruction names and source locations); equal programs round identically on any
-CPU, and then the results must agree bit for bit. Combinations Flax refuses must
+instruction names and source locations: a digest of the dataflow graph); equal
+programs round identically on any CPU, and then the results must agree bit for
+bit. Combinations Flax refuses must
 be refused by jaxext with the same exception type.
 
-Where the programs cannot be the same (gradients of an input shared by an
-``nnx.vmap`` ensemble: JAX sums the members' contributions after jaxext's
-backward, but inside one dot in Flax's), both are compared with a float64
-reference at a tolerance derived from float32's epsilon instead.
+Where the programs cannot be the same (an ``nnx.vmap`` ensemble with an input
+shared by all members: JAX sums the members' input gradients after jaxext's
+vmapped backward but inside one dot in Flax's, and with a single member lays out
+the kernel gradient differently), both are compared with a float64 reference at
+a bound derived from float32's epsilon and the sums' lengths instead.
 """
 
 from __future__ import annotations
