@@ -97,8 +97,11 @@ def test_nnx_linear_f32_compute_on_bf16_inputs_matches_flax(param_dtype):
 
 
 @pytest.mark.parametrize("use_bias", [True, False])
-@pytest.mark.parametrize("preferred", [BF16, jnp.float16])
+@pytest.mark.parametrize("preferred", [BF16])
 def test_nnx_linear_narrow_preferred_element_type_like_flax(use_bias, preferred):
+    # (float16 is in tests/test_flax_parity.py's grid; not here: this test's sin/cos
+    # loss on a float16 result does not compile with XLA_FLAGS=--xla_cpu_max_isa=SSE4_2,
+    # for plain JAX code too: LLVM lacks __extendhfsf2 there.)
     # float32 compute, narrow matmul result: Flax adds the float32 bias with jnp
     # promotion (a float32 result) and, without a bias, rounds the kernel gradient
     # through the preferred type. Under jit both sides compile the same program
