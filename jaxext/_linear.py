@@ -86,7 +86,7 @@ def linear(
     if bias is not None:
         bias = check_array(bias, "bias")
     _check_shapes(x, weight, bias)
-    config = _config(precision, preferred_element_type, False, out_sharding)
+    config = _config(precision, preferred_element_type, out_sharding)
     if any(isinstance(a, jax.core.Tracer) for a in (x, weight, bias)):
         return _linear(x, weight, bias, config)
     # An eager call (nothing traced, so nothing to differentiate) runs as one compiled
@@ -94,35 +94,15 @@ def linear(
     return _linear_compiled(x, weight, bias, config)
 
 
-def dense(
-    x: jax.Array,
-    kernel: jax.Array,
-    bias: jax.Array | None,
-    *,
-    precision: PrecisionLike,
-    preferred_element_type: DTypeLike | None,
-    out_sharding: OutSharding,
-) -> jax.Array:
-    """``x @ kernel + bias`` with ``kernel`` in Flax's ``(in_features, out_features)`` layout.
-
-    The same custom VJP as :func:`linear`, for the Flax layers: the kernel is used
-    (and, when needed, kept for the backward) as it is, never transposed. The
-    layers check their inputs themselves.
-    """
-    config = _config(precision, preferred_element_type, True, out_sharding)
-    return _linear(x, kernel, bias, config)
-
-
 class _Config(NamedTuple):
     """The static (non-differentiable, hashable) arguments of the custom VJP."""
 
     precision: PrecisionLike
     preferred_element_type: Any  # a numpy dtype or None
-    flax_layout: bool  # False: torch's (out, in) `weight`; True: flax's (in, out) `kernel`
     out_sharding: OutSharding
 
 
-def _config(precision, preferred_element_type, flax_layout, out_sharding) -> _Config:
+def _config(precision, preferred_element_type, out_sharding) -> _Config:
     if out_sharding is not None and not isinstance(
         out_sharding, (jax.sharding.PartitionSpec, jax.sharding.NamedSharding)
     ):
@@ -132,7 +112,7 @@ def _config(precision, preferred_element_type, flax_layout, out_sharding) -> _Co
         )
     if preferred_element_type is not None:
         preferred_element_type = jnp.dtype(preferred_element_type)
-    return _Config(precision, preferred_element_type, flax_layout, out_sharding)
+    return _Config(precision, preferred_element_type, out_sharding)
 
 
 def _check_shapes(x: jax.Array, weight: jax.Array, bias: jax.Array | None) -> None:
@@ -165,9 +145,9 @@ def _result_dtype(x, weight, bias, preferred_element_type):
 
 
 def _matmul(x, weight, config, out_dtype):
-    """``x @ weight.T`` (or ``x @ kernel``): contracts ``x``'s last axis with in_features."""
+    """``x @ weight.T``: contracts ``x``'s last axis with in_features."""
     dtype = jnp.promote_types(x.dtype, weight.dtype)
-    dims = (((x.ndim - 1,), (0 if config.flax_layout else 1,)), ((), ()))
+    dims = (((x.ndim - 1,), (1,)), ((), ()))
     return lax.dot_general(
         x.astype(dtype),
         weight.astype(dtype),
@@ -210,24 +190,22 @@ def _linear_bwd(config, res, g):
     batch_axes = tuple(range(g.ndim - 1))
     grad_x = grad_w = grad_b = None
     if w_for_x is not None:
-        # (..., out) x (out, in) -> (..., in); the kernel's out axis is 1.
+        # (..., out) x (out, in) -> (..., in).
         dtype = jnp.promote_types(g.dtype, w_for_x.dtype)
         grad_x = lax.dot_general(
             g.astype(dtype),
             w_for_x.astype(dtype),
-            (((g.ndim - 1,), (1 if config.flax_layout else 0,)), ((), ())),
+            (((g.ndim - 1,), (0,)), ((), ())),
             precision=config.precision,
             out_sharding=x_type.sharding,  # needed when the contraction axis is sharded
         )
         grad_x = _as_grad(grad_x, x_type)
     if x_for_w is not None:
-        # Contract every leading (batch) axis: (..., out) x (..., in) -> (out, in),
-        # or (..., in) x (..., out) -> (in, out) for a kernel.
+        # Contract every leading (batch) axis: (..., out) x (..., in) -> (out, in).
         dtype = jnp.promote_types(g.dtype, x_for_w.dtype)
-        lhs, rhs = (x_for_w, g) if config.flax_layout else (g, x_for_w)
         grad_w = lax.dot_general(
-            lhs.astype(dtype),
-            rhs.astype(dtype),
+            g.astype(dtype),
+            x_for_w.astype(dtype),
             ((batch_axes, batch_axes), ((), ())),
             precision=config.precision,
             out_sharding=w_type.sharding,

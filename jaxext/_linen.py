@@ -1,7 +1,7 @@
 """Flax Linen layers whose forward and backward run through jaxext's custom VJPs.
 
 :class:`Dense` mirrors ``flax.linen.Dense`` (attributes, parameter tree,
-initializers, dtype promotion) and computes with :func:`jaxext.linear`;
+initializers, dtype promotion) with a hand-written VJP (``_dense.py``);
 :class:`MulConstant` wraps :func:`jaxext.mul_constant`.
 """
 
@@ -11,26 +11,27 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 from flax.linen.dtypes import promote_dtype
 from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
 from jax.typing import ArrayLike
 
 from ._mul_constant import mul_constant
-from ._nnx import _apply_kernel, _as_inputs, _refuse_dot_general
+from ._nnx import _apply_kernel, _refuse_dot_general, _refuse_missing_inputs, scale_dtype
 from ._validation import is_static_scalar
 
 __all__ = ["Dense", "MulConstant"]
 
 
 class Dense(nn.Module):
-    """Drop-in for ``flax.linen.Dense`` computed by :func:`jaxext.linear`.
+    """Drop-in for ``flax.linen.Dense`` whose matmul is a hand-written custom VJP.
 
     Same attributes and parameters as ``flax.linen.Dense`` (``kernel`` of shape
     ``(in_features, features)``, ``bias`` of shape ``(features,)``, same default
     initializers): ``init`` with the same key gives the identical ``params`` tree,
-    and ``apply`` gives identical outputs and gradients, the backward being
-    jaxext's hand-written VJP.
+    and ``apply`` gives identical outputs and gradients (bit for bit under
+    ``jit``: the hand-written backward is the program Flax's autodiff compiles).
 
     Attributes:
         features: number of output features.
@@ -75,7 +76,9 @@ class Dense(nn.Module):
         """Applies ``inputs @ kernel + bias`` over the last axis of ``inputs``.
 
         Args:
-            inputs: array of shape ``(..., in_features)``.
+            inputs: array of shape ``(..., in_features)``, or anything the
+                layer's ``promote_dtype`` turns into one, as in Flax (a nested
+                Python list, a bool or integer array).
 
         Returns:
             Array of shape ``(..., features)``.
@@ -84,11 +87,13 @@ class Dense(nn.Module):
         if self.dot_general_cls is not None:
             raise ValueError(
                 "`dot_general_cls` cannot be set for jaxext's linen.Dense (its matmul is "
-                f"jaxext.linear's custom VJP); got {self.dot_general_cls!r}."
+                f"jaxext's custom VJP); got {self.dot_general_cls!r}."
             )
-        inputs = _as_inputs(inputs)
+        _refuse_missing_inputs(inputs)
+        if np.ndim(inputs) == 0:
+            raise TypeError("`inputs` must have shape (..., in_features); got a scalar.")
         kernel = self.param(
-            "kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype
+            "kernel", self.kernel_init, (np.shape(inputs)[-1], self.features), self.param_dtype
         )
         bias = None
         if self.use_bias:
@@ -109,7 +114,8 @@ class MulConstant(nn.Module):
     Attributes:
         constant: a Python or NumPy scalar (not a bool).
         learnable: store the constant as a trainable parameter ``scale``.
-        param_dtype: dtype of ``scale`` when ``learnable``.
+        param_dtype: dtype of ``scale`` when ``learnable``; for a complex
+            ``constant``, the complex dtype it promotes to with complex64.
 
     Raises:
         TypeError: (at ``init``/``apply``) if ``constant`` is not a scalar.
@@ -137,7 +143,10 @@ class MulConstant(nn.Module):
             )
         if self.learnable:
             scale = self.param(
-                "scale", lambda _key: jnp.asarray(self.constant, dtype=self.param_dtype)
+                "scale",
+                lambda _key: jnp.asarray(
+                    self.constant, dtype=scale_dtype(self.constant, self.param_dtype)
+                ),
             )
             return mul_constant(inputs, scale)
         return mul_constant(inputs, self.constant)

@@ -2,8 +2,9 @@
 
 :class:`Linear` mirrors ``flax.nnx.Linear`` (constructor, parameter names, shapes,
 initializers, dtype promotion), so a model can swap one for the other and keep its
-checkpoints; only the computation differs: it runs :func:`jaxext.linear`'s custom VJP
-on the kernel as stored.
+checkpoints. Its matmul and bias add run through a hand-written VJP (``_dense.py``)
+that emits the ops Flax's autodiff emits, so outputs and gradients are Flax's, bit
+for bit under ``jit``.
 :class:`MulConstant` wraps :func:`jaxext.mul_constant`.
 """
 
@@ -16,15 +17,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.nnx.nn import dtypes
 from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
-from ._linear import dense
+from ._dense import dense
 from ._mul_constant import mul_constant
-from ._validation import as_numeric_array, is_static_scalar
+from ._validation import is_static_scalar
 
 __all__ = ["Linear", "MulConstant", "uniform_range"]
 
@@ -65,26 +67,32 @@ def uniform_range(low: float = -0.1, high: float = 0.1) -> Initializer:
     return init
 
 
-def _as_inputs(inputs: Any) -> jax.Array:
-    """The Flax layers' ``inputs`` as an array of rank >= 1, refused by name otherwise."""
-    inputs = as_numeric_array(inputs, "inputs")
-    if inputs.ndim == 0:
-        raise ValueError("`inputs` must have shape (..., in_features); got a scalar.")
-    return inputs
+def scale_dtype(constant: Any, param_dtype: Any) -> Any:
+    """The dtype of a learnable ``MulConstant``'s ``scale``: ``param_dtype``, made
+    complex when ``constant`` is complex (a real parameter cannot hold it)."""
+    if isinstance(constant, (complex, np.complexfloating)):
+        return jnp.promote_types(param_dtype, jnp.complex64)
+    return param_dtype
+
+
+def _refuse_missing_inputs(inputs: Any) -> None:
+    """Refuses, by name, ``inputs`` that no ``promote_dtype`` can turn into an array."""
+    if inputs is None or isinstance(inputs, (str, bytes)):
+        raise TypeError(f"`inputs` must be a numeric array; got {type(inputs).__name__}.")
 
 
 def _apply_kernel(inputs, kernel, bias, *, precision, preferred_element_type, out_sharding=None):
     """``inputs @ kernel + bias`` through jaxext's custom VJP, for the Flax layers.
 
-    ``inputs`` comes from :func:`_as_inputs`. The kernel stays in Flax's
-    ``(in_features, out_features)`` layout: it is used, and kept for the backward,
-    as it is (no transposed copy).
+    The operands are the layer's, after its ``promote_dtype``, used as they are,
+    exactly as Flax's layers use them (see ``_dense.py``). A shape that does not
+    contract is a ``TypeError``, as ``lax.dot_general`` raises in Flax's layers.
     """
     in_features = kernel.shape[0]
-    if inputs.shape[-1] != in_features:
-        raise ValueError(
+    if np.ndim(inputs) == 0 or np.shape(inputs)[-1] != in_features:
+        raise TypeError(
             f"`inputs` must have shape (..., in_features) = (..., {in_features}) to match "
-            f"the kernel of shape {kernel.shape}; got shape {inputs.shape}."
+            f"the kernel of shape {kernel.shape}; got shape {np.shape(inputs)}."
         )
     return dense(
         inputs,
@@ -100,7 +108,7 @@ def _refuse_dot_general(dot_general: Any, layer: str) -> None:
     if dot_general is not None and dot_general is not lax.dot_general:
         raise ValueError(
             f"`dot_general` cannot be customised for jaxext's {layer}: its forward and "
-            f"backward are jaxext.linear's custom VJP; got {dot_general!r}. Use flax's "
+            f"backward are jaxext's custom VJP; got {dot_general!r}. Use flax's "
             "own layer for a custom dot_general."
         )
 
@@ -117,13 +125,15 @@ def _feature_count(value: Any, name: str) -> int:
 
 
 class Linear(nnx.Module):
-    """Drop-in for ``flax.nnx.Linear`` computed by :func:`jaxext.linear`.
+    """Drop-in for ``flax.nnx.Linear`` whose matmul is a hand-written custom VJP.
 
     Same constructor, parameters (``kernel`` of shape ``(in_features,
     out_features)``, ``bias`` of shape ``(out_features,)``) and default
     initializers as ``flax.nnx.Linear``: built from the same ``nnx.Rngs`` it holds
-    identical parameters and returns identical outputs and gradients, while the
-    backward pass is jaxext's hand-written VJP.
+    identical parameters and returns identical outputs and gradients (bit for bit
+    under ``jit``: the hand-written backward is the program Flax's autodiff
+    compiles), for every ``dtype``, ``param_dtype``, ``precision`` and
+    ``preferred_element_type``.
 
     Args:
         in_features: number of input features.
@@ -134,8 +144,9 @@ class Linear(nnx.Module):
         precision: matmul precision, see ``jax.lax.Precision``.
         kernel_init: initializer of the kernel (default LeCun normal).
         bias_init: initializer of the bias (default zeros).
-        dot_general: accepted for signature compatibility; only
-            ``jax.lax.dot_general`` (the default) is allowed.
+        dot_general: accepted for signature compatibility and kept as the
+            ``dot_general`` attribute, as in Flax; only ``jax.lax.dot_general``
+            (the default) is allowed.
         promote_dtype: function ``((inputs, kernel, bias), dtype=...) -> tuple``
             casting the operands before the matmul, as in flax.
         preferred_element_type: accumulation/result dtype of the matmul.
@@ -195,6 +206,7 @@ class Linear(nnx.Module):
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.precision = precision
+        self.dot_general = dot_general
         self.promote_dtype = promote_dtype
         self.preferred_element_type = preferred_element_type
 
@@ -202,7 +214,9 @@ class Linear(nnx.Module):
         """Applies ``inputs @ kernel + bias`` over the last axis of ``inputs``.
 
         Args:
-            inputs: array of shape ``(..., in_features)``.
+            inputs: array of shape ``(..., in_features)``, or anything the
+                layer's ``promote_dtype`` turns into one, as in Flax (a nested
+                Python list, a bool or integer array).
             out_sharding: sharding of the result, as in ``flax.nnx.Linear``
                 (e.g. a ``PartitionSpec`` under ``jax.set_mesh``; needed for a
                 row-parallel layer on a mesh with explicit axes).
@@ -211,11 +225,11 @@ class Linear(nnx.Module):
             Array of shape ``(..., out_features)``.
 
         Raises:
-            TypeError: if ``inputs`` is not a numeric array or ``out_sharding`` is
-                not a sharding.
-            ValueError: if the last dimension of ``inputs`` is not ``in_features``.
+            TypeError: if ``inputs`` is ``None`` or a string, if its last dimension
+                is not ``in_features`` (the exception type ``flax.nnx.Linear``
+                raises), or if ``out_sharding`` is not a sharding.
         """
-        inputs = _as_inputs(inputs)
+        _refuse_missing_inputs(inputs)
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
@@ -240,7 +254,8 @@ class MulConstant(nnx.Module):
     Args:
         constant: a Python or NumPy real/complex scalar (not a bool).
         learnable: store the constant as a trainable scalar parameter.
-        param_dtype: dtype of the ``scale`` parameter when ``learnable``.
+        param_dtype: dtype of the ``scale`` parameter when ``learnable``; for a
+            complex ``constant``, the complex dtype it promotes to with complex64.
 
     Raises:
         TypeError: if ``constant`` is not a Python/NumPy scalar.
@@ -265,7 +280,7 @@ class MulConstant(nnx.Module):
         self.learnable = learnable
         self.scale: nnx.Param | None
         if learnable:
-            self.scale = nnx.Param(jnp.asarray(constant, dtype=param_dtype))
+            self.scale = nnx.Param(jnp.asarray(constant, dtype=scale_dtype(constant, param_dtype)))
         else:
             self.scale = nnx.data(None)
 

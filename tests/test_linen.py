@@ -196,8 +196,25 @@ def test_bad_inputs_refused_by_name():
     module = jaxext.linen.Dense(features=2)
     with pytest.raises(TypeError, match="`inputs`"):
         module.init(jax.random.key(0), "not an array")
-    with pytest.raises(ValueError, match="`inputs`.*scalar"):
+    with pytest.raises(TypeError, match="`inputs`.*scalar"):
         module.init(jax.random.key(0), jnp.float32(1.0))
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [[[0.5, -1.0, 2.0], [1.5, 0.25, -3.0]], np.array([[True, False, True]])],
+    ids=["nested list", "bool array"],
+)
+def test_inputs_flax_accepts_are_accepted(inputs):
+    # flax.linen.Dense's promote_dtype turns them into float arrays; so does the
+    # drop-in's. Same program under jit: same bits.
+    def run(module):
+        variables = module.init(jax.random.key(0), inputs)
+        return jax.jit(lambda v: module.apply(v, inputs))(variables)
+
+    y, y_ref = run(jaxext.linen.Dense(features=2)), run(nn.Dense(features=2))
+    assert y.dtype == y_ref.dtype == jnp.float32
+    np.testing.assert_array_equal(y, y_ref)
 
 
 def test_default_dot_general_accepted():

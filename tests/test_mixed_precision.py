@@ -96,6 +96,28 @@ def test_nnx_linear_f32_compute_on_bf16_inputs_matches_flax(param_dtype):
         assert_close(grads[name], grads_ref[name], rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("use_bias", [True, False])
+@pytest.mark.parametrize("preferred", [BF16])
+def test_nnx_linear_narrow_preferred_element_type_like_flax(use_bias, preferred):
+    # (float16 is in tests/test_flax_parity.py's grid; not here: this test's sin/cos
+    # loss on a float16 result does not compile with XLA_FLAGS=--xla_cpu_max_isa=SSE4_2,
+    # for plain JAX code too: LLVM lacks __extendhfsf2 there.)
+    # float32 compute, narrow matmul result: Flax adds the float32 bias with jnp
+    # promotion (a float32 result) and, without a bias, rounds the kernel gradient
+    # through the preferred type. Under jit both sides compile the same program
+    # (tests/test_flax_parity.py checks that over the whole grid): equal bits.
+    x = jnp.asarray(rand(8, (5, 3, 16)), F32)
+    ours, theirs = _nnx_pair(use_bias=use_bias, preferred_element_type=preferred)
+    run = nnx.jit(_nnx_outputs_and_grads)
+    y, grads, x_grad = run(ours, x)
+    y_ref, grads_ref, x_grad_ref = run(theirs, x)
+    assert y.dtype == (F32 if use_bias else preferred)
+    _assert_equal(y, y_ref, "output")
+    _assert_equal(x_grad, x_grad_ref, "input gradient")
+    for name in grads_ref:
+        _assert_equal(grads[name], grads_ref[name], f"{name} gradient")
+
+
 def test_linen_dense_bf16_compute_matches_flax():
     x = jnp.asarray(rand(4, (6, 16)), F32)
     kwargs = dict(features=8, dtype=BF16, param_dtype=F32)

@@ -76,6 +76,34 @@ def test_custom_dot_general_refused():
         jaxext.nnx.Linear(3, 2, dot_general=my_dot, rngs=nnx.Rngs(0))
 
 
+def test_dot_general_attribute_like_flax():
+    ours, ref = _pair(3, 2)
+    assert ours.dot_general is ref.dot_general is jax.lax.dot_general
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [
+        [[0.5, -1.0, 2.0], [1.5, 0.25, -3.0]],
+        [1.0, 2.0, 3.0],
+        np.array([[True, False, True]]),
+        np.array([[1, -2, 3]], np.int32),
+    ],
+    ids=["nested list", "list", "bool array", "int array"],
+)
+def test_inputs_flax_accepts_are_accepted(inputs):
+    # flax.nnx.Linear's promote_dtype turns lists, bool and integer arrays into
+    # float arrays; so does the drop-in's, before its matmul. Same program: same bits.
+    ours, ref = _pair(3, 2)
+
+    def run(layer):
+        return nnx.jit(lambda layer: layer(inputs))(layer)
+
+    y, y_ref = run(ours), run(ref)
+    assert y.dtype == y_ref.dtype == jnp.float32
+    np.testing.assert_array_equal(y, y_ref)
+
+
 def test_out_sharding_is_passed_through_like_flax():
     # One device here; tests/test_sharding.py runs a row-parallel layer on 8.
     mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
@@ -91,14 +119,20 @@ def test_out_sharding_is_passed_through_like_flax():
         ours(x, out_sharding="data")
 
 
-def test_wrong_input_features_raises():
+@pytest.mark.parametrize("x", [jnp.ones((4, 5)), jnp.ones((5,)), jnp.float32(1.0)])
+def test_wrong_input_features_raise_flax_exception_type(x):
+    # flax.nnx.Linear raises TypeError (from lax.dot_general); so does the drop-in,
+    # naming `inputs` and the expected shape.
+    with pytest.raises(TypeError):
+        nnx.Linear(3, 2, rngs=nnx.Rngs(0))(x)
     layer = jaxext.nnx.Linear(3, 2, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match=r"`inputs`.*\(\.\.\., 3\).*got shape \(4, 5\)"):
-        layer(jnp.ones((4, 5)))
-    with pytest.raises(ValueError, match="`inputs`.*got a scalar"):
-        layer(jnp.float32(1.0))
+    with pytest.raises(TypeError, match=r"`inputs`.*\(\.\.\., 3\).*got shape"):
+        layer(x)
+
+
+def test_non_numeric_inputs_refused_by_name():
     with pytest.raises(TypeError, match="`inputs`"):
-        layer("not an array")
+        jaxext.nnx.Linear(3, 2, rngs=nnx.Rngs(0))("not an array")
 
 
 # -- forward and backward against flax.nnx.Linear ----------------------------------------
@@ -160,6 +194,8 @@ def test_custom_promote_dtype_is_used():
 
 
 def test_gradient_runs_through_custom_vjp():
+    # The forward is a custom_vjp call whose backward is jaxext's. (The jaxpr of the
+    # gradient itself is Flax's, op for op: tests/test_flax_parity.py.)
     ours, ref = _pair(4, 3)
     x = jnp.asarray(rand(0, (2, 4)))
 
