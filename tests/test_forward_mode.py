@@ -245,3 +245,198 @@ def test_linear_forward_mode_eager(x64):
     args = linear_args((2,), use_bias=True)
     full = full_reference(reference_linear, args)
     check_forward_mode(jaxext.linear, full, args, (0, 1, 2), "eager", ("jvp", "jacfwd"))
+
+
+# -- jaxext.mul_constant -----------------------------------------------------------------
+
+STATIC_CONSTANTS = {
+    "float": 2.5,
+    "int": -3,
+    "np.float64": np.float64(0.5),
+    "np.float32": np.float32(1.5),
+}
+
+
+@pytest.mark.parametrize("x_shape", [(), (2, 3), (0, 3)], ids=str)
+@pytest.mark.parametrize("constant", list(STATIC_CONSTANTS))
+def test_mul_constant_static_forward_mode(constant, x_shape, x64):
+    c = STATIC_CONSTANTS[constant]
+    args = (jnp.asarray(rand(0, x_shape, np.float64)),)
+    full = full_reference(lambda x: x * c, args)
+    check_forward_mode(lambda x: jaxext.mul_constant(x, c), full, args, (0,))
+
+
+# (x shape, constant shape): scalar, trailing, middle-axis and two-sided broadcasting,
+# a constant of higher rank than x, and an empty x.
+BROADCAST_SHAPES = [
+    ((2, 3), ()),
+    ((2, 3), (3,)),
+    ((2, 3), (2, 1)),
+    ((3,), (2, 3)),
+    ((2, 1), (1, 3)),
+    ((0, 3), (3,)),
+]
+
+
+@functools.cache
+def mul_array_reference(x_shape, c_shape):
+    return full_reference(jnp.multiply, mul_array_args(x_shape, c_shape))
+
+
+def mul_array_args(x_shape, c_shape):
+    return (jnp.asarray(rand(0, x_shape, np.float64)), jnp.asarray(rand(1, c_shape, np.float64)))
+
+
+@pytest.mark.parametrize("argnums", subsets(2), ids=lambda a: f"d{a}")
+@pytest.mark.parametrize(("x_shape", "c_shape"), BROADCAST_SHAPES, ids=str)
+def test_mul_constant_array_forward_mode(x_shape, c_shape, argnums, x64):
+    args = mul_array_args(x_shape, c_shape)
+    full = mul_array_reference(x_shape, c_shape)
+    names = tuple(TRANSFORMS) if (x_shape, c_shape) == ((2, 1), (1, 3)) else CORE
+    check_forward_mode(jaxext.mul_constant, full, args, argnums, names=names)
+
+
+def test_mul_constant_numpy_array_constant_forward_mode(x64):
+    # A NumPy array constant is not traced: only x is differentiated.
+    c = rand(1, (3,), np.float64)
+    args = (jnp.asarray(rand(0, (2, 3), np.float64)),)
+    full = full_reference(lambda x: x * c, args)
+    check_forward_mode(lambda x: jaxext.mul_constant(x, c), full, args, (0,))
+
+
+@pytest.mark.parametrize("argnums", subsets(2), ids=lambda a: f"d{a}")
+def test_mul_constant_forward_mode_under_vmap(argnums, x64):
+    args = mul_array_args((2, 3), (3,))
+    check_forward_mode_under_vmap(jaxext.mul_constant, jnp.multiply, args, argnums)
+
+
+@pytest.mark.parametrize("constant", [2.5, "array"])
+def test_mul_constant_forward_mode_eager(constant, x64):
+    if constant == "array":
+        args = mul_array_args((2, 3), (3,))
+        op, ref = jaxext.mul_constant, jnp.multiply
+    else:
+        args = (jnp.asarray(rand(0, (2, 3), np.float64)),)
+        op, ref = (lambda x: jaxext.mul_constant(x, 2.5)), (lambda x: x * 2.5)
+    argnums = tuple(range(len(args)))
+    full = full_reference(ref, args)
+    check_forward_mode(op, full, args, argnums, "eager", ("jvp", "jacfwd"))
+
+
+# -- the Flax layers -----------------------------------------------------------------------
+
+
+def assert_layer_derivatives_match(loss, loss_ref, apply, apply_ref, params, params_ref, x):
+    """Hessian of the loss in the params, jvp in (params, x): jaxext's vs flax's."""
+    tangents = jax.tree.map(lambda a: jnp.cos(a) + 0.5, (params, x))
+
+    def derivatives(loss, apply, params):
+        hessian = jax.hessian(loss)(params, x)
+        return hessian, jax.jvp(apply, (params, x), tangents)
+
+    got = run_jitted(lambda p: derivatives(loss, apply, p), params)
+    want = run_jitted(lambda p: derivatives(loss_ref, apply_ref, p), params_ref)
+    assert_trees_close(jax.tree.leaves(got), jax.tree.leaves(want))
+    assert "jaxext_custom_vjp_tangent" in str(jax.make_jaxpr(jax.hessian(loss))(params, x))
+
+
+@pytest.mark.parametrize("use_bias", [True, False], ids=["bias", "nobias"])
+def test_nnx_mlp_hessian_matches_flax(use_bias, x64):
+    from flax import nnx
+
+    import jaxext.nnx
+
+    class Scale(nnx.Module):  # flax has no MulConstant: the plain-jnp reference
+        def __init__(self, constant, *, learnable=False, param_dtype=jnp.float32):
+            self.constant = constant
+            self.scale = nnx.Param(jnp.asarray(constant, param_dtype)) if learnable else None
+
+        def __call__(self, x):
+            return x * (self.constant if self.scale is None else self.scale[...])
+
+    class MLP(nnx.Module):
+        def __init__(self, linear, mul, rngs):
+            kwargs = dict(use_bias=use_bias, param_dtype=jnp.float64, rngs=rngs)
+            bias_init = nnx.initializers.normal(1.0)  # a non-zero bias
+            self.l1 = linear(3, 4, bias_init=bias_init, **kwargs)
+            self.double = mul(2.0)
+            self.l2 = linear(4, 2, bias_init=bias_init, **kwargs)
+            self.scale = mul(0.5, learnable=True, param_dtype=jnp.float64)
+
+        def __call__(self, x):
+            return self.scale(self.l2(self.double(jnp.tanh(self.l1(x)))))
+
+    model = MLP(jaxext.nnx.Linear, jaxext.nnx.MulConstant, nnx.Rngs(0))
+    model_ref = MLP(nnx.Linear, Scale, nnx.Rngs(0))
+    x = jnp.asarray(rand(0, (5, 3), np.float64))
+
+    def functions(model):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def apply(params, x):
+            return nnx.merge(graphdef, params, rest)(x)
+
+        def loss(params, x):
+            return jnp.sum(jnp.sin(apply(params, x)))
+
+        return loss, apply, params
+
+    loss, apply, params = functions(model)
+    loss_ref, apply_ref, params_ref = functions(model_ref)
+    assert jax.tree.structure(params) == jax.tree.structure(params_ref)
+    assert_trees_close(params, params_ref, tol=0)
+    assert_layer_derivatives_match(loss, loss_ref, apply, apply_ref, params, params_ref, x)
+
+
+@pytest.mark.parametrize("use_bias", [True, False], ids=["bias", "nobias"])
+def test_linen_mlp_hessian_matches_flax(use_bias, x64):
+    from flax import linen as nn
+
+    import jaxext.linen
+
+    class Scale(nn.Module):  # flax has no MulConstant: the plain-jnp reference
+        constant: float
+        learnable: bool = False
+        param_dtype: object = jnp.float32
+
+        @nn.compact
+        def __call__(self, x):
+            if not self.learnable:
+                return x * self.constant
+            init = lambda _key: jnp.asarray(self.constant, self.param_dtype)  # noqa: E731
+            return x * self.param("scale", init)
+
+    class MLP(nn.Module):
+        dense: type
+        mul: type
+
+        @nn.compact
+        def __call__(self, x):
+            kwargs = dict(
+                use_bias=use_bias,
+                param_dtype=jnp.float64,
+                bias_init=nn.initializers.normal(1.0),
+            )
+            x = jnp.tanh(self.dense(4, name="l1", **kwargs)(x))
+            x = self.dense(2, name="l2", **kwargs)(self.mul(2.0, name="double")(x))
+            return self.mul(0.5, learnable=True, param_dtype=jnp.float64, name="scale")(x)
+
+    model = MLP(jaxext.linen.Dense, jaxext.linen.MulConstant)
+    model_ref = MLP(nn.Dense, Scale)
+    x = jnp.asarray(rand(0, (5, 3), np.float64))
+    params = model.init(jax.random.key(0), x)["params"]
+    params_ref = model_ref.init(jax.random.key(0), x)["params"]
+    assert_trees_close(params, params_ref, tol=0)
+
+    def functions(model):
+        def apply(params, x):
+            return model.apply({"params": params}, x)
+
+        def loss(params, x):
+            return jnp.sum(jnp.sin(apply(params, x)))
+
+        return loss, apply
+
+    loss, apply = functions(model)
+    loss_ref, apply_ref = functions(model_ref)
+    assert_layer_derivatives_match(loss, loss_ref, apply, apply_ref, params, params_ref, x)
