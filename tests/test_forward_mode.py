@@ -440,3 +440,316 @@ def test_linen_mlp_hessian_matches_flax(use_bias, x64):
     loss, apply = functions(model)
     loss_ref, apply_ref = functions(model_ref)
     assert_layer_derivatives_match(loss, loss_ref, apply, apply_ref, params, params_ref, x)
+
+
+# -- jaxext.Function -----------------------------------------------------------------------
+# Forward mode of a Function without a `jvp` is the transpose of its `backward`.
+
+
+@pytest.mark.parametrize("argnums", subsets(3), ids=lambda a: f"d{a}")
+def test_function_linear_port_forward_mode(argnums, x64):
+    from test_function import LinearFunction  # the porting guide's port, checked there
+
+    args = linear_args((5,), use_bias=True)
+    full = linear_reference((5,), True)
+    check_forward_mode(LinearFunction.apply, full, args, argnums)
+
+
+@pytest.mark.parametrize("constant", [3.0, -2], ids=["float", "int"])
+def test_function_mul_constant_port_forward_mode(constant, x64):
+    from test_function import MulConstant  # the porting guide's port, checked there
+
+    args = (jnp.asarray(rand(0, (4, 2), np.float64)),)
+    full = full_reference(lambda x: x * constant, args)
+    check_forward_mode(lambda x: MulConstant.apply(x, constant), full, args, (0,))
+
+
+class SinMul(jaxext.Function):
+    """``sin(x) * y`` in PyTorch 2's style: forward without ctx, plus setup_context."""
+
+    @staticmethod
+    def forward(x, y):
+        return jnp.sin(x) * y
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, y = inputs
+        ctx.save_for_backward(x, y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, y = ctx.saved_tensors
+        return grad * jnp.cos(x) * y, grad * jnp.sin(x)
+
+
+class Cube(jaxext.Function):
+    """``x ** 3``, its backward reading the older ``ctx.saved_variables``."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_variables
+        return grad * 3 * x**2
+
+
+class ExpWithJvp(jaxext.Function):
+    """``exp(x) * y`` with a `jvp` reading what forward gave ``ctx.save_for_forward``."""
+
+    @staticmethod
+    def forward(ctx, x, y):
+        out = jnp.exp(x) * y
+        ctx.save_for_backward(out, x)
+        ctx.save_for_forward(out, jnp.exp(x))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, x = ctx.saved_tensors
+        return grad * out, grad * jnp.exp(x)
+
+    @staticmethod
+    def jvp(ctx, x_dot, y_dot):
+        out, exp_x = ctx.saved_tensors
+        return x_dot * out + y_dot * exp_x
+
+
+FUNCTIONS = {
+    "setup_context": (SinMul.apply, lambda x, y: jnp.sin(x) * y, 2),
+    "saved_variables": (Cube.apply, lambda x: x**3, 1),
+    "jvp_method": (ExpWithJvp.apply, lambda x, y: jnp.exp(x) * y, 2),
+}
+
+
+@pytest.mark.parametrize(
+    ("function", "argnums"),
+    [(name, argnums) for name, (*_, n) in FUNCTIONS.items() for argnums in subsets(n)],
+)
+def test_function_forward_mode(function, argnums, x64):
+    apply, ref, n = FUNCTIONS[function]
+    args = tuple(jnp.asarray(rand(i, (2, 3), np.float64)) for i in range(n))
+    full = full_reference(ref, args)
+    names = tuple(TRANSFORMS) if len(argnums) == n else CORE
+    check_forward_mode(apply, full, args, argnums, names=names)
+
+
+class ExpScaledJvp(jaxext.Function):
+    """``exp(x)`` whose `jvp` is deliberately twice the true one.
+
+    Nothing else could produce the factor 2: the backward (and autodiff of the
+    forward) give the true derivative, so a doubled tangent shows that forward
+    mode USES the `jvp` method and reverse mode the `backward`.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        out = jnp.exp(x)
+        ctx.save_for_backward(out)
+        ctx.save_for_forward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return grad * out
+
+    @staticmethod
+    def jvp(ctx, x_dot):
+        (out,) = ctx.saved_tensors
+        return 2.0 * x_dot * out
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_function_jvp_method_is_used_for_forward_mode(jit, x64):
+    x = jnp.asarray(rand(0, (3,), np.float64))
+    t = jnp.asarray(rand(1, (3,), np.float64))
+    maybe_jit = jax.jit if jit else (lambda f: f)
+    y, y_dot = maybe_jit(lambda x, t: jax.jvp(ExpScaledJvp.apply, (x,), (t,)))(x, t)
+    assert_trees_close((y, y_dot), (np.exp(x), 2.0 * np.exp(x) * t))
+    jac = maybe_jit(jax.jacfwd(ExpScaledJvp.apply))(x)
+    assert_trees_close(jac, 2.0 * np.diag(np.exp(x)))
+    grad = maybe_jit(jax.grad(lambda x: ExpScaledJvp.apply(x).sum()))(x)
+    assert_trees_close(grad, np.exp(x))
+
+
+def _host_scale(g, x):
+    return np.asarray(g) * np.cos(np.asarray(x))
+
+
+class HostSin(jaxext.Function):
+    """``sin(x)`` whose backward runs on the host (``pure_callback``): JAX cannot transpose it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        ctx.save_for_forward(jnp.cos(x))
+        return jnp.sin(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        shape = jax.ShapeDtypeStruct(grad.shape, grad.dtype)
+        return jax.pure_callback(_host_scale, shape, grad, x, vmap_method="broadcast_all")
+
+
+class HostSinWithJvp(HostSin):
+    @staticmethod
+    def jvp(ctx, x_dot):
+        (cos_x,) = ctx.saved_tensors
+        return x_dot * cos_x
+
+
+def test_function_jvp_method_gives_forward_mode_for_an_untransposable_backward(x64):
+    x = jnp.asarray(rand(0, (4,), np.float64))
+    t = jnp.asarray(rand(1, (4,), np.float64))
+    assert_trees_close(jax.grad(lambda x: HostSin.apply(x).sum())(x), np.cos(x))
+    got = jax.jit(lambda x, t: jax.jvp(HostSinWithJvp.apply, (x,), (t,)))(x, t)
+    assert_trees_close(got, (np.sin(x), np.cos(x) * t))
+    with pytest.raises(TypeError, match=r"`HostSin`: forward-mode.*could not transpose"):
+        jax.jvp(HostSin.apply, (x,), (t,))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the error for a Function whose backward cannot be transposed tells the user to "
+    "call `HostSin.defvjp(fwd, bwd, jvp=jvp)`, an API a Function user never sees, instead "
+    "of defining a `jvp(ctx, *grad_inputs)` static method",
+)
+def test_function_untransposable_backward_error_names_the_jvp_method(x64):
+    x = jnp.ones(4)
+    with pytest.raises(TypeError) as info:
+        jax.jvp(HostSin.apply, (x,), (x,))
+    assert "defvjp" not in str(info.value) and "jvp(ctx" in str(info.value)
+
+
+# -- once_differentiable -------------------------------------------------------------------
+# Forward mode transposes the backward (a linear map of the cotangent); it does not
+# differentiate it. So first-order forward mode should work for a once_differentiable
+# backward, and a second-order derivative through it (hessian, jacrev of jacfwd) should
+# raise once_differentiable's RuntimeError, as grad of grad does.
+
+
+class OnceCube(jaxext.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    @jaxext.once_differentiable
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * 3 * x**2
+
+
+def test_once_differentiable_reverse_mode_first_and_second_order(x64):
+    x = jnp.asarray(rand(0, (3,), np.float64))
+    assert_trees_close(jax.grad(lambda x: OnceCube.apply(x).sum())(x), 3 * np.asarray(x) ** 2)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        jax.jacrev(jax.jacrev(OnceCube.apply))(x)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=TypeError,
+    reason="first-order forward mode of a once_differentiable Function fails: the backward "
+    "runs inside a jax.custom_vjp (to block second-order derivatives), which "
+    "jax.linear_transpose cannot transpose ('Transpose rule ... for custom_vjp_call not "
+    "implemented'), and the error suggests `OnceCube.defvjp(fwd, bwd, jvp=jvp)`",
+)
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd"])
+def test_once_differentiable_first_order_forward_mode(transform, x64):
+    x = jnp.asarray(rand(0, (3,), np.float64))
+    t = jnp.asarray(rand(1, (3,), np.float64))
+    if transform == "jvp":
+        got = jax.jvp(OnceCube.apply, (x,), (t,))
+        assert_trees_close(got, (np.asarray(x) ** 3, 3 * np.asarray(x) ** 2 * t))
+    else:
+        assert_trees_close(jax.jacfwd(OnceCube.apply)(x), np.diag(3 * np.asarray(x) ** 2))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="jax.hessian through a once_differentiable backward raises JAX's own "
+    '"TypeError: can\'t apply forward-mode autodiff (jvp) to a custom_vjp function" '
+    "instead of once_differentiable's RuntimeError",
+)
+@pytest.mark.parametrize("transform", ["hessian", "jacrev(jacfwd)"])
+def test_once_differentiable_second_order_forward_mode_raises(transform, x64):
+    x = jnp.asarray(rand(0, (3,), np.float64))
+    loss = lambda x: jnp.sum(OnceCube.apply(x))  # noqa: E731
+    second = jax.hessian(loss) if transform == "hessian" else jax.jacrev(jax.jacfwd(loss))
+    try:
+        second(x)
+    except Exception as err:  # noqa: BLE001 -- the kind of error is the point
+        assert isinstance(err, RuntimeError) and "once_differentiable" in str(err), repr(err)
+    else:
+        raise AssertionError("no error for a derivative through a once_differentiable backward")
+
+
+# -- a straight-through estimator ------------------------------------------------------------
+# Its backward is deliberately not the true derivative (round has derivative 0): reverse
+# mode must give the backward's gradient and forward mode its transpose, never autodiff of
+# the forward.
+
+
+def straight_through_round(decorator, fwd_calls_op):
+    """``round`` whose backward passes the cotangent through unchanged.
+
+    With ``fwd_calls_op`` its ``fwd`` computes the output by calling the op itself (the
+    pattern of JAX's custom_vjp documentation), so a higher-order derivative of that
+    output goes through the custom rule again; otherwise through autodiff of ``fwd``'s
+    ``jnp.round``, as with ``jax.custom_vjp``.
+    """
+
+    @decorator
+    def ste(x):
+        return jnp.round(x)
+
+    def fwd(x):
+        return (ste(x) if fwd_calls_op else jnp.round(x)), None
+
+    def bwd(_, grad):
+        return (grad,)
+
+    ste.defvjp(fwd, bwd)
+    return ste
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_straight_through_estimator(jit, x64):
+    ste = straight_through_round(jaxext.custom_vjp, fwd_calls_op=True)
+    maybe_jit = jax.jit if jit else (lambda f: f)
+    x = jnp.asarray(rand(0, (4,), np.float64)) * 3
+    t = jnp.asarray(rand(1, (4,), np.float64))
+    rounded = np.round(np.asarray(x))
+    # What autodiff of the forward would give: nothing.
+    assert not np.any(np.asarray(jax.jvp(jnp.round, (x,), (t,))[1]))
+    assert_trees_close(maybe_jit(jax.grad(lambda x: ste(x).sum()))(x), np.ones(4))
+    assert_trees_close(maybe_jit(lambda x, t: jax.jvp(ste, (x,), (t,)))(x, t), (rounded, t))
+    assert_trees_close(maybe_jit(jax.jacfwd(ste))(x), np.eye(4))
+    assert_trees_close(maybe_jit(jax.jacrev(ste))(x), np.eye(4))
+    # Second order: d/dx of the straight-through gradient cos(round(x)).
+    hessian = maybe_jit(jax.hessian(lambda x: jnp.sum(jnp.sin(ste(x)))))(x)
+    assert_trees_close(hessian, np.diag(-np.sin(rounded)))
+    assert np.any(np.diag(hessian) != 0)
+
+
+@pytest.mark.parametrize("fwd_calls_op", [True, False], ids=["fwd_calls_op", "fwd_plain"])
+def test_straight_through_second_order_matches_jax_custom_vjp(fwd_calls_op, x64):
+    # jax.custom_vjp has no forward mode, but its reverse-over-reverse Hessian is the
+    # reference for which derivative a fwd's output gets at second order.
+    ste = straight_through_round(jaxext.custom_vjp, fwd_calls_op)
+    ste_ref = straight_through_round(jax.custom_vjp, fwd_calls_op)
+    x = jnp.asarray(rand(0, (4,), np.float64)) * 3
+
+    def loss(f):
+        return lambda x: jnp.sum(jnp.sin(f(x)))
+
+    want = jax.jacrev(jax.jacrev(loss(ste_ref)))(x)
+    assert_trees_close(jax.hessian(loss(ste))(x), want)
+    assert_trees_close(jax.jacrev(jax.jacrev(loss(ste)))(x), want)
