@@ -61,7 +61,7 @@ def as_vector_function(op, args, argnums):
 
     The other arguments are closed over (constants, never perturbed), so the custom
     rule sees exactly the subset ``argnums`` differentiated. Returns ``(f, v0)``
-    with ``f(v)`` the raveled output and ``v0`` the flat argument values.
+    with ``f(v)`` the output (all outputs) raveled and ``v0`` the flat argument values.
     """
     v0, unravel = ravel_pytree(tuple(args[i] for i in argnums))
 
@@ -69,7 +69,7 @@ def as_vector_function(op, args, argnums):
         full = list(args)
         for i, value in zip(argnums, unravel(v), strict=True):
             full[i] = value
-        return jnp.ravel(op(*full))
+        return jnp.concatenate([jnp.ravel(y) for y in jax.tree.leaves(op(*full))])
 
     return f, v0
 
@@ -522,10 +522,53 @@ class ExpWithJvp(jaxext.Function):
         return x_dot * out + y_dot * exp_x
 
 
+class SinCos(jaxext.Function):
+    """Two outputs."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        ctx.save_for_forward(x)
+        return jnp.sin(x), jnp.cos(x)
+
+    @staticmethod
+    def backward(ctx, grad_sin, grad_cos):
+        (x,) = ctx.saved_tensors
+        grad = jnp.zeros_like(x)
+        if grad_sin is not None:
+            grad = grad + grad_sin * jnp.cos(x)
+        if grad_cos is not None:
+            grad = grad - grad_cos * jnp.sin(x)
+        return grad
+
+
+class SinCosLazy(SinCos):
+    """Zero cotangents arrive in backward as None."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.set_materialize_grads(False)
+        return SinCos.forward(ctx, x)
+
+
+class SinCosWithJvp(SinCos):
+    @staticmethod
+    def jvp(ctx, x_dot):
+        (x,) = ctx.saved_tensors
+        return x_dot * jnp.cos(x), -x_dot * jnp.sin(x)
+
+
+def _sin_cos(x):
+    return jnp.sin(x), jnp.cos(x)
+
+
 FUNCTIONS = {
     "setup_context": (SinMul.apply, lambda x, y: jnp.sin(x) * y, 2),
     "saved_variables": (Cube.apply, lambda x: x**3, 1),
     "jvp_method": (ExpWithJvp.apply, lambda x, y: jnp.exp(x) * y, 2),
+    "two_outputs": (SinCos.apply, _sin_cos, 1),
+    "materialize_grads_false": (SinCosLazy.apply, _sin_cos, 1),
+    "jvp_method_two_outputs": (SinCosWithJvp.apply, _sin_cos, 1),
 }
 
 
