@@ -437,7 +437,22 @@ class _Linear:
         """``J t`` for the float outputs: from the user's ``jvp`` or by transposing ``bwd``."""
         if self.op.spec.jvp is not None:
             return self.user_jvp(res_arrays, t_in)
+        refuse = getattr(self.op.spec, "refuse_derivatives", None)
+        if refuse is not None:
+            # The backward must not be differentiated (once_differentiable): transposing it
+            # is fine, differentiating that transpose (reverse over forward) is not.
+            blocked = custom_vjp(self.transposed)
+            blocked.defvjp(lambda r, t: (self.transposed(r, t), None), refuse, jvp=refuse)
+            return blocked(list(res_arrays), list(t_in))
+        return self.transposed(res_arrays, t_in)
+
+    def transposed(self, res_arrays: Sequence[Any], t_in: Sequence[Any]) -> list[jax.Array]:
+        """``J t`` as the transpose of ``bwd``."""
         examples = [_example(a) for a in self.ct_avals]
+        hint = getattr(self.op.spec, "forward_mode_hint", None) or (
+            f"give a JVP rule: `{self.op.name}.defvjp(fwd, bwd, jvp=jvp)` with "
+            "`jvp(*nondiff_args, residuals, tangents) -> output tangent`"
+        )
         try:
             transposed = jax.linear_transpose(lambda cts: self.backward(res_arrays, cts), examples)
             (out,) = transposed(list(t_in))
@@ -448,9 +463,7 @@ class _Linear:
                 f"`{self.op.name}`: forward-mode differentiation (jvp, jacfwd, linearize, "
                 "hessian) of a jaxext.custom_vjp function is derived by transposing its bwd, "
                 f"and JAX could not transpose it ({type(err).__name__}: {err}). The bwd must be "
-                "linear in its cotangent and built of JAX operations; otherwise give a JVP "
-                f"rule: `{self.op.name}.defvjp(fwd, bwd, jvp=jvp)` with "
-                "`jvp(*nondiff_args, residuals, tangents) -> output tangent`."
+                f"linear in its cotangent and built of JAX operations; otherwise {hint}."
             ) from err
         return [jnp.asarray(o) for o in out]
 

@@ -25,6 +25,7 @@ from ._function_ctx import (
     call_blocking_derivatives,
     is_array,
     is_once_differentiable,
+    refusing_rule,
 )
 
 __all__ = ["Function"]
@@ -207,6 +208,12 @@ def _lower(cls: type[Function], args: tuple[Any, ...], diff_positions: tuple[int
 
     function.__name__ = function.__qualname__ = name
     op = custom_vjp(function)
+    op.forward_mode_hint = (
+        f"define a static method `jvp(ctx, *grad_inputs)` on `{name}`, reading what forward "
+        "stored with `ctx.save_for_forward(...)`"
+    )
+    if is_once_differentiable(cls.backward):
+        op.refuse_derivatives = refusing_rule(name)
     jvp = function_jvp if _overrides(cls, "jvp") else None
     op.defvjp(function_fwd, function_bwd, symbolic_zeros=True, jvp=jvp)
     return op

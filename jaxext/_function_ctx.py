@@ -150,29 +150,33 @@ def is_once_differentiable(backward: Callable[..., Any]) -> bool:
     return bool(getattr(backward, _ONCE_FLAG, False))
 
 
+def refusing_rule(function_name: str) -> Callable[..., Any]:
+    """A derivative rule that raises: the backward of ``function_name`` is once differentiable."""
+
+    def refuse(*_: Any) -> Any:
+        raise RuntimeError(
+            f"`{function_name}.backward` is decorated with @once_differentiable, so it cannot "
+            "be differentiated: a second-order derivative (e.g. grad of grad, or "
+            "jax.hessian) was requested through it. Remove the decorator if the backward is "
+            "built from differentiable jax.numpy operations."
+        )
+
+    return refuse
+
+
 def call_blocking_derivatives(
     function_name: str, call: Callable[[Any, Any], Any], arrays: Any, cotangents: Any
 ) -> Any:
-    """Evaluates ``call(arrays, cotangents)`` inside a ``custom_vjp`` whose backward raises.
+    """Evaluates ``call(arrays, cotangents)`` in a ``jaxext.custom_vjp`` whose rules raise.
 
     Every array the backward reads is an explicit input here, so a derivative
-    through any of them reaches the raising rule.
+    through any of them, reverse or forward, reaches a raising rule. Transposing
+    the backward (first-order forward mode of the Function) is not differentiating
+    it, and still works: JAX transposes the primal ``call``.
     """
+    from ._custom_vjp import custom_vjp  # _custom_vjp imports nothing of Function's
 
-    @jax.custom_vjp
-    def run(arrays, cotangents):
-        return call(arrays, cotangents)
-
-    def run_fwd(arrays, cotangents):
-        return run(arrays, cotangents), None
-
-    def run_bwd(_, __):
-        raise RuntimeError(
-            f"`{function_name}.backward` is decorated with @once_differentiable, so it cannot "
-            "be differentiated: a second-order derivative (e.g. grad of grad) was requested "
-            "through it. Remove the decorator if the backward is built from differentiable "
-            "jax.numpy operations."
-        )
-
-    run.defvjp(run_fwd, run_bwd)
+    refuse = refusing_rule(function_name)
+    run = custom_vjp(call)
+    run.defvjp(lambda arrays, cotangents: (call(arrays, cotangents), None), refuse, jvp=refuse)
     return run(arrays, cotangents)

@@ -669,12 +669,6 @@ def test_function_jvp_method_gives_forward_mode_for_an_untransposable_backward(x
         jax.jvp(HostSin.apply, (x,), (t,))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the error for a Function whose backward cannot be transposed tells the user to "
-    "call `HostSin.defvjp(fwd, bwd, jvp=jvp)`, an API a Function user never sees, instead "
-    "of defining a `jvp(ctx, *grad_inputs)` static method",
-)
 def test_function_untransposable_backward_error_names_the_jvp_method(x64):
     x = jnp.ones(4)
     with pytest.raises(TypeError) as info:
@@ -709,14 +703,6 @@ def test_once_differentiable_reverse_mode_first_and_second_order(x64):
         jax.jacrev(jax.jacrev(OnceCube.apply))(x)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="first-order forward mode of a once_differentiable Function fails: the backward "
-    "runs inside a jax.custom_vjp (to block second-order derivatives), which "
-    "jax.linear_transpose cannot transpose ('Transpose rule ... for custom_vjp_call not "
-    "implemented'), and the error suggests `OnceCube.defvjp(fwd, bwd, jvp=jvp)`",
-)
 @pytest.mark.parametrize("transform", ["jvp", "jacfwd"])
 def test_once_differentiable_first_order_forward_mode(transform, x64):
     x = jnp.asarray(rand(0, (3,), np.float64))
@@ -728,13 +714,6 @@ def test_once_differentiable_first_order_forward_mode(transform, x64):
         assert_trees_close(jax.jacfwd(OnceCube.apply)(x), np.diag(3 * np.asarray(x) ** 2))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="jax.hessian through a once_differentiable backward raises JAX's own "
-    '"TypeError: can\'t apply forward-mode autodiff (jvp) to a custom_vjp function" '
-    "instead of once_differentiable's RuntimeError",
-)
 @pytest.mark.parametrize("transform", ["hessian", "jacrev(jacfwd)"])
 def test_once_differentiable_second_order_forward_mode_raises(transform, x64):
     x = jnp.asarray(rand(0, (3,), np.float64))
