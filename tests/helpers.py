@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxext
+
 
 def reference_linear(x, weight, bias=None):
     """Plain-jnp ``x @ weight.T + bias``: differentiated by JAX's own autodiff."""
@@ -193,3 +195,53 @@ def uses_custom_rule(f, *args):
     """
     jaxpr = jax.make_jaxpr(lambda *a: jax.jvp(f, a, a))(*args)
     return "jaxext_custom_vjp_tangent" in str(jaxpr)
+
+
+# -- the porting guide's Functions (docs/porting_from_pytorch.md), shared by the test files --
+# test_function checks that the guide shows exactly these classes.
+
+
+class LinearFunction(jaxext.Function):
+    @staticmethod
+    def forward(ctx, input, weight, bias=None):
+        ctx.save_for_backward(input, weight, bias)
+        output = input @ weight.T
+        if bias is not None:
+            output = output + bias
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight, bias = ctx.saved_tensors
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_input = grad_output @ weight
+        if ctx.needs_input_grad[1]:
+            grad_weight = grad_output.T @ input
+        if bias is not None and ctx.needs_input_grad[2]:
+            grad_bias = grad_output.sum(0)
+        return grad_input, grad_weight, grad_bias
+
+
+class MulConstant(jaxext.Function):
+    @staticmethod
+    def forward(ctx, tensor, constant):
+        ctx.constant = constant
+        return tensor * constant
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output * ctx.constant, None
+
+
+class OnceCube(jaxext.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    @jaxext.once_differentiable
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        return grad_output * 3 * x**2

@@ -12,49 +12,12 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from helpers import rand
+from helpers import LinearFunction, MulConstant, rand
 from jax.test_util import check_grads
 
 import jaxext
 
 F64 = np.float64
-
-
-class LinearFunction(jaxext.Function):
-    """The porting guide's ``LinearFunction`` (docs/porting_from_pytorch.md)."""
-
-    @staticmethod
-    def forward(ctx, input, weight, bias=None):
-        ctx.save_for_backward(input, weight, bias)
-        output = input @ weight.T
-        if bias is not None:
-            output = output + bias
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        input, weight, bias = ctx.saved_tensors
-        grad_input = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_input = grad_output @ weight
-        if ctx.needs_input_grad[1]:
-            grad_weight = grad_output.T @ input
-        if bias is not None and ctx.needs_input_grad[2]:
-            grad_bias = grad_output.sum(0)
-        return grad_input, grad_weight, grad_bias
-
-
-class MulConstant(jaxext.Function):
-    """The porting guide's ``MulConstant``: a static Python constant, no gradient for it."""
-
-    @staticmethod
-    def forward(ctx, tensor, constant):
-        ctx.constant = constant
-        return tensor * constant
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return grad_output * ctx.constant, None
 
 
 # -- cases: each builds (function, args) in float64 --------------------------------------

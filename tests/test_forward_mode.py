@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import rand, reference_linear, uses_custom_rule
+from helpers import LinearFunction, MulConstant, OnceCube, rand, reference_linear, uses_custom_rule
 from jax.flatten_util import ravel_pytree
 
 import jaxext
@@ -458,7 +458,6 @@ def test_linen_mlp_hessian_matches_flax(x64):
 
 @pytest.mark.parametrize("argnums", [(0,), (1,), (2,), (0, 1, 2)], ids=lambda a: f"d{a}")
 def test_function_linear_port_forward_mode(argnums, x64):
-    from test_function import LinearFunction  # the porting guide's port, checked there
 
     args = linear_args((5,), use_bias=True)
     full = linear_reference((5,), True)
@@ -467,7 +466,6 @@ def test_function_linear_port_forward_mode(argnums, x64):
 
 @pytest.mark.parametrize("constant", [3.0, -2], ids=["float", "int"])
 def test_function_mul_constant_port_forward_mode(constant, x64):
-    from test_function import MulConstant  # the porting guide's port, checked there
 
     args = (jnp.asarray(rand(0, (4, 2), np.float64)),)
     full = full_reference(lambda x: x * constant, args)
@@ -681,19 +679,6 @@ def test_function_untransposable_backward_error_names_the_jvp_method(x64):
 # differentiate it. So first-order forward mode should work for a once_differentiable
 # backward, and a second-order derivative through it (hessian, jacrev of jacfwd) should
 # raise once_differentiable's RuntimeError, as grad of grad does.
-
-
-class OnceCube(jaxext.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x**3
-
-    @staticmethod
-    @jaxext.once_differentiable
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return grad * 3 * x**2
 
 
 def test_once_differentiable_reverse_mode_first_and_second_order(x64):

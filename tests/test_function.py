@@ -17,6 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
+    LinearFunction,
+    MulConstant,
+    OnceCube,
     assert_close,
     assert_close_to_float64,
     in_float64,
@@ -28,45 +31,9 @@ from jax.test_util import check_grads
 
 import jaxext
 
-# -- the seed's two Functions, ported line for line (same code as the porting guide) --------
-
-
-class LinearFunction(jaxext.Function):
-    @staticmethod
-    def forward(ctx, input, weight, bias=None):
-        ctx.save_for_backward(input, weight, bias)
-        output = input @ weight.T
-        if bias is not None:
-            output = output + bias
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        input, weight, bias = ctx.saved_tensors
-        grad_input = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_input = grad_output @ weight
-        if ctx.needs_input_grad[1]:
-            grad_weight = grad_output.T @ input
-        if bias is not None and ctx.needs_input_grad[2]:
-            grad_bias = grad_output.sum(0)
-        return grad_input, grad_weight, grad_bias
-
+# -- the seed's two Functions, ported line for line (helpers.py; same code as the guide) -----
 
 linear = LinearFunction.apply
-
-
-class MulConstant(jaxext.Function):
-    @staticmethod
-    def forward(ctx, tensor, constant):
-        ctx.constant = constant
-        return tensor * constant
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return grad_output * ctx.constant, None
-
-
 mul_constant = MulConstant.apply
 
 
@@ -441,19 +408,6 @@ def test_mark_non_differentiable_rejects_non_outputs():
 
 
 # -- once_differentiable -------------------------------------------------------------------------
-
-
-class OnceCube(jaxext.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x**3
-
-    @staticmethod
-    @jaxext.once_differentiable
-    def backward(ctx, grad_output):
-        (x,) = ctx.saved_tensors
-        return grad_output * 3 * x**2
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])

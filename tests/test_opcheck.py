@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import rand
+from helpers import LinearFunction, rand
 
 import jaxext
 from jaxext._checks import CHECK_NAMES
@@ -45,26 +45,6 @@ def plain_jvp_softplus(x):
 def _softplus_jvp(primals, tangents):
     (x,), (t,) = primals, tangents
     return plain_jvp_softplus(x), jax.nn.sigmoid(x) * t
-
-
-class LinearFunction(jaxext.Function):
-    @staticmethod
-    def forward(ctx, input, weight, bias=None):
-        ctx.save_for_backward(input, weight, bias)
-        output = input @ weight.T
-        return output if bias is None else output + bias
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        input, weight, bias = ctx.saved_tensors
-        grad_input = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_input = grad_output @ weight
-        if ctx.needs_input_grad[1]:
-            grad_weight = grad_output.T @ input
-        if bias is not None and ctx.needs_input_grad[2]:
-            grad_bias = grad_output.sum(0)
-        return grad_input, grad_weight, grad_bias
 
 
 def nnx_linear_op():
