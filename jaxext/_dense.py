@@ -29,7 +29,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 from jax.typing import DTypeLike
 
-from ._custom_vjp import custom_vjp
+from jaxext import custom_vjp
 
 __all__ = ["dense"]
 
