@@ -137,7 +137,7 @@ def count_primitive(jaxpr, name):
 
 
 def vjp_kept(fn, *primals):
-    """The arrays a ``jax.vjp`` closure of ``fn`` holds (zero-size placeholders left out)."""
+    """The arrays a ``jax.vjp`` closure of ``fn`` holds (zero-size arrays left out)."""
     _, vjp_fn = jax.vjp(fn, *primals)
     return [leaf for leaf in jax.tree.leaves(vjp_fn) if np.size(leaf) > 0]
 

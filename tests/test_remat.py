@@ -52,8 +52,6 @@ def saved_residuals(fn, *args):
         match = _RESIDUAL.match(line.strip())
         assert match, f"unexpected print_saved_residuals line: {line!r}"
         dims = tuple(sorted(int(d) for d in match.group(2).split(",") if d))
-        if 0 in dims:  # zero-byte layout token / placeholder (jaxext/_residuals.py)
-            continue
         found[(match.group(1), dims)] += 1
     return found
 
