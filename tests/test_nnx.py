@@ -12,7 +12,13 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import assert_bias_grad_exact_and_right, assert_close, rand, uses_custom_rule
+from helpers import (
+    assert_bias_grad_exact_and_right,
+    assert_close,
+    rand,
+    skip_without_float16,
+    uses_custom_rule,
+)
 from helpers import assert_trees_equal as _assert_trees_equal
 from jax.sharding import PartitionSpec as P
 
@@ -179,6 +185,7 @@ def test_integer_inputs_promoted_like_flax():
 
 
 def test_custom_promote_dtype_is_used():
+    skip_without_float16()
     calls = []
 
     def promote_to_f16(args, /, *, dtype=None):
