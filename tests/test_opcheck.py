@@ -8,6 +8,8 @@ defect (the first check to fail, named in the error), never by a crash.
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -345,3 +347,13 @@ def test_report_table_and_error_message():
     assert any(line.startswith("forward_rule") and "PASS" in line for line in lines)
     assert any(line.startswith("gradcheck") and "FAIL" in line for line in lines)
     assert "1 PASS, 1 FAIL, 0 SKIP" in lines
+
+
+def test_export_checks_skip_without_the_serializer_package(monkeypatch):
+    # A missing optional package is not the op's fault: SKIP with the way out, never FAIL.
+    monkeypatch.setitem(sys.modules, "flatbuffers", None)  # `import flatbuffers` now fails
+    report = jaxext.opcheck(
+        jaxext.linear, (f64(0, (4, 3)), f64(1, (2, 3))), checks=["export", "export_symbolic"]
+    )
+    for result in report.results:
+        assert result.status == "SKIP" and "jaxext[export]" in result.detail, str(report)
