@@ -198,9 +198,11 @@ def _resolve_kwargs(
     return tuple(bound.args)
 
 
-def _arg_label(fun: Callable[..., Any], position: int) -> str:
+def arg_label(fun: Callable[..., Any], position: int, skip: int = 0) -> str:
+    """``argument 2 (`bias`)`` when ``fun``'s signature, after ``skip`` leading
+    parameters (a ``ctx``), names ``position``; ``argument 2`` otherwise."""
     try:
-        params = list(inspect.signature(fun).parameters.values())
+        params = list(inspect.signature(fun).parameters.values())[skip:]
     except (TypeError, ValueError):
         params = []
     if position < len(params) and params[position].kind in (
@@ -243,7 +245,7 @@ class _Op:
         return [self.args[i] for i in self.spec.nondiff_argnums]
 
     def label(self, k: int) -> str:
-        return _arg_label(self.spec.fun, self.diff[k])
+        return arg_label(self.spec.fun, self.diff[k])
 
     def primal(self, *diff_values: Any) -> Any:
         return self.spec.fun(*self.merge(diff_values))

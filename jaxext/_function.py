@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from ._custom_vjp import custom_vjp
+from ._custom_vjp import arg_label, custom_vjp
 from ._function_ctx import (
     FunctionCtx,
     call_blocking_derivatives,
@@ -371,14 +371,5 @@ def _bind(cls, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]
 
 
 def _arg_label(cls, i: int) -> str:
-    """``argument 2 (`bias`)`` when forward's signature names position ``i``."""
-    try:
-        params = list(inspect.signature(cls.forward).parameters.values())[1:]
-    except (TypeError, ValueError):
-        params = []
-    if i < len(params) and params[i].kind in (
-        inspect.Parameter.POSITIONAL_ONLY,
-        inspect.Parameter.POSITIONAL_OR_KEYWORD,
-    ):
-        return f"argument {i} (`{params[i].name}`)"
-    return f"argument {i}"
+    """``argument 2 (`bias`)``: forward's ``i``-th argument after ``ctx`` (if it takes one)."""
+    return arg_label(cls.forward, i, skip=0 if _overrides(cls, "setup_context") else 1)

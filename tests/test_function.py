@@ -816,3 +816,22 @@ def test_ctx_type_is_public():
     # forward may be traced more than once (see the porting guide); backward once.
     assert len(seen) >= 2 and all(isinstance(ctx, jaxext.FunctionCtx) for ctx in seen)
     assert jaxext.FunctionCtx.__doc__
+
+
+def test_setup_context_style_errors_name_the_right_argument():
+    # forward takes no ctx in this style: argument 0 is `x`, not `w`.
+    class Scale(jaxext.Function):
+        @staticmethod
+        def forward(x, w):
+            return x * w
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(*inputs)
+
+        @staticmethod
+        def backward(ctx, g):
+            return jnp.ones(7), None  # wrong shape for x
+
+    with pytest.raises(ValueError, match=r"gradient for argument 0 \(`x`\) must have"):
+        jax.grad(lambda x: Scale.apply(x, jnp.ones(3)).sum())(jnp.ones(3))
