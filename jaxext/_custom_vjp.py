@@ -509,7 +509,9 @@ def _example(aval: Any) -> jax.ShapeDtypeStruct:
     """A stand-in for a value of type ``aval``, keeping its ``shard_map`` variance."""
     manual = getattr(aval, "manual_axis_type", None)
     if manual is not None:
-        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, manual_axis_type=manual)
+        return jax.ShapeDtypeStruct(
+            aval.shape, aval.dtype, sharding=aval.sharding, manual_axis_type=manual
+        )
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
 
 
@@ -618,7 +620,13 @@ class _Batched:
 
 
 def _batched_aval(aval: Any, size: int) -> Any:
-    return jax.core.ShapedArray((size, *aval.shape), aval.dtype, weak_type=aval.weak_type)
+    """``aval`` with a leading unsharded batch axis of ``size``, keeping its variance."""
+    shape = (size, *aval.shape)
+    sharding = getattr(aval, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.core.ShapedArray(shape, aval.dtype, weak_type=aval.weak_type)
+    spec = jax.sharding.PartitionSpec(None, *sharding.spec)
+    return aval.update(shape=shape, sharding=jax.sharding.NamedSharding(sharding.mesh, spec))
 
 
 tangent_p.def_impl(_tangent_impl)

@@ -83,6 +83,46 @@ def rand(seed, shape):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
+def forward_mode(mapped, reference, arrays, args, n_diff, *, jit=True):
+    """Forward mode of ``mapped`` (a shard_map of jaxext ops) against ``reference``.
+
+    Differentiates the first ``n_diff`` arguments: a JVP of the loss, ``jacfwd`` of
+    the loss (the gradient, by forward mode) and a Hessian-vector product (forward
+    over reverse), jitted or eager, measured against float64 autodiff of ``reference``.
+    """
+    shardings = [a.sharding for a in args[:n_diff]]
+    tangents_np = [rand(70 + i, a.shape) for i, a in enumerate(arrays[:n_diff])]
+    tangents = [jax.device_put(t, s) for t, s in zip(tangents_np, shardings, strict=True)]
+    argnums = tuple(range(n_diff))
+
+    def measures(fn, primals, tangents, rest):
+        def of_diff(*diff):
+            return fn(*diff, *rest)
+
+        jvp = jax.jvp(of_diff, primals, tangents)[1]
+        jacfwd = jax.jacfwd(of_diff, argnums=argnums)(*primals)
+        hvp = jax.jvp(jax.grad(of_diff, argnums=argnums), primals, tangents)[1]
+        return jvp, jacfwd, hvp
+
+    run = jax.jit if jit else (lambda fn: fn)
+    got = run(lambda p, t, r: measures(mapped, p, t, r))(
+        list(args[:n_diff]), tangents, list(args[n_diff:])
+    )
+    want = in_float64(
+        lambda p, t, r: measures(reference, p, t, r),
+        list(arrays[:n_diff]),
+        tangents_np,
+        list(arrays[n_diff:]),
+    )
+    return {
+        "jvp": [float(got[0]), float(want[0])],
+        "jacfwd_diff": max_abs_diff(got[1], want[1]),
+        "jacfwd_scale": max_abs(want[1]),
+        "hvp_diff": max_abs_diff(got[2], want[2]),
+        "hvp_scale": max_abs(want[2]),
+    }
+
+
 # --------------------------------------------------------------------------- linear
 
 
@@ -285,6 +325,7 @@ def check_shard_map(layout, check_vma):
         "loss": [float(loss), float(loss_1)],
         "grad_diff": max_abs_diff(grads, grads_1),
         "grad_scale": max_abs(grads_1),
+        **forward_mode(mapped, reference, arrays, args, 3),
     }
 
 
@@ -315,6 +356,7 @@ def check_shard_map_mul_constant():
         "loss": [float(loss), float(loss_1)],
         "grad_diff": max_abs_diff(grads, grads_1),
         "grad_scale": max_abs(grads_1),
+        **forward_mode(mapped, reference, (w, c, x), args, 3),
     }
 
 
@@ -334,11 +376,13 @@ def check_shard_map_eager():
         args = [jax.device_put(a, spec) for a, spec in zip((w, c, x), in_specs, strict=True)]
         mapped = shard_map(local, mesh, in_specs, P(), True)
         loss, grads = jax.value_and_grad(mapped, argnums=(0, 1, 2))(*args)
+        forward = forward_mode(mapped, reference, (w, c, x), args, 3, jit=False)
     loss_1, grads_1 = jax.value_and_grad(reference, argnums=(0, 1, 2))(w, c, x)
     return {
         "loss": [float(loss), float(loss_1)],
         "grad_diff": max_abs_diff(grads, grads_1),
         "grad_scale": max(float(np.max(np.abs(g))) for g in grads_1),
+        **forward,
     }
 
 

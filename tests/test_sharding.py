@@ -142,3 +142,15 @@ def test_linear_in_shard_map_matches_unsharded(worker_results, name):
     result = _check(worker_results, name)
     _assert_loss_close(result["loss"])
     _assert_grads_close(result)
+
+
+# Forward mode is derived by transposing the backward, which psums the gradient of an
+# input that is invariant over a mesh axis (w over `data` in the row layout, the
+# replicated constant): with check_vma=True that transpose must keep the variance types.
+@pytest.mark.parametrize("name", SHARD_MAP_CASES)
+def test_forward_mode_in_shard_map_matches_unsharded(worker_results, name):
+    result = _check(worker_results, name)
+    _assert_loss_close(result["jvp"])
+    for measure in ("jacfwd", "hvp"):
+        assert result[f"{measure}_scale"] > 1e-2
+        assert result[f"{measure}_diff"] <= TOL * result[f"{measure}_scale"], measure
