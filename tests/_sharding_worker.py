@@ -386,6 +386,23 @@ def check_shard_map_eager():
     }
 
 
+def check_forward_mode_sharded(axis_type, jit):
+    """Forward mode of jaxext.linear on arrays sharded over a mesh (no shard_map)."""
+    mesh = make_mesh(axis_type)
+    x, w, b = rand(80, (16, 12)), rand(81, (6, 12)), rand(82, (6,))
+    in_specs = (P("data", None), P("model", None), P("model"))
+
+    def reference(x, w, b):
+        return jnp.sum(jnp.tanh(x @ w.T + b) ** 2)
+
+    def loss(x, w, b):
+        return jnp.sum(jnp.tanh(jaxext.linear(x, w, b)) ** 2)
+
+    with jax.set_mesh(mesh):
+        args = [jax.device_put(a, s) for a, s in zip((x, w, b), in_specs, strict=True)]
+        return forward_mode(loss, reference, (x, w, b), args, 3, jit=jit)
+
+
 CHECKS = {
     "linear_explicit_single": lambda: check_linear(AxisType.Explicit, "single"),
     "linear_explicit_replicated_bias": lambda: check_linear(AxisType.Explicit, "replicated_bias"),
@@ -401,6 +418,10 @@ CHECKS = {
     "shard_map_column_novma": lambda: check_shard_map("column", False),
     "shard_map_with_mul_constant": check_shard_map_mul_constant,
     "shard_map_eager": check_shard_map_eager,
+    "forward_explicit_eager": lambda: check_forward_mode_sharded(AxisType.Explicit, False),
+    "forward_explicit_jit": lambda: check_forward_mode_sharded(AxisType.Explicit, True),
+    "forward_auto_eager": lambda: check_forward_mode_sharded(AxisType.Auto, False),
+    "forward_auto_jit": lambda: check_forward_mode_sharded(AxisType.Auto, True),
 }
 
 

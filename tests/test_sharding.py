@@ -39,6 +39,12 @@ SHARD_MAP_CASES = [
     "shard_map_with_mul_constant",  # replicated array constant: psum of its gradient
     "shard_map_eager",  # un-jitted shard_map: value and grad
 ]
+FORWARD_CASES = [  # forward mode of jaxext.linear on sharded arrays, no shard_map
+    "forward_explicit_eager",
+    "forward_explicit_jit",
+    "forward_auto_eager",
+    "forward_auto_jit",
+]
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +90,9 @@ def _assert_grads_close(result):
 
 def test_worker_sees_eight_devices(worker_results):
     assert worker_results["device_count"] == 8
-    assert set(worker_results["checks"]) == set(LINEAR_CASES + NNX_CASES + SHARD_MAP_CASES)
+    assert set(worker_results["checks"]) == set(
+        LINEAR_CASES + NNX_CASES + SHARD_MAP_CASES + FORWARD_CASES
+    )
 
 
 @pytest.mark.parametrize("name", LINEAR_CASES)
@@ -146,9 +154,10 @@ def test_linear_in_shard_map_matches_unsharded(worker_results, name):
 
 # Forward mode is derived by transposing the backward, which psums the gradient of an
 # input that is invariant over a mesh axis (w over `data` in the row layout, the
-# replicated constant): with check_vma=True that transpose must keep the variance types.
-@pytest.mark.parametrize("name", SHARD_MAP_CASES)
-def test_forward_mode_in_shard_map_matches_unsharded(worker_results, name):
+# replicated constant): with check_vma=True that transpose must keep the variance types,
+# and on sharded arrays (explicit axes, eagerly) their shardings.
+@pytest.mark.parametrize("name", SHARD_MAP_CASES + FORWARD_CASES)
+def test_forward_mode_matches_unsharded(worker_results, name):
     result = _check(worker_results, name)
     _assert_loss_close(result["jvp"])
     for measure in ("jacfwd", "hvp"):
