@@ -64,6 +64,15 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         nondiff_argnums: positions of non-differentiable arguments (Python
             values, static configuration). They are passed first to ``bwd`` and
             ``jvp``, as with ``jax.custom_vjp``.
+        nondiff_argnames: names of non-differentiable arguments, taken as the
+            positions of those parameters in ``fun``'s signature (joined with
+            ``nondiff_argnums``), as with ``jax.custom_vjp``.
+
+    Raises:
+        TypeError: if ``fun`` is not callable, or ``nondiff_argnums`` holds
+            something else than non-negative ints.
+        ValueError: if a name of ``nondiff_argnames`` is not a positional
+            parameter of ``fun``.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -84,7 +93,12 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         (Array(0., dtype=float32), Array(2., dtype=float32))
     """
 
-    def __init__(self, fun: Callable[..., ReturnValue], nondiff_argnums: Sequence[int] = ()):
+    def __init__(
+        self,
+        fun: Callable[..., ReturnValue],
+        nondiff_argnums: Sequence[int] = (),
+        nondiff_argnames: Sequence[str] = (),
+    ):
         if not callable(fun):
             raise TypeError(f"`fun` must be callable; got {type(fun).__name__}.")
         functools.update_wrapper(self, fun)
@@ -95,7 +109,8 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
                 raise TypeError(
                     f"`nondiff_argnums` must hold non-negative ints; got {nondiff_argnums!r}."
                 )
-        self.nondiff_argnums = tuple(sorted(set(int(i) for i in argnums)))
+        named = _positions_of(self._signature(), nondiff_argnames)
+        self.nondiff_argnums = tuple(sorted({int(i) for i in argnums} | set(named)))
         self.fwd: Callable[..., Any] | None = None
         self.bwd: Callable[..., Any] | None = None
         self.jvp: Callable[..., Any] | None = None
@@ -175,6 +190,23 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         primal = jax.custom_jvp(op.primal)
         primal.defjvp(op.jvp_rule, symbolic_zeros=True)
         return primal(*diff_args)
+
+
+def _positions_of(signature: inspect.Signature | None, names: Sequence[str]) -> list[int]:
+    """The positions of the parameters ``names`` in ``signature`` (``nondiff_argnames``)."""
+    if isinstance(names, str):
+        names = (names,)
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = [] if signature is None else list(signature.parameters.values())
+    positions = {p.name: i for i, p in enumerate(params) if p.kind in positional}
+    for name in names:
+        if name not in positions:
+            raise ValueError(
+                f"`nondiff_argnames` must name positional parameters of the function "
+                f"({', '.join(positions) or 'it has none that can be inspected'}); "
+                f"got {name!r}."
+            )
+    return [positions[name] for name in names]
 
 
 def _resolve_kwargs(

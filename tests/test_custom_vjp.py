@@ -129,6 +129,63 @@ def test_doc_example_nondiff_argnums_clip_gradient(x64):
         jax.jvp(lambda x: ours(-0.5, 0.5, x), (x,), (x,))
 
 
+def _scaled_power(custom_vjp, **nondiff):
+    # nondiff_argnames (or the equivalent argnums): `power` is a Python int, `scale` an array.
+    @functools.partial(custom_vjp, **nondiff)
+    def scaled_power(x, power, scale=1.0):
+        return scale * x**power
+
+    def fwd(x, power, scale=1.0):
+        return scaled_power(x, power, scale), (x, scale)
+
+    def bwd(power, res, g):
+        x, scale = res
+        return (g * scale * power * x ** (power - 1), g * x**power)
+
+    scaled_power.defvjp(fwd, bwd)
+    return scaled_power
+
+
+NONDIFF = [
+    pytest.param({"nondiff_argnames": ("power",)}, id="argnames"),
+    pytest.param({"nondiff_argnames": "power"}, id="argname-string"),
+    pytest.param({"nondiff_argnums": (1,), "nondiff_argnames": ("power",)}, id="both"),
+]
+CALLS = [
+    pytest.param(lambda f, x, s: f(x, 3, s), id="positional"),
+    pytest.param(lambda f, x, s: f(x, power=3, scale=s), id="keywords"),
+]
+
+
+@pytest.mark.parametrize("nondiff", NONDIFF)
+@pytest.mark.parametrize("call", CALLS)
+def test_nondiff_argnames_as_jax_custom_vjp(nondiff, call, x64):
+    ours = _scaled_power(jaxext.custom_vjp, **nondiff)
+    theirs = _scaled_power(jax.custom_vjp, nondiff_argnames=("power",))
+    assert ours.nondiff_argnums == (1,)
+    x, s = jnp.linspace(0.5, 2.0, 4), jnp.linspace(-1.0, 1.0, 4)
+
+    def loss(f):
+        return lambda x, s: jnp.sum(jnp.cos(call(f, x, s)))
+
+    _tree_close(jax.grad(loss(ours), (0, 1))(x, s), jax.grad(loss(theirs), (0, 1))(x, s))
+    # Forward mode against autodiff of the primal math (jax.custom_vjp has none).
+    plain = lambda x, s: jnp.sum(jnp.cos(s * x**3))  # noqa: E731
+    tangents = (jnp.full(4, 0.3), jnp.full(4, -0.8))
+    _tree_close(jax.jvp(loss(ours), (x, s), tangents), jax.jvp(plain, (x, s), tangents))
+    _tree_close(jax.hessian(loss(ours))(x, s), jax.hessian(plain)(x, s))
+
+
+def test_nondiff_argnames_must_name_positional_parameters():
+    def f(x, power, *, scale=1.0):
+        return scale * x**power
+
+    with pytest.raises(ValueError, match=r"`nondiff_argnames` must name .*\(x, power\); got 'pwr'"):
+        jaxext.custom_vjp(f, nondiff_argnames=("pwr",))
+    with pytest.raises(ValueError, match=r"`nondiff_argnames` .*; got 'scale'"):
+        jaxext.custom_vjp(f, nondiff_argnames=("scale",))
+
+
 def test_doc_example_function_valued_nondiff_argument(x64):
     ours, theirs = _app(jaxext.custom_vjp), _app(jax.custom_vjp)
     x = jnp.arange(3.0)
