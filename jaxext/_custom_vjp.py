@@ -620,7 +620,7 @@ def _tangent_batch(args: Sequence[Any], dims: Sequence[Any], *, lin: _Linear):
     # Every tangent operand is batched (broadcast if need be), so the batched
     # backward maps batched cotangents to batched gradients.
     t = [
-        jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
+        jnp.broadcast_to(x, (size, *np.shape(x))) if d is None else jnp.moveaxis(x, d, 0)
         for x, d in zip(t, t_dims, strict=True)
     ]
     res_axes = [None if d is None else 0 for d in res_dims]

@@ -268,6 +268,51 @@ def test_every_transformation_matches_autodiff(op, transform, wrap, x64):
     _tree_close(got, want)
 
 
+def _shared_output(custom_vjp):
+    # Under vmap over x alone, the second output depends on the unbatched w only: it is
+    # shared across the batch, and its cotangent must count once in w's gradient.
+    @custom_vjp
+    def f(x, w):
+        return x * w, jnp.sin(w)
+
+    def fwd(x, w):
+        return f(x, w), (x, w)
+
+    def bwd(res, g):
+        (x, w), (g_xw, g_sin) = res, g
+        return g_xw * w, g_xw * x + g_sin * jnp.cos(w)
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+SHARED_TRANSFORMS = {
+    "grad": lambda loss: jax.grad(loss, (0, 1)),
+    "jit_grad": lambda loss: jax.jit(jax.grad(loss, (0, 1))),
+    "jvp": lambda loss: lambda x, w: jax.jvp(loss, (x, w), (jnp.cos(x), jnp.sin(w))),
+    # A Python float tangent for the unbatched input reaches the batching rule unbatched.
+    "jvp_float_tangent": lambda loss: lambda x, w: jax.jvp(loss, (x, w), (jnp.cos(x), 0.5)),
+    "jacfwd": lambda loss: jax.jacfwd(loss, (0, 1)),
+    "hessian": lambda loss: jax.hessian(loss, (0, 1)),
+}
+
+
+@pytest.mark.parametrize("transform", list(SHARED_TRANSFORMS))
+def test_output_shared_across_a_vmap_batch_matches_autodiff(transform, x64):
+    def loss_of(f):
+        def loss(x, w):
+            xw, sin_w = jax.vmap(f, in_axes=(0, None))(x, w)
+            return jnp.sum(jnp.tanh(xw)) + 3.0 * jnp.sum(sin_w**2)
+
+        return loss
+
+    plain = lambda x, w: (x * w, jnp.sin(w))  # noqa: E731
+    x, w = jnp.linspace(-1.0, 2.0, 5), jnp.float64(0.7)
+    got = SHARED_TRANSFORMS[transform](loss_of(_shared_output(jaxext.custom_vjp)))(x, w)
+    want = SHARED_TRANSFORMS[transform](loss_of(plain))(x, w)
+    _tree_close(got, want)
+
+
 def test_reverse_mode_runs_the_hand_written_backward_not_autodiff(x64):
     # A straight-through estimator: the backward is deliberately not the derivative
     # of the forward (which is zero almost everywhere).
