@@ -86,6 +86,14 @@ CORRECT_OPS = {
         ("jvp", "jvp_vjp"),
     ),
     "plain_custom_jvp": (lambda: (plain_jvp_softplus, (f64(0, (4, 3)),)), ()),
+    # Output shapes the random cotangents and inner products must handle: a scalar
+    # output (a NumPy scalar cotangent), and an integer output beside a float one
+    # (a float0 cotangent leaf).
+    "scalar_output": (lambda: (lambda x, y: jnp.sum(x * y) ** 2, (f64(0, (3,)), f64(1, (3,)))), ()),
+    "integer_output": (
+        lambda: (lambda x: (jnp.argmax(x, -1), jnp.max(x, -1)), (f64(0, (3, 4)),)),
+        (),
+    ),
 }
 
 

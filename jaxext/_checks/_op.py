@@ -135,7 +135,8 @@ def _forward_mode_error(op: OpUnderTest) -> str | None:
 
 def _random_like(rng: np.random.Generator, leaf: Any, scale: float) -> Any:
     if jnp.issubdtype(leaf.dtype, jnp.inexact):
-        return (scale * rng.standard_normal(leaf.shape)).astype(leaf.dtype)
+        # np.asarray: for a scalar output, the product is a NumPy scalar, not an array.
+        return np.asarray(scale * rng.standard_normal(leaf.shape), dtype=leaf.dtype)
     return np.zeros(leaf.shape, jax.dtypes.float0)
 
 
