@@ -130,6 +130,7 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         bwd: Callable[..., Any],
         symbolic_zeros: bool = False,
         optimize_remat: bool = False,
+        generic_batching: bool = False,
         *,
         jvp: Callable[..., Any] | None = None,
     ) -> None:
@@ -147,6 +148,10 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
             symbolic_zeros: as for ``jax.custom_vjp``.
             optimize_remat: accepted for compatibility with ``jax.custom_vjp``;
                 it has no effect (``fwd`` runs once per differentiation).
+            generic_batching: accepted for compatibility with ``jax.custom_vjp``
+                (JAX 0.12 and later); it has no effect. Under ``vmap``, an output
+                shared across the batch (one that depends on unbatched inputs
+                only) already gets its cotangent counted once.
             jvp: optional ``jvp(*nondiff_args, residuals, tangents)`` returning
                 the output tangent; ``tangents`` has one entry per
                 differentiable argument (zeros where not perturbed). It must be
@@ -157,7 +162,7 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         Raises:
             TypeError: if a rule is not callable.
         """
-        del optimize_remat
+        del optimize_remat, generic_batching
         for name, rule in (("fwd", fwd), ("bwd", bwd)):
             if not callable(rule):
                 raise TypeError(f"`{name}` must be callable; got {type(rule).__name__}.")

@@ -268,7 +268,7 @@ def test_every_transformation_matches_autodiff(op, transform, wrap, x64):
     _tree_close(got, want)
 
 
-def _shared_output(custom_vjp):
+def _shared_output(custom_vjp, **options):
     # Under vmap over x alone, the second output depends on the unbatched w only: it is
     # shared across the batch, and its cotangent must count once in w's gradient.
     @custom_vjp
@@ -282,7 +282,7 @@ def _shared_output(custom_vjp):
         (x, w), (g_xw, g_sin) = res, g
         return g_xw * w, g_xw * x + g_sin * jnp.cos(w)
 
-    f.defvjp(fwd, bwd)
+    f.defvjp(fwd, bwd, **options)
     return f
 
 
@@ -297,8 +297,11 @@ SHARED_TRANSFORMS = {
 }
 
 
+# JAX 0.12's jax.custom_vjp raises on a shared output unless defvjp is given
+# generic_batching=True; jaxext accepts the option and gets the same (right) answer.
+@pytest.mark.parametrize("options", [{}, {"generic_batching": True}], ids=["default", "generic"])
 @pytest.mark.parametrize("transform", list(SHARED_TRANSFORMS))
-def test_output_shared_across_a_vmap_batch_matches_autodiff(transform, x64):
+def test_output_shared_across_a_vmap_batch_matches_autodiff(transform, options, x64):
     def loss_of(f):
         def loss(x, w):
             xw, sin_w = jax.vmap(f, in_axes=(0, None))(x, w)
@@ -308,7 +311,7 @@ def test_output_shared_across_a_vmap_batch_matches_autodiff(transform, x64):
 
     plain = lambda x, w: (x * w, jnp.sin(w))  # noqa: E731
     x, w = jnp.linspace(-1.0, 2.0, 5), jnp.float64(0.7)
-    got = SHARED_TRANSFORMS[transform](loss_of(_shared_output(jaxext.custom_vjp)))(x, w)
+    got = SHARED_TRANSFORMS[transform](loss_of(_shared_output(jaxext.custom_vjp, **options)))(x, w)
     want = SHARED_TRANSFORMS[transform](loss_of(plain))(x, w)
     _tree_close(got, want)
 
