@@ -301,7 +301,9 @@ def test_raise_exception_false_returns_false():
     assert jaxext.gradcheck(CORRECT, inputs, raise_exception=False) is True
 
 
-def test_forward_mode_checks_custom_jvp():
+def square_with_wrong_jvp():
+    """``x**2`` with a ``custom_jvp`` rule 1% too large: only forward mode sees it."""
+
     @jax.custom_jvp
     def square(x):
         return x**2
@@ -311,6 +313,11 @@ def test_forward_mode_checks_custom_jvp():
         (x,), (t,) = primals, tangents
         return square(x), 2.02 * x * t  # 1% too large
 
+    return square
+
+
+def test_forward_mode_checks_custom_jvp():
+    square = square_with_wrong_jvp()
     x = f64(0, (5,))
     with pytest.raises(jaxext.GradcheckError) as info:
         jaxext.gradcheck(square, (x,), modes=("fwd",))
@@ -714,15 +721,7 @@ def test_check_grad_dtypes_catches_a_float32_gradient():
 
 
 def test_check_forward_and_backward_ad_select_the_modes():
-    @jax.custom_jvp
-    def square(x):
-        return x**2
-
-    @square.defjvp
-    def square_jvp(primals, tangents):
-        (x,), (t,) = primals, tangents
-        return square(x), 2.02 * x * t  # 1% too large
-
+    square = square_with_wrong_jvp()
     x = f64(0, (5,))
     with pytest.raises(jaxext.GradcheckError) as info:
         jaxext.gradcheck(square, (x,), check_forward_ad=True, check_backward_ad=False)
