@@ -329,8 +329,8 @@ def check_shard_map(layout, check_vma):
     }
 
 
-def check_shard_map_mul_constant():
-    """shard_map with linear and an array-constant mul_constant.
+def check_shard_map_mul_constant(jit):
+    """shard_map with linear and an array-constant mul_constant, jitted or eager.
 
     The constant is replicated (invariant over `data`) while x is sharded, so its
     gradient must be psum-ed over `data` by the backward rule.
@@ -345,43 +345,17 @@ def check_shard_map_mul_constant():
     def local(w, c, x):
         return jax.lax.psum(jnp.sum(jaxext.mul_constant(jnp.tanh(jaxext.linear(x, w)), c)), "data")
 
-    args = [
-        jax.device_put(a, NamedSharding(mesh, spec))
-        for a, spec in zip((w, c, x), in_specs, strict=True)
-    ]
-    mapped = shard_map(local, mesh, in_specs, P(), True)
-    loss, grads = jax.jit(jax.value_and_grad(mapped, argnums=(0, 1, 2)))(*args)
+    run = jax.jit if jit else (lambda fn: fn)
+    with jax.set_mesh(mesh):  # an eager shard_map on explicit axes needs the mesh set
+        args = [jax.device_put(a, spec) for a, spec in zip((w, c, x), in_specs, strict=True)]
+        mapped = shard_map(local, mesh, in_specs, P(), True)
+        loss, grads = run(jax.value_and_grad(mapped, argnums=(0, 1, 2)))(*args)
+        forward = forward_mode(mapped, reference, (w, c, x), args, 3, jit=jit)
     loss_1, grads_1 = in_float64(jax.value_and_grad(reference, argnums=(0, 1, 2)), w, c, x)
     return {
         "loss": [float(loss), float(loss_1)],
         "grad_diff": max_abs_diff(grads, grads_1),
         "grad_scale": max_abs(grads_1),
-        **forward_mode(mapped, reference, (w, c, x), args, 3),
-    }
-
-
-def check_shard_map_eager():
-    """linear and mul_constant in an eager (un-jitted) shard_map: value and grad."""
-    mesh = make_mesh(AxisType.Explicit)
-    x, w, c = rand(60, (16, 12)), rand(61, (6, 12)), rand(62, (6,))
-    in_specs = (P(), P(), P("data", None))
-
-    def reference(w, c, x):
-        return jnp.sum(jnp.tanh(x @ w.T) * c)
-
-    def local(w, c, x):
-        return jax.lax.psum(jnp.sum(jaxext.mul_constant(jnp.tanh(jaxext.linear(x, w)), c)), "data")
-
-    with jax.set_mesh(mesh):
-        args = [jax.device_put(a, spec) for a, spec in zip((w, c, x), in_specs, strict=True)]
-        mapped = shard_map(local, mesh, in_specs, P(), True)
-        loss, grads = jax.value_and_grad(mapped, argnums=(0, 1, 2))(*args)
-        forward = forward_mode(mapped, reference, (w, c, x), args, 3, jit=False)
-    loss_1, grads_1 = jax.value_and_grad(reference, argnums=(0, 1, 2))(w, c, x)
-    return {
-        "loss": [float(loss), float(loss_1)],
-        "grad_diff": max_abs_diff(grads, grads_1),
-        "grad_scale": max(float(np.max(np.abs(g))) for g in grads_1),
         **forward,
     }
 
@@ -416,8 +390,8 @@ CHECKS = {
     "shard_map_row_novma": lambda: check_shard_map("row", False),
     "shard_map_column_vma": lambda: check_shard_map("column", True),
     "shard_map_column_novma": lambda: check_shard_map("column", False),
-    "shard_map_with_mul_constant": check_shard_map_mul_constant,
-    "shard_map_eager": check_shard_map_eager,
+    "shard_map_with_mul_constant": lambda: check_shard_map_mul_constant(True),
+    "shard_map_eager": lambda: check_shard_map_mul_constant(False),
     "forward_explicit_eager": lambda: check_forward_mode_sharded(AxisType.Explicit, False),
     "forward_explicit_jit": lambda: check_forward_mode_sharded(AxisType.Explicit, True),
     "forward_auto_eager": lambda: check_forward_mode_sharded(AxisType.Auto, False),
