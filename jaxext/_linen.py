@@ -17,9 +17,14 @@ from flax.linen.dtypes import promote_dtype
 from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
 from jax.typing import ArrayLike
 
+from ._layers import (
+    apply_kernel,
+    check_mul_constant,
+    learnable_scale,
+    refuse_dot_general,
+    refuse_missing_inputs,
+)
 from ._mul_constant import mul_constant
-from ._nnx import _apply_kernel, _refuse_dot_general, _refuse_missing_inputs, scale_dtype
-from ._validation import is_static_scalar
 
 __all__ = ["Dense", "MulConstant"]
 
@@ -83,13 +88,13 @@ class Dense(nn.Module):
         Returns:
             Array of shape ``(..., features)``.
         """
-        _refuse_dot_general(self.dot_general, "linen.Dense")
+        refuse_dot_general(self.dot_general, "linen.Dense")
         if self.dot_general_cls is not None:
             raise ValueError(
                 "`dot_general_cls` cannot be set for jaxext's linen.Dense (its matmul is "
                 f"jaxext's custom VJP); got {self.dot_general_cls!r}."
             )
-        _refuse_missing_inputs(inputs)
+        refuse_missing_inputs(inputs)
         if np.ndim(inputs) == 0:
             raise TypeError("`inputs` must have shape (..., in_features); got a scalar.")
         kernel = self.param(
@@ -99,7 +104,7 @@ class Dense(nn.Module):
         if self.use_bias:
             bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-        return _apply_kernel(
+        return apply_kernel(
             inputs, kernel, bias, precision=self.precision, preferred_element_type=None
         )
 
@@ -135,18 +140,10 @@ class MulConstant(nn.Module):
     @nn.compact
     def __call__(self, inputs: ArrayLike) -> jax.Array:
         """Returns ``inputs * constant`` (or ``inputs * scale`` when learnable)."""
-        if not is_static_scalar(self.constant):
-            raise TypeError(
-                "`constant` must be a Python or NumPy scalar (not a bool); got "
-                f"{type(self.constant).__name__}. For an array factor call "
-                "jaxext.mul_constant directly."
-            )
+        check_mul_constant(self.constant)
         if self.learnable:
             scale = self.param(
-                "scale",
-                lambda _key: jnp.asarray(
-                    self.constant, dtype=scale_dtype(self.constant, self.param_dtype)
-                ),
+                "scale", lambda _key: learnable_scale(self.constant, self.param_dtype)
             )
             return mul_constant(inputs, scale)
         return mul_constant(inputs, self.constant)

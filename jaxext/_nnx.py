@@ -17,100 +17,25 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from flax.nnx.nn import dtypes
 from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
 from jax import lax
-from jax.typing import ArrayLike, DTypeLike
+from jax.typing import ArrayLike
 
-from ._dense import dense
+from ._layers import (
+    apply_kernel,
+    check_mul_constant,
+    learnable_scale,
+    refuse_dot_general,
+    refuse_missing_inputs,
+)
 from ._mul_constant import mul_constant
-from ._validation import is_static_scalar
 
-__all__ = ["Linear", "MulConstant", "uniform_range"]
+__all__ = ["Linear", "MulConstant"]
 
 default_kernel_init = nnx.initializers.lecun_normal()
 default_bias_init = nnx.initializers.zeros_init()
-
-
-def uniform_range(low: float = -0.1, high: float = 0.1) -> Initializer:
-    """Initializer drawing from the uniform distribution on ``[low, high)``.
-
-    ``flax``'s ``initializers.uniform(scale)`` samples ``[0, scale)``; this is the
-    counterpart of ``torch.nn.init.uniform_(tensor, low, high)``. It follows the
-    ``(key, shape, dtype)`` initializer protocol, so it works for NNX and Linen.
-
-    Args:
-        low: inclusive lower bound.
-        high: exclusive upper bound, greater than ``low``.
-
-    Returns:
-        An initializer ``init(key, shape, dtype=jnp.float32) -> jax.Array``.
-
-    Raises:
-        ValueError: if ``low >= high``.
-
-    Example:
-        >>> import jax
-        >>> init = uniform_range(-0.1, 0.1)
-        >>> w = init(jax.random.key(0), (3, 2))
-        >>> bool((w >= -0.1).all() and (w < 0.1).all())
-        True
-    """
-    if not low < high:
-        raise ValueError(f"`low` must be smaller than `high`; got low={low}, high={high}.")
-
-    def init(key: jax.Array, shape: Any, dtype: DTypeLike = jnp.float32) -> jax.Array:
-        return jax.random.uniform(key, shape, dtype, minval=low, maxval=high)
-
-    return init
-
-
-def scale_dtype(constant: Any, param_dtype: Any) -> Any:
-    """The dtype of a learnable ``MulConstant``'s ``scale``: ``param_dtype``, made
-    complex when ``constant`` is complex (a real parameter cannot hold it)."""
-    if isinstance(constant, (complex, np.complexfloating)):
-        return jnp.promote_types(param_dtype, jnp.complex64)
-    return param_dtype
-
-
-def _refuse_missing_inputs(inputs: Any) -> None:
-    """Refuses, by name, ``inputs`` that no ``promote_dtype`` can turn into an array."""
-    if inputs is None or isinstance(inputs, (str, bytes)):
-        raise TypeError(f"`inputs` must be a numeric array; got {type(inputs).__name__}.")
-
-
-def _apply_kernel(inputs, kernel, bias, *, precision, preferred_element_type, out_sharding=None):
-    """``inputs @ kernel + bias`` through jaxext's custom VJP, for the Flax layers.
-
-    The operands are the layer's, after its ``promote_dtype``, used as they are,
-    exactly as Flax's layers use them (see ``_dense.py``). A shape that does not
-    contract is a ``TypeError``, as ``lax.dot_general`` raises in Flax's layers.
-    """
-    in_features = kernel.shape[0]
-    if np.ndim(inputs) == 0 or np.shape(inputs)[-1] != in_features:
-        raise TypeError(
-            f"`inputs` must have shape (..., in_features) = (..., {in_features}) to match "
-            f"the kernel of shape {kernel.shape}; got shape {np.shape(inputs)}."
-        )
-    return dense(
-        inputs,
-        kernel,
-        bias,
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-        out_sharding=out_sharding,
-    )
-
-
-def _refuse_dot_general(dot_general: Any, layer: str) -> None:
-    if dot_general is not None and dot_general is not lax.dot_general:
-        raise ValueError(
-            f"`dot_general` cannot be customised for jaxext's {layer}: its forward and "
-            f"backward are jaxext's custom VJP; got {dot_general!r}. Use flax's "
-            "own layer for a custom dot_general."
-        )
 
 
 def _feature_count(value: Any, name: str) -> int:
@@ -185,7 +110,7 @@ class Linear(nnx.Module):
         kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
         bias_metadata: Mapping[str, Any] = MappingProxyType({}),
     ):
-        _refuse_dot_general(dot_general, "nnx.Linear")
+        refuse_dot_general(dot_general, "nnx.Linear")
         in_features = _feature_count(in_features, "in_features")
         out_features = _feature_count(out_features, "out_features")
         # Same key order as flax.nnx.Linear: kernel first, then bias.
@@ -229,11 +154,11 @@ class Linear(nnx.Module):
                 is not ``in_features`` (the exception type ``flax.nnx.Linear``
                 raises), or if ``out_sharding`` is not a sharding.
         """
-        _refuse_missing_inputs(inputs)
+        refuse_missing_inputs(inputs)
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
-        return _apply_kernel(
+        return apply_kernel(
             inputs,
             kernel,
             bias,
@@ -270,17 +195,12 @@ class MulConstant(nnx.Module):
     def __init__(
         self, constant: float, *, learnable: bool = False, param_dtype: Dtype = jnp.float32
     ):
-        if not is_static_scalar(constant):
-            raise TypeError(
-                "`constant` must be a Python or NumPy scalar (not a bool); got "
-                f"{type(constant).__name__}. For an array factor call "
-                "jaxext.mul_constant directly."
-            )
+        check_mul_constant(constant)
         self.constant = constant
         self.learnable = learnable
         self.scale: nnx.Param | None
         if learnable:
-            self.scale = nnx.Param(jnp.asarray(constant, dtype=scale_dtype(constant, param_dtype)))
+            self.scale = nnx.Param(learnable_scale(constant, param_dtype))
         else:
             self.scale = nnx.data(None)
 

@@ -4,8 +4,8 @@
 scales by a constant; ``uniform_range`` is a ``[low, high)`` initializer.
 """
 
+from ._layers import uniform_range as uniform_range
 from ._linen import Dense as Dense
 from ._linen import MulConstant as MulConstant
-from ._nnx import uniform_range as uniform_range
 
 __all__ = ["Dense", "MulConstant", "uniform_range"]

@@ -4,8 +4,8 @@
 scales by a constant; ``uniform_range`` is a ``[low, high)`` initializer.
 """
 
+from ._layers import uniform_range as uniform_range
 from ._nnx import Linear as Linear
 from ._nnx import MulConstant as MulConstant
-from ._nnx import uniform_range as uniform_range
 
 __all__ = ["Linear", "MulConstant", "uniform_range"]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -252,3 +255,23 @@ def test_mul_constant_learnable_gets_true_gradient():
 def test_mul_constant_rejects_non_scalar(bad):
     with pytest.raises(TypeError, match="constant"):
         jaxext.linen.MulConstant(bad).init(jax.random.key(0), jnp.ones(2))
+
+
+# -- packaging -----------------------------------------------------------------------
+
+
+def test_linen_does_not_import_flax_nnx():
+    # flax.linen itself does not import flax.nnx; jaxext.linen must not either, even
+    # once its layers have run (init, apply, a gradient).
+    code = (
+        "import sys, jax, jax.numpy as jnp\n"
+        "import jaxext.linen\n"
+        "x = jnp.ones((2, 3))\n"
+        "for layer in (jaxext.linen.Dense(4, kernel_init=jaxext.linen.uniform_range()),\n"
+        "              jaxext.linen.MulConstant(2.0, learnable=True)):\n"
+        "    v = layer.init(jax.random.key(0), x)\n"
+        "    jax.grad(lambda v: layer.apply(v, x).sum())(v)\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith(('flax.nnx', 'jaxext._nnx')))\n"
+        "assert not loaded, loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -1,0 +1,121 @@
+"""What jaxext's NNX and Linen layers share, beneath both (imports neither ``flax.nnx``
+nor ``flax.linen``).
+
+The argument checks both layer APIs make, the matmul both dense layers run through
+jaxext's custom VJP (``_dense.py``), ``MulConstant``'s constant check and learnable
+scale, and the :func:`uniform_range` initializer both namespaces export.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.typing import Initializer
+from jax import lax
+from jax.typing import DTypeLike
+
+from ._dense import dense
+from ._validation import is_static_scalar
+
+__all__ = [
+    "apply_kernel",
+    "check_mul_constant",
+    "learnable_scale",
+    "refuse_dot_general",
+    "refuse_missing_inputs",
+    "uniform_range",
+]
+
+
+def uniform_range(low: float = -0.1, high: float = 0.1) -> Initializer:
+    """Initializer drawing from the uniform distribution on ``[low, high)``.
+
+    ``flax``'s ``initializers.uniform(scale)`` samples ``[0, scale)``; this is the
+    counterpart of ``torch.nn.init.uniform_(tensor, low, high)``. It follows the
+    ``(key, shape, dtype)`` initializer protocol, so it works for NNX and Linen.
+
+    Args:
+        low: inclusive lower bound.
+        high: exclusive upper bound, greater than ``low``.
+
+    Returns:
+        An initializer ``init(key, shape, dtype=jnp.float32) -> jax.Array``.
+
+    Raises:
+        ValueError: if ``low >= high``.
+
+    Example:
+        >>> import jax
+        >>> init = uniform_range(-0.1, 0.1)
+        >>> w = init(jax.random.key(0), (3, 2))
+        >>> bool((w >= -0.1).all() and (w < 0.1).all())
+        True
+    """
+    if not low < high:
+        raise ValueError(f"`low` must be smaller than `high`; got low={low}, high={high}.")
+
+    def init(key: jax.Array, shape: Any, dtype: DTypeLike = jnp.float32) -> jax.Array:
+        return jax.random.uniform(key, shape, dtype, minval=low, maxval=high)
+
+    return init
+
+
+def refuse_missing_inputs(inputs: Any) -> None:
+    """Refuses, by name, ``inputs`` that no ``promote_dtype`` can turn into an array."""
+    if inputs is None or isinstance(inputs, (str, bytes)):
+        raise TypeError(f"`inputs` must be a numeric array; got {type(inputs).__name__}.")
+
+
+def refuse_dot_general(dot_general: Any, layer: str) -> None:
+    """Refuses a ``dot_general`` other than ``None`` or ``lax.dot_general`` for ``layer``."""
+    if dot_general is not None and dot_general is not lax.dot_general:
+        raise ValueError(
+            f"`dot_general` cannot be customised for jaxext's {layer}: its forward and "
+            f"backward are jaxext's custom VJP; got {dot_general!r}. Use flax's "
+            "own layer for a custom dot_general."
+        )
+
+
+def apply_kernel(inputs, kernel, bias, *, precision, preferred_element_type, out_sharding=None):
+    """``inputs @ kernel + bias`` through jaxext's custom VJP, for the Flax layers.
+
+    The operands are the layer's, after its ``promote_dtype``, used as they are,
+    exactly as Flax's layers use them (see ``_dense.py``). A shape that does not
+    contract is a ``TypeError``, as ``lax.dot_general`` raises in Flax's layers.
+    """
+    in_features = kernel.shape[0]
+    if np.ndim(inputs) == 0 or np.shape(inputs)[-1] != in_features:
+        raise TypeError(
+            f"`inputs` must have shape (..., in_features) = (..., {in_features}) to match "
+            f"the kernel of shape {kernel.shape}; got shape {np.shape(inputs)}."
+        )
+    return dense(
+        inputs,
+        kernel,
+        bias,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        out_sharding=out_sharding,
+    )
+
+
+def check_mul_constant(constant: Any) -> None:
+    """Refuses a ``MulConstant`` constant that is not a Python/NumPy scalar (or is a bool)."""
+    if not is_static_scalar(constant):
+        raise TypeError(
+            "`constant` must be a Python or NumPy scalar (not a bool); got "
+            f"{type(constant).__name__}. For an array factor call "
+            "jaxext.mul_constant directly."
+        )
+
+
+def learnable_scale(constant: Any, param_dtype: DTypeLike) -> jax.Array:
+    """The initial value of a learnable ``MulConstant``'s ``scale``: ``constant`` in
+    ``param_dtype``, made complex when ``constant`` is complex (a real parameter
+    cannot hold it)."""
+    if isinstance(constant, (complex, np.complexfloating)):
+        param_dtype = jnp.promote_types(param_dtype, jnp.complex64)
+    return jnp.asarray(constant, dtype=param_dtype)
