@@ -78,7 +78,9 @@ def _run_two_processes(tmp_path, inputs):
     port = _free_port()
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
-    env.pop("XLA_FLAGS", None)  # the worker sets its own device count
+    # The worker sets its own device count; other XLA flags (say, an ISA cap) stay.
+    flags = env.get("XLA_FLAGS", "").split()
+    env["XLA_FLAGS"] = " ".join(f for f in flags if "host_platform_device_count" not in f)
     env["JAXEXT_EXTENSIONS_DIR"] = str(tmp_path / "extensions")  # not the user's cache
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     outputs = [tmp_path / f"process{i}.json" for i in range(2)]
