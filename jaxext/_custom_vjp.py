@@ -444,7 +444,9 @@ class _Linear:
         for grad, aval, q, label in zip(flat, self.in_avals, self.perturbed, labels, strict=True):
             if not q:
                 continue
-            result.append(self.finish(grad, aval, label))
+            # A gradient has its input's cotangent type (a reduced input's is unreduced).
+            ct_aval = aval.to_ct_aval() if hasattr(aval, "to_ct_aval") else aval
+            result.append(self.finish(grad, ct_aval, label))
         return result
 
     def finish(self, grad: Any, aval: Any, label: str) -> jax.Array:

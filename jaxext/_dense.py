@@ -24,12 +24,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 from jax.typing import DTypeLike
 
-from jaxext import custom_vjp
+from jaxext import custom_vjp, grad_type
 
 __all__ = ["dense"]
 
@@ -120,22 +119,11 @@ def _dense_fwd(x, kernel, bias, config):
         xv if kernel.perturbed else None,
         bias is not None and bias.perturbed,
         y_dot.dtype,
-        _type(xv),
-        _type(kv),
-        None if bv is None else _type(bv),
+        grad_type(xv),
+        grad_type(kv),
+        None if bv is None else grad_type(bv),
     )
     return _add_bias(y_dot, bv), res
-
-
-class _Type(NamedTuple):
-    """What a gradient must match besides its shape: its input's dtype and sharding."""
-
-    dtype: Any
-    sharding: Any
-
-
-def _type(value: jax.Array) -> _Type:
-    return _Type(value.dtype, jax.typeof(value).sharding)
 
 
 def _cast(grad: jax.Array, dtype: Any) -> jax.Array:
@@ -150,8 +138,9 @@ def _transposed(sharding):
     """The sharding of a 2-D array laid out like ``sharding``'s, axes swapped."""
     if not isinstance(sharding, NamedSharding):
         return sharding
-    spec = tuple(sharding.spec) + (None,) * (2 - len(sharding.spec))
-    return sharding.update(spec=PartitionSpec(*reversed(spec)))
+    # `partitions`, not `*spec`: a spec's unreduced/reduced axes stay as they are.
+    partitions = tuple(sharding.spec.partitions) + (None,) * (2 - len(sharding.spec.partitions))
+    return sharding.update(spec=sharding.spec.update(partitions=partitions[::-1]))
 
 
 def _dense_bwd(config, res, g):
@@ -160,7 +149,7 @@ def _dense_bwd(config, res, g):
     grad_x = grad_k = grad_b = None
     if bias_wanted:
         # The transpose of the bias's broadcast: a sum over the batch axes, in g's dtype.
-        grad_b = lax.reduce(g, np.zeros((), g.dtype), lax.add, batch_axes) if batch_axes else g
+        grad_b = lax.reduce_sum(g, batch_axes, out_sharding=b_type.sharding)
         grad_b = _cast(grad_b, b_type.dtype)
     # The transpose of the bias add's promotion of the matmul result.
     g = _cast(g, dot_dtype)

@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
-from jaxext import check_array, custom_vjp
+from jaxext import check_array, custom_vjp, grad_type
 
 __all__ = ["linear"]
 
@@ -55,7 +55,9 @@ def linear(
         out_sharding: sharding of the result (a ``PartitionSpec`` under
             ``jax.set_mesh``, or a ``NamedSharding``), as for ``jnp.matmul``:
             needed on meshes with explicit axes when ``in_features`` is sharded
-            (row parallelism). The gradients keep their inputs' shardings.
+            (row parallelism). Each gradient has the sharding autodiff gives
+            it (see :func:`jaxext.grad_type`): its input's, unreduced for an
+            input marked reduced, replicated for one not placed on the mesh.
 
     Returns:
         Array of shape ``(..., out_features)``. Its dtype is the ``jnp``
@@ -171,16 +173,17 @@ def _linear_fwd(x, weight, bias, config):
     # With symbolic_zeros=True each argument arrives with `.value` and `.perturbed`
     # (PyTorch's needs_input_grad). grad_x needs the weight and grad_weight needs x;
     # grad_bias needs neither. Only those are kept (references, no copies), with
-    # the Python facts the backward needs (dtypes, shardings, which bias grad).
+    # the Python facts the backward needs: which bias grad, and each gradient's type
+    # (dtype and sharding, as autodiff would give it).
     xv, wv = x.value, weight.value
     bv = None if bias is None else bias.value
     res = (
         wv if x.perturbed else None,
         xv if weight.perturbed else None,
         bias is not None and bias.perturbed,
-        _type(xv),
-        _type(wv),
-        None if bv is None else _type(bv),
+        grad_type(xv),
+        grad_type(wv),
+        None if bv is None else grad_type(bv),
     )
     return _linear(xv, wv, bv, config), res
 
@@ -213,9 +216,10 @@ def _linear_bwd(config, res, g):
         grad_w = _as_grad(grad_w, w_type)
     if bias_wanted:
         # Sum over leading axes only, so the shape stays (out_features,) even when it
-        # is 1. lax.reduce with add is the reduction autodiff's transpose emits, in
-        # g's own dtype: bit-identical to flax's bias gradient, bfloat16 included.
-        grad_b = _as_grad(lax.reduce(g, np.zeros((), g.dtype), lax.add, batch_axes), b_type)
+        # is 1. reduce_sum is the reduction autodiff's transpose emits, in g's own
+        # dtype: bit-identical to flax's bias gradient, bfloat16 included.
+        grad_b = lax.reduce_sum(g, batch_axes, out_sharding=b_type.sharding)
+        grad_b = _as_grad(grad_b, b_type)
     return grad_x, grad_w, grad_b
 
 
@@ -223,18 +227,7 @@ _linear.defvjp(_linear_fwd, _linear_bwd, symbolic_zeros=True)
 _linear_compiled = jax.jit(_linear, static_argnums=3)
 
 
-class _Type(NamedTuple):
-    """What a gradient must match besides its shape: its input's dtype and sharding."""
-
-    dtype: Any
-    sharding: Any
-
-
-def _type(value: jax.Array) -> _Type:
-    return _Type(value.dtype, jax.typeof(value).sharding)
-
-
-def _as_grad(grad: jax.Array, kind: _Type) -> jax.Array:
+def _as_grad(grad: jax.Array, kind: jax.ShapeDtypeStruct) -> jax.Array:
     """``grad`` in its input's dtype; the real part for a real input of a complex result."""
     if jnp.iscomplexobj(grad) and not jnp.issubdtype(kind.dtype, jnp.complexfloating):
         grad = jnp.real(grad)

@@ -29,12 +29,13 @@ import traceback  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
+from flax import linen, nnx  # noqa: E402
 from helpers import in_float64  # noqa: E402  (tests/, the script's directory)
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxext  # noqa: E402
+import jaxext.linen  # noqa: E402
 import jaxext.nnx  # noqa: E402
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
@@ -377,6 +378,172 @@ def check_forward_mode_sharded(axis_type, jit):
         return forward_mode(loss, reference, (x, w, b), args, 3, jit=jit)
 
 
+# ----------------------------------------------------------------------- placements
+# The parameters in the other states plain JAX accepts: never placed on the mesh (made
+# with jnp outside it), replicated, resharded to "reduced" over `data` inside the loss,
+# or placed reduced with two microbatches' unreduced gradients summed before the one
+# reduction (the gradient accumulation of JAX's sharding-and-autodiff docs).
+
+BATCH, FEATURES = 16, (12, 8, 4)
+
+
+class _NnxMLP(nnx.Module):
+    def __init__(self, cls, *, rngs):
+        self.l1 = cls(FEATURES[0], FEATURES[1], rngs=rngs)
+        self.l2 = cls(FEATURES[1], FEATURES[2], rngs=rngs)
+
+    def __call__(self, x):
+        return jnp.tanh(self.l2(jnp.tanh(self.l1(x))))
+
+
+class _LinenMLP(linen.Module):
+    dense: type
+
+    @linen.compact
+    def __call__(self, x):
+        return jnp.tanh(self.dense(FEATURES[2])(jnp.tanh(self.dense(FEATURES[1])(x))))
+
+
+def layer_mlp(layer):
+    """A 12 -> 8 -> 4 tanh MLP of ``layer``: (NumPy params, jaxext apply, plain apply).
+
+    The plain model is the same math without jaxext: ``jnp`` matmuls for ``linear``,
+    Flax's own layers for ``nnx`` and ``linen``, on the same parameters.
+    """
+    if layer == "linear":
+        sizes = list(zip(FEATURES[1:], FEATURES[:-1], strict=True))  # (out, in)
+        params = [(rand(60 + i, s), rand(65 + i, s[:1])) for i, s in enumerate(sizes)]
+
+        def make_apply(affine):
+            def apply(params, x):
+                for w, b in params:
+                    x = jnp.tanh(affine(x, w, b))
+                return x
+
+            return apply
+
+        return params, make_apply(jaxext.linear), make_apply(lambda x, w, b: x @ w.T + b)
+    if layer == "nnx":
+        models = [_NnxMLP(cls, rngs=nnx.Rngs(0)) for cls in (jaxext.nnx.Linear, nnx.Linear)]
+        params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(models[0], nnx.Param)))
+
+        def make_apply(model):
+            graphdef, state = nnx.split(model)
+
+            def apply(params, x):
+                state_copy = jax.tree.map(lambda leaf: leaf, state)
+                nnx.replace_by_pure_dict(state_copy, params)
+                return nnx.merge(graphdef, state_copy)(x)
+
+            return apply
+
+        return params, make_apply(models[0]), make_apply(models[1])
+    modules = [_LinenMLP(cls) for cls in (jaxext.linen.Dense, linen.Dense)]
+    params = modules[0].init(jax.random.key(0), jnp.ones((1, FEATURES[0])))
+    return jax.tree.map(np.asarray, params), modules[0].apply, modules[1].apply
+
+
+def param_partitions(params):
+    """Per leaf: the first kernel column-parallel over `model`, the rest replicated."""
+    leaves, tree = jax.tree.flatten(params)
+    kernels = [i for i, leaf in enumerate(leaves) if leaf.ndim == 2]
+    out = [(None,) * leaf.ndim for leaf in leaves]
+    first = leaves[kernels[0]]
+    out_axis = 0 if first.shape == (FEATURES[1], FEATURES[0]) else 1  # (out, in) or (in, out)
+    out[kernels[0]] = tuple("model" if a == out_axis else None for a in range(2))
+    return jax.tree.unflatten(tree, out)
+
+
+def _spec(leaf, partitions, reduced):
+    # Only kernels are made reduced: a reduced bias cannot meet a batch-sharded result.
+    return P(*partitions, reduced={"data"}) if reduced and leaf.ndim == 2 else P(*partitions)
+
+
+def spec_of(value):
+    return jax.typeof(value).sharding.spec
+
+
+def placement_step(apply, placement, partitions, unreduced_log):
+    """A jitted ``(params, x, t) -> (loss, grads)`` for ``placement``."""
+
+    def loss(params, x, t):
+        if placement == "reduced":  # the docs' cast: free forward, all-reduce backward
+            params = jax.tree.map(
+                lambda a, parts: jax.reshard(a, _spec(a, parts, True)), params, partitions
+            )
+        return jnp.sum((apply(params, x) - t) ** 2) / BATCH
+
+    if placement != "reduced_accumulate":
+        return jax.jit(jax.value_and_grad(loss))
+
+    def accumulate(params, xs, ts):  # xs: (microbatch, batch@data, features)
+        total, acc = 0.0, None
+        for x, t in zip(xs, ts, strict=True):
+            value, grads = jax.value_and_grad(loss)(params, x, t)
+            unreduced_log[:] = [sorted(spec_of(g).unreduced) for g in jax.tree.leaves(grads)]
+            total = total + value
+            acc = grads if acc is None else jax.tree.map(jnp.add, acc, grads)
+        # The one all-reduce: unreduced gradients -> the parameters' own partitions.
+        return total, jax.tree.map(lambda g: jax.reshard(g, P(*spec_of(g).partitions)), acc)
+
+    return jax.jit(accumulate)
+
+
+def check_placement(axis_type, layer, placement):
+    """One gradient step of ``layer``'s MLP with parameters placed as ``placement``."""
+    mesh = make_mesh(axis_type)
+    params, apply_j, apply_p = layer_mlp(layer)
+    partitions = param_partitions(params)
+    x, t = rand(90, (BATCH, FEATURES[0])), rand(91, (BATCH, FEATURES[-1]))
+    if placement == "unplaced":
+        args = jax.tree.map(jnp.asarray, params)  # jnp arrays made outside the mesh
+    with jax.set_mesh(mesh):
+        if placement == "replicated":
+            args = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P())), params)
+        elif placement != "unplaced":  # reduced: placed, resharded to reduced in the loss
+            reduced = placement == "reduced_accumulate"
+            args = jax.tree.map(
+                lambda a, parts: jax.device_put(a, NamedSharding(mesh, _spec(a, parts, reduced))),
+                params,
+                partitions,
+            )
+        if placement == "reduced_accumulate":
+            shape, spec = (2, BATCH // 2), P(None, "data", None)
+        else:
+            shape, spec = (BATCH,), P("data", None)
+        x_s = jax.device_put(x.reshape(*shape, -1), NamedSharding(mesh, spec))
+        t_s = jax.device_put(t.reshape(*shape, -1), NamedSharding(mesh, spec))
+        logs = {"jaxext": [], "plain": []}
+        steps = {
+            kind: placement_step(apply, placement, partitions, logs[kind])
+            for kind, apply in (("jaxext", apply_j), ("plain", apply_p))
+        }
+        (loss, grads), (_, grads_p) = (steps[k](args, x_s, t_s) for k in ("jaxext", "plain"))
+        counts = {k: collective_counts(step, args, x_s, t_s) for k, step in steps.items()}
+
+    def reference(params, x, t):
+        return jnp.sum((apply_p(params, x) - t) ** 2) / BATCH
+
+    loss_1, grads_1 = in_float64(jax.value_and_grad(reference), params, x, t)
+    return {
+        "loss": [float(loss), float(loss_1)],
+        "grad_diff": max_abs_diff(grads, grads_1),
+        "grad_scale": max_abs(grads_1),
+        "grad_specs": specs(grads),
+        "plain_grad_specs": specs(grads_p),
+        "microbatch_unreduced": logs["jaxext"],
+        "plain_microbatch_unreduced": logs["plain"],
+        "collectives": counts["jaxext"],
+        "plain_collectives": counts["plain"],
+    }
+
+
+PLACEMENTS = {
+    AxisType.Explicit: ("unplaced", "replicated", "reduced", "reduced_accumulate"),
+    AxisType.Auto: ("unplaced", "replicated"),  # reduced shardings need explicit axes
+}
+
+
 CHECKS = {
     "linear_explicit_single": lambda: check_linear(AxisType.Explicit, "single"),
     "linear_explicit_replicated_bias": lambda: check_linear(AxisType.Explicit, "replicated_bias"),
@@ -397,6 +564,16 @@ CHECKS = {
     "forward_auto_eager": lambda: check_forward_mode_sharded(AxisType.Auto, False),
     "forward_auto_jit": lambda: check_forward_mode_sharded(AxisType.Auto, True),
 }
+CHECKS.update(
+    {
+        f"placement_{axis_type.name.lower()}_{layer}_{placement}": (
+            lambda a=axis_type, m=layer, p=placement: check_placement(a, m, p)
+        )
+        for axis_type, placements in PLACEMENTS.items()
+        for layer in ("linear", "nnx", "linen")
+        for placement in placements
+    }
+)
 
 
 def main(path):

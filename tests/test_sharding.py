@@ -39,6 +39,21 @@ SHARD_MAP_CASES = [
     "shard_map_with_mul_constant",  # replicated array constant: psum of its gradient
     "shard_map_eager",  # un-jitted shard_map: value and grad
 ]
+# Parameters as plain JAX also accepts them, under `jax.set_mesh` with a batch-sharded
+# input: never placed on the mesh (jnp arrays made outside it), replicated, resharded to
+# "reduced" inside the loss, placed reduced with two microbatches' unreduced gradients
+# summed (explicit axes only: auto axes have no reduced shardings); for jaxext.linear,
+# jaxext.nnx.Linear and jaxext.linen.Dense, each against plain jnp or Flax's own layer.
+PLACEMENTS = {
+    "explicit": ("unplaced", "replicated", "reduced", "reduced_accumulate"),
+    "auto": ("unplaced", "replicated"),
+}
+PLACEMENT_CASES = [
+    f"placement_{axes}_{layer}_{placement}"
+    for axes, placements in PLACEMENTS.items()
+    for layer in ("linear", "nnx", "linen")
+    for placement in placements
+]
 FORWARD_CASES = [  # forward mode of jaxext.linear on sharded arrays, no shard_map
     "forward_explicit_eager",
     "forward_explicit_jit",
@@ -91,7 +106,7 @@ def _assert_grads_close(result):
 def test_worker_sees_eight_devices(worker_results):
     assert worker_results["device_count"] == 8
     assert set(worker_results["checks"]) == set(
-        LINEAR_CASES + NNX_CASES + SHARD_MAP_CASES + FORWARD_CASES
+        LINEAR_CASES + NNX_CASES + SHARD_MAP_CASES + FORWARD_CASES + PLACEMENT_CASES
     )
 
 
@@ -117,6 +132,26 @@ def test_linear_backward_adds_no_collectives(worker_results, name):
     assert result["collectives"] == result["plain_collectives"]
     # The data-parallel weight gradient needs a reduction: the count is not vacuous.
     assert result["plain_collectives"]["all-reduce"] >= 1
+
+
+@pytest.mark.parametrize("name", PLACEMENT_CASES)
+def test_placement_step_matches_single_device(worker_results, name):
+    result = _check(worker_results, name)
+    _assert_loss_close(result["loss"])
+    _assert_grads_close(result)
+
+
+@pytest.mark.parametrize("name", PLACEMENT_CASES)
+def test_placement_gradients_and_collectives_match_plain(worker_results, name):
+    result = _check(worker_results, name)
+    assert result["grad_specs"] == result["plain_grad_specs"]
+    assert result["collectives"] == result["plain_collectives"]
+    assert result["plain_collectives"]["all-reduce"] >= 1  # the weight gradients' reduction
+    # Within a step of two microbatches the gradients of reduced kernels are unreduced
+    # over `data` (summed before the one reduction), as plain autodiff makes them.
+    assert result["microbatch_unreduced"] == result["plain_microbatch_unreduced"]
+    if name.endswith("reduced_accumulate"):
+        assert result["microbatch_unreduced"].count(["data"]) == 2  # the two kernels
 
 
 @pytest.mark.parametrize("name", NNX_CASES)
