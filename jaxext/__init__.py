@@ -19,8 +19,8 @@ from ._checks import gradcheck as gradcheck
 from ._checks import gradgradcheck as gradgradcheck
 from ._checks import opcheck as opcheck
 from ._function import Function as Function
-from ._function_ctx import FunctionCtx as FunctionCtx
-from ._function_ctx import once_differentiable as once_differentiable
+from ._function import FunctionCtx as FunctionCtx
+from ._function import once_differentiable as once_differentiable
 from ._linear import linear as linear
 from ._mul_constant import mul_constant as mul_constant
 from ._torch_interop import export_torch_linear as export_torch_linear

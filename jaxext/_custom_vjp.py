@@ -115,6 +115,12 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         self.bwd: Callable[..., Any] | None = None
         self.jvp: Callable[..., Any] | None = None
         self.symbolic_zeros = False
+        # Set by libraries built on custom_vjp (jaxext.Function), read in forward mode:
+        # what to tell a user whose bwd cannot be transposed, and, for a bwd that must not
+        # be differentiated (once_differentiable), the message of the RuntimeError that any
+        # derivative through it raises.
+        self.forward_mode_hint: str | None = None
+        self.no_derivatives_message: str | None = None
 
     def _signature(self) -> inspect.Signature | None:
         if not hasattr(self, "_cached_signature"):
@@ -248,6 +254,23 @@ def arg_label(fun: Callable[..., Any], position: int, skip: int = 0) -> str:
     ):
         return f"argument {position} (`{params[position].name}`)"
     return f"argument {position}"
+
+
+def without_derivatives(call: Callable[..., Any], message: str) -> custom_vjp:
+    """``call`` as a ``custom_vjp`` whose every derivative rule raises ``RuntimeError(message)``.
+
+    Evaluating it runs ``call``; differentiating it, in reverse or forward mode,
+    raises at trace time. Every array ``call`` reads must be one of its
+    arguments, so that no derivative can bypass the rules. Transposing it (when
+    ``call`` is linear) is not differentiating it and works.
+    """
+
+    def refuse(*_: Any) -> Any:
+        raise RuntimeError(message)
+
+    blocked = custom_vjp(call)
+    blocked.defvjp(lambda *args: (call(*args), None), refuse, jvp=refuse)
+    return blocked
 
 
 class _RuleTypeError(TypeError):
@@ -478,19 +501,17 @@ class _Linear:
         """``J t`` for the float outputs: from the user's ``jvp`` or by transposing ``bwd``."""
         if self.op.spec.jvp is not None:
             return self.user_jvp(res_arrays, t_in)
-        refuse = getattr(self.op.spec, "refuse_derivatives", None)
-        if refuse is not None:
+        message = self.op.spec.no_derivatives_message
+        if message is not None:
             # The backward must not be differentiated (once_differentiable): transposing it
             # is fine, differentiating that transpose (reverse over forward) is not.
-            blocked = custom_vjp(self.transposed)
-            blocked.defvjp(lambda r, t: (self.transposed(r, t), None), refuse, jvp=refuse)
-            return blocked(list(res_arrays), list(t_in))
+            return without_derivatives(self.transposed, message)(list(res_arrays), list(t_in))
         return self.transposed(res_arrays, t_in)
 
     def transposed(self, res_arrays: Sequence[Any], t_in: Sequence[Any]) -> list[jax.Array]:
         """``J t`` as the transpose of ``bwd``."""
         examples = [_example(a) for a in self.ct_avals]
-        hint = getattr(self.op.spec, "forward_mode_hint", None) or (
+        hint = self.op.spec.forward_mode_hint or (
             f"give a JVP rule: `{self.op.name}.defvjp(fwd, bwd, jvp=jvp)` with "
             "`jvp(*nondiff_args, residuals, tangents) -> output tangent`"
         )

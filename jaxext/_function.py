@@ -4,8 +4,14 @@
 its differentiable inputs; every other argument (numbers, strings, ``None``,
 tuples of ints ...) is closed over as a static constant, so it never needs to
 be hashable, and ``jit`` retraces exactly when the caller's own static
-arguments change. ``CustomVJPPrimal.perturbed`` becomes ``ctx.needs_input_grad``;
-``ctx`` crosses from forward to backward as the residuals.
+arguments change. ``CustomVJPPrimal.perturbed`` becomes ``ctx.needs_input_grad``.
+
+In PyTorch ``ctx`` is one graph node that lives from the forward to the
+backward. In JAX the two are separate traces (``fwd`` and ``bwd`` of the
+``custom_vjp``), so whatever the forward leaves on ``ctx`` crosses over as
+residuals (:meth:`FunctionCtx._residuals`, :meth:`FunctionCtx._restore`): array
+leaves as residual arrays, every other Python value as static data, which costs
+nothing at run time and survives ``jit``.
 """
 
 from __future__ import annotations
@@ -13,22 +19,199 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from ._custom_vjp import arg_label, custom_vjp
-from ._function_ctx import (
-    FunctionCtx,
-    call_blocking_derivatives,
-    is_array,
-    is_once_differentiable,
-    refusing_rule,
-)
+from ._custom_vjp import arg_label, custom_vjp, without_derivatives
 
-__all__ = ["Function"]
+__all__ = ["Function", "FunctionCtx", "once_differentiable"]
+
+
+def _is_array(value: Any) -> bool:
+    """True for JAX arrays (tracers included) and NumPy arrays, not for scalars."""
+    return isinstance(value, (jax.Array, np.ndarray))
+
+
+class _CtxState(NamedTuple):
+    """What a ``FunctionCtx`` carries from forward to backward (and ``jvp``), as residuals."""
+
+    saved: tuple[Any, ...]
+    saved_for_forward: tuple[Any, ...]
+    attributes: dict[str, Any]
+    materialize_grads: bool
+
+
+class FunctionCtx:
+    """The context object passed as ``ctx`` to ``forward`` and ``backward``.
+
+    Set any attribute on it in ``forward`` and read it in ``backward``: array
+    values (also inside tuples, lists and dicts) become residuals, anything
+    else is kept as static Python data. Values must not hide arrays inside
+    objects that are not pytrees.
+    """
+
+    __slots__ = (
+        "__dict__",
+        "_function_name",
+        "_materialize_grads",
+        "_needs_input_grad",
+        "_non_differentiable",
+        "_saved",
+        "_saved_for_forward",
+    )
+
+    def __init__(self, function_name: str, needs_input_grad: tuple[bool, ...]):
+        self._function_name = function_name
+        self._needs_input_grad = needs_input_grad
+        self._saved: tuple[Any, ...] = ()
+        self._saved_for_forward: tuple[Any, ...] = ()
+        self._non_differentiable: list[Any] = []
+        self._materialize_grads = True
+
+    @property
+    def needs_input_grad(self) -> tuple[bool, ...]:
+        """One bool per forward argument: is it differentiated in this trace?"""
+        return self._needs_input_grad
+
+    def save_for_backward(self, *values: Any) -> None:
+        """Stores arrays (or ``None``) for ``backward``, read back as ``saved_tensors``."""
+        self._saved = self._checked("save_for_backward", values)
+
+    def save_for_forward(self, *values: Any) -> None:
+        """Stores arrays (or ``None``) for ``jvp``, read back there as ``saved_tensors``."""
+        self._saved_for_forward = self._checked("save_for_forward", values)
+
+    def _checked(self, method: str, values: tuple[Any, ...]) -> tuple[Any, ...]:
+        for i, value in enumerate(values):
+            if value is not None and not _is_array(value):
+                raise TypeError(
+                    f"`{self._function_name}`: {method} accepts arrays or None; "
+                    f"value {i} is a {type(value).__name__}. Store other Python values as "
+                    "ctx attributes instead (e.g. `ctx.scale = scale`)."
+                )
+        return values
+
+    @property
+    def saved_tensors(self) -> tuple[Any, ...]:
+        """The values given to ``save_for_backward`` (in ``jvp``: to ``save_for_forward``)."""
+        return self._saved
+
+    @property
+    def saved_variables(self) -> tuple[Any, ...]:
+        """Alias of ``saved_tensors``, for code written for older PyTorch."""
+        return self._saved
+
+    def mark_non_differentiable(self, *outputs: Any) -> None:
+        """Declares outputs (the very objects ``forward`` returns) non-differentiable.
+
+        No gradient flows back through them; ``backward`` receives zeros as
+        their cotangents.
+        """
+        self._non_differentiable.extend(outputs)
+
+    def set_materialize_grads(self, value: bool) -> None:
+        """With ``False``, ``backward`` gets ``None`` instead of zero arrays for zero cotangents."""
+        self._materialize_grads = bool(value)
+
+    def mark_dirty(self, *args: Any) -> None:
+        """Unsupported: JAX arrays are immutable, so nothing is modified in place."""
+        raise TypeError(
+            f"`{self._function_name}`: mark_dirty has no JAX equivalent because JAX arrays are "
+            "immutable; return a new array from forward instead of modifying an input."
+        )
+
+    # -- crossing from forward to backward (used by Function.apply only) ---------------
+
+    def _non_differentiable_flags(self, outputs: tuple[Any, ...]) -> tuple[bool, ...]:
+        """One flag per output: was it given to ``mark_non_differentiable``?"""
+        marked = self._non_differentiable
+        for k, value in enumerate(marked):
+            if not any(value is o for o in outputs):
+                raise ValueError(
+                    f"`{self._function_name}.forward`: value {k} given to "
+                    "mark_non_differentiable is not one of the returned outputs (pass the "
+                    "very array objects that forward returns)."
+                )
+        return tuple(any(o is m for m in marked) for o in outputs)
+
+    def _residuals(self) -> _CtxState:
+        """What ``backward`` and ``jvp`` read, as a pytree of residuals and static data."""
+        # None is an empty pytree: `x if ctx.needs_input_grad[1] else None` saves nothing.
+        return _CtxState(
+            self._saved, self._saved_for_forward, dict(vars(self)), self._materialize_grads
+        )
+
+    @classmethod
+    def _restore(
+        cls,
+        function_name: str,
+        needs_input_grad: tuple[bool, ...],
+        state: _CtxState,
+        *,
+        for_jvp: bool = False,
+    ) -> FunctionCtx:
+        """The ``ctx`` that ``backward`` (or, with ``for_jvp``, ``jvp``) receives."""
+        ctx = cls(function_name, needs_input_grad)
+        ctx._saved = state.saved_for_forward if for_jvp else state.saved
+        ctx._materialize_grads = state.materialize_grads
+        for key, value in state.attributes.items():
+            setattr(ctx, key, value)
+        return ctx
+
+
+def once_differentiable(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """Declares that a :class:`jaxext.Function`'s ``backward`` must not be differentiated.
+
+    First-order gradients work as usual. Asking JAX for a second-order
+    derivative through the backward (``grad`` of ``grad``, ``jacrev`` of
+    ``grad`` ...) raises ``RuntimeError`` at trace time instead of silently
+    differentiating code that was not written for it. Put it under
+    ``@staticmethod``, as in PyTorch.
+
+    Args:
+        backward: the ``backward(ctx, *grad_outputs)`` function.
+
+    Returns:
+        The same function, tagged for ``Function.apply``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> import jaxext
+        >>> class Cube(jaxext.Function):
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         ctx.save_for_backward(x)
+        ...         return x**3
+        ...     @staticmethod
+        ...     @jaxext.once_differentiable
+        ...     def backward(ctx, g):
+        ...         (x,) = ctx.saved_tensors
+        ...         return g * 3 * x**2
+        >>> jax.grad(Cube.apply)(jnp.float32(2.0))
+        Array(12., dtype=float32)
+    """
+
+    return _OnceDifferentiable(backward)
+
+
+class _OnceDifferentiable:
+    """A ``backward`` tagged by :func:`once_differentiable` (a declared type, not a flag)."""
+
+    def __init__(self, backward: Callable[..., Any]):
+        functools.update_wrapper(self, backward)
+        self.backward = backward
+
+    def __call__(self, ctx: FunctionCtx, *grad_outputs: Any) -> Any:
+        return self.backward(ctx, *grad_outputs)
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        # Bound like a plain function when used without @staticmethod.
+        return self if instance is None else functools.partial(self, instance)
 
 
 class Function:
@@ -117,9 +300,9 @@ class Function:
             if getattr(cls, method) is getattr(Function, method):
                 raise TypeError(f"`{name}` must define a static `{method}` method.")
         args = _bind(cls, args, kwargs)
-        diff_positions = tuple(i for i, arg in enumerate(args) if is_array(arg))
+        diff_positions = tuple(i for i, arg in enumerate(args) if _is_array(arg))
         for i, arg in enumerate(args):
-            if i not in diff_positions and any(map(is_array, jax.tree_util.tree_leaves(arg))):
+            if i not in diff_positions and any(map(_is_array, jax.tree_util.tree_leaves(arg))):
                 raise TypeError(
                     f"`{name}.apply`: {_arg_label(cls, i)} is a {type(arg).__name__} holding "
                     "arrays; pass each differentiable array as its own argument."
@@ -148,12 +331,20 @@ class _Meta(NamedTuple):
     inputs: tuple[Any, ...]  # (shape, dtype) per argument, or the static value's type name
     outputs: tuple[tuple[tuple[int, ...], Any, bool], ...]  # (shape, dtype, non-differentiable)
     tuple_output: bool
-    materialize_grads: bool
 
 
 def _lower(cls: type[Function], args: tuple[Any, ...], diff_positions: tuple[int, ...]):
     """Builds the ``jaxext.custom_vjp`` of ``cls`` for this call's static arguments."""
     name = cls.__name__
+    # With @once_differentiable, the message of the error any derivative of backward raises.
+    once = (
+        f"`{name}.backward` is decorated with @once_differentiable, so it cannot be "
+        "differentiated: a second-order derivative (e.g. grad of grad, or jax.hessian) was "
+        "requested through it. Remove the decorator if the backward is built from "
+        "differentiable jax.numpy operations."
+        if isinstance(cls.backward, _OnceDifferentiable)
+        else None
+    )
     run_forward = functools.partial(_run_forward, cls, args, diff_positions)
 
     def function(*diff_values):
@@ -174,27 +365,30 @@ def _lower(cls: type[Function], args: tuple[Any, ...], diff_positions: tuple[int
             tuple(inputs),
             tuple((o.shape, o.dtype, nd) for o, nd in zip(outputs, non_diff, strict=True)),
             tuple_output,
-            ctx._materialize_grads,
         )
-        # None is an empty pytree: `x if ctx.needs_input_grad[1] else None` saves nothing.
-        residuals = (ctx._saved, ctx._saved_for_forward, dict(vars(ctx)), meta)
-        return (tuple(outputs) if tuple_output else outputs[0]), residuals
+        return (tuple(outputs) if tuple_output else outputs[0]), (ctx._residuals(), meta)
 
     def function_bwd(residuals, cotangents):
-        saved, _, attributes, meta = residuals
-        cotangents = _materialize(meta, cotangents if meta.tuple_output else (cotangents,))
+        state, meta = residuals
+        cotangents = _materialize(
+            meta, state.materialize_grads, cotangents if meta.tuple_output else (cotangents,)
+        )
         if cotangents is None:  # nothing flows back: skip the user's backward
             return (None,) * len(diff_positions)
-        call = functools.partial(_run_backward, cls, meta, attributes)
-        if is_once_differentiable(cls.backward):
-            grads = call_blocking_derivatives(name, call, saved, cotangents)
+        if once:
+            # Every array the backward reads is an explicit input of `without_derivatives`,
+            # so a derivative through any of them, reverse or forward, raises.
+            def call(saved, cotangents):
+                return _run_backward(cls, meta, state._replace(saved=saved), cotangents)
+
+            grads = without_derivatives(call, once)(state.saved, cotangents)
         else:
-            grads = call(saved, cotangents)
+            grads = _run_backward(cls, meta, state, cotangents)
         return tuple(grads[i] if meta.needs_input_grad[i] else None for i in diff_positions)
 
     def function_jvp(residuals, tangents):
-        _, saved_for_forward, attributes, meta = residuals
-        ctx = _rebuild_ctx(name, meta, saved_for_forward, attributes)
+        state, meta = residuals
+        ctx = FunctionCtx._restore(name, meta.needs_input_grad, state, for_jvp=True)
         grad_inputs: list[Any] = [None] * len(args)
         for i, tangent in zip(diff_positions, tangents, strict=True):
             grad_inputs[i] = tangent
@@ -212,8 +406,7 @@ def _lower(cls: type[Function], args: tuple[Any, ...], diff_positions: tuple[int
         f"define a static method `jvp(ctx, *grad_inputs)` on `{name}`, reading what forward "
         "stored with `ctx.save_for_forward(...)`"
     )
-    if is_once_differentiable(cls.backward):
-        op.refuse_derivatives = refusing_rule(name)
+    op.no_derivatives_message = once
     jvp = function_jvp if _overrides(cls, "jvp") else None
     op.defvjp(function_fwd, function_bwd, symbolic_zeros=True, jvp=jvp)
     return op
@@ -232,24 +425,15 @@ def _run_forward(cls, args, diff_positions, diff_values, needs_input_grad):
     else:
         raw = cls.forward(ctx, *full)
     outputs, tuple_output = _check_outputs(name, raw)
-    non_diff = _non_differentiable_flags(name, ctx, raw if tuple_output else (raw,))
+    non_diff = ctx._non_differentiable_flags(raw if tuple_output else (raw,))
     return ctx, outputs, tuple_output, non_diff
-
-
-def _rebuild_ctx(name: str, meta: _Meta, saved: tuple, attributes: dict) -> FunctionCtx:
-    ctx = FunctionCtx(name, meta.needs_input_grad)
-    ctx._saved = saved
-    ctx._materialize_grads = meta.materialize_grads
-    for key, value in attributes.items():
-        setattr(ctx, key, value)
-    return ctx
 
 
 def _output_tangent(name: str, tangent: Any, spec: tuple) -> Any:
     shape, dtype, _ = spec
     if tangent is None:
         return jnp.zeros(shape, dtype) if jnp.issubdtype(dtype, jnp.inexact) else None
-    if not is_array(tangent):
+    if not _is_array(tangent):
         raise TypeError(
             f"`{name}.jvp` must return arrays (or None) as output tangents; got "
             f"{type(tangent).__name__}."
@@ -259,10 +443,11 @@ def _output_tangent(name: str, tangent: Any, spec: tuple) -> Any:
     return tangent
 
 
-def _materialize(meta: _Meta, cotangents: tuple[Any, ...]) -> tuple[Any, ...] | None:
+def _materialize(
+    meta: _Meta, materialize: bool, cotangents: tuple[Any, ...]
+) -> tuple[Any, ...] | None:
     """One cotangent per output, zeros (or None) where none flows; None if all are zero."""
     result, any_nonzero = [], False
-    materialize = meta.materialize_grads
     for ct, (shape, dtype, non_diff) in zip(cotangents, meta.outputs, strict=True):
         zero = non_diff or not jnp.issubdtype(dtype, jnp.inexact) or isinstance(ct, SymbolicZero)
         any_nonzero = any_nonzero or not zero
@@ -270,8 +455,8 @@ def _materialize(meta: _Meta, cotangents: tuple[Any, ...]) -> tuple[Any, ...] | 
     return tuple(result) if any_nonzero else None
 
 
-def _run_backward(cls, meta: _Meta, attributes: dict, saved, cotangents) -> list[Any]:
-    ctx = _rebuild_ctx(cls.__name__, meta, saved, attributes)
+def _run_backward(cls, meta: _Meta, state: _CtxState, cotangents) -> list[Any]:
+    ctx = FunctionCtx._restore(cls.__name__, meta.needs_input_grad, state)
     return _check_grads(cls, meta, cls.backward(ctx, *cotangents))
 
 
@@ -292,7 +477,7 @@ def _check_grads(cls, meta: _Meta, grads: Any) -> list[Any]:
                 f"`{name}.backward` returned a gradient for {label}, but that argument is "
                 f"static (a {spec}, not an array); return None for it."
             )
-        if g is not None and not is_array(g):
+        if g is not None and not _is_array(g):
             raise TypeError(
                 f"`{name}.backward`: the gradient for {label} must be an array or None; "
                 f"got {type(g).__name__}."
@@ -337,21 +522,10 @@ def _warn_missing_gradient(name: str, label: str, i: int, dtype: Any) -> None:
 def _check_outputs(name: str, raw: Any) -> tuple[list[jax.Array], bool]:
     tuple_output = isinstance(raw, (tuple, list))
     items = tuple(raw) if tuple_output else (raw,)
-    if not items or not all(map(is_array, items)):
+    if not items or not all(map(_is_array, items)):
         got = type(raw).__name__ if not tuple_output else [type(o).__name__ for o in items]
         raise TypeError(f"`{name}.forward` must return an array or a tuple of arrays; got {got}.")
     return [o if isinstance(o, jax.Array) else jnp.asarray(o) for o in items], tuple_output
-
-
-def _non_differentiable_flags(name: str, ctx: FunctionCtx, raw: tuple[Any, ...]):
-    marked = ctx._non_differentiable
-    for k, value in enumerate(marked):
-        if not any(value is o for o in raw):
-            raise ValueError(
-                f"`{name}.forward`: value {k} given to mark_non_differentiable is not one of "
-                "the returned outputs (pass the very array objects that forward returns)."
-            )
-    return tuple(any(o is m for m in marked) for o in raw)
 
 
 def _bind(cls, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
