@@ -359,17 +359,28 @@ def _lower(cls: type[Function], args: tuple[Any, ...], diff_positions: tuple[int
         needs = [False] * len(args)
         for i, p in zip(diff_positions, primals, strict=True):
             needs[i] = bool(p.perturbed)
-        ctx, outputs, tuple_output, non_diff = run_forward(values, tuple(needs))
+        values = [v if isinstance(v, jax.Array) else jnp.asarray(v) for v in values]
+        # As PyTorch runs forward under no_grad, forward runs on inputs cut from any outer
+        # derivative. The outputs then get their derivative from this Function's own rules
+        # (`attached`), and saved inputs and outputs are relinked to their differentiable
+        # versions: higher orders come from backward/jvp, as in torch, even for a forward
+        # JAX cannot differentiate. Other saved intermediates are constants, as in torch.
+        frozen = [jax.lax.stop_gradient(v) for v in values]
+        ctx, outputs, tuple_output, non_diff = run_forward(frozen, tuple(needs))
         inputs = [type(arg).__name__ for arg in args]
         for i, value in zip(diff_positions, values, strict=True):
-            inputs[i] = (jnp.shape(value), jnp.result_type(value))
+            inputs[i] = (value.shape, value.dtype)
         meta = _Meta(
             tuple(needs),
             tuple(inputs),
             tuple((o.shape, o.dtype, nd) for o, nd in zip(outputs, non_diff, strict=True)),
             tuple_output,
         )
-        return (tuple(outputs) if tuple_output else outputs[0]), (ctx._residuals(), meta)
+        live = attached(values, outputs)
+        links = {id(f): v for f, v in zip(frozen, values, strict=True)}
+        links.update({id(o): v for o, v in zip(outputs, live, strict=True)})
+        state = jax.tree_util.tree_map(lambda leaf: links.get(id(leaf), leaf), ctx._residuals())
+        return (tuple(live) if tuple_output else live[0]), (state, meta)
 
     def function_bwd(residuals, cotangents):
         state, meta = residuals
@@ -417,16 +428,36 @@ def _lower(cls: type[Function], args: tuple[Any, ...], diff_positions: tuple[int
             )
         return _output_tangent(name, 0, out, meta.outputs[0])
 
+    # `attached(values, outputs)` returns `outputs` (computed by forward) unchanged; when it
+    # is differentiated (a second or higher order), its rules are this Function's.
+    def attached_fwd(values, outputs):
+        out, residuals = function_fwd(*values)
+        return list(out) if isinstance(out, tuple) else [out], residuals
+
+    def attached_bwd(residuals, cotangents):
+        _, meta = residuals
+        grads = function_bwd(residuals, tuple(cotangents) if meta.tuple_output else cotangents[0])
+        return list(grads), [None] * len(cotangents)
+
+    def attached_jvp(residuals, tangents):
+        out = function_jvp(residuals, tuple(tangents[0]))
+        return list(out) if isinstance(out, tuple) else [out]
+
+    def define(primal, fwd, bwd, jvp) -> custom_vjp:
+        rule = custom_vjp(primal)
+        rule.forward_mode_hint = (
+            f"define a static method `jvp(ctx, *grad_inputs)` on `{name}`, reading what "
+            "forward stored with `ctx.save_for_forward(...)`"
+        )
+        rule.no_derivatives_message = once
+        rule.defvjp(fwd, bwd, symbolic_zeros=True, jvp=jvp if _overrides(cls, "jvp") else None)
+        return rule
+
     function.__name__ = function.__qualname__ = name
-    op = custom_vjp(function)
-    op.forward_mode_hint = (
-        f"define a static method `jvp(ctx, *grad_inputs)` on `{name}`, reading what forward "
-        "stored with `ctx.save_for_forward(...)`"
+    attached = define(
+        lambda values, outputs: list(outputs), attached_fwd, attached_bwd, attached_jvp
     )
-    op.no_derivatives_message = once
-    jvp = function_jvp if _overrides(cls, "jvp") else None
-    op.defvjp(function_fwd, function_bwd, symbolic_zeros=True, jvp=jvp)
-    return op
+    return define(function, function_fwd, function_bwd, function_jvp)
 
 
 def _run_forward(cls, args, diff_positions, diff_values, needs_input_grad):
@@ -569,7 +600,9 @@ def _bind(cls, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]
         signature = inspect.signature(cls.forward)
     except (TypeError, ValueError):
         if kwargs:
-            raise TypeError(f"`{name}.apply`: keyword arguments need a forward with a signature.")
+            raise TypeError(
+                f"`{name}.apply`: keyword arguments need a forward with a signature."
+            ) from None
         return args
     try:
         bound = (

@@ -310,3 +310,153 @@ def test_python_scalar_as_the_differentiated_input():
     c = jnp.array([1.0, -2.0])
     assert_close(jax.grad(lambda x: ScaleBySetup.apply(x, c).sum())(3.0), float(jnp.sum(c)))
     assert_close(jax.jacfwd(lambda x: ScaleBySetup.apply(x, c))(3.0), c)
+
+
+# -- higher orders come from the Function's own rules (saved outputs) -------------------------
+
+
+def _numpy_cube(x):
+    """x**3 and its derivative 3 x**2, computed on the host: JAX cannot differentiate it."""
+
+    def host(a):
+        a = np.asarray(a)
+        return a**3, 3 * a**2
+
+    shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return jax.pure_callback(host, (shape, shape), x, vmap_method="sequential")
+
+
+class NumpyCube(jaxext.Function):
+    """PyTorch's double-backward pattern: the derivative is an extra, saved output."""
+
+    @staticmethod
+    def forward(x):
+        return _numpy_cube(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, outputs):
+        (x,) = inputs
+        _, dx = outputs
+        ctx.save_for_backward(x, dx)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_dx):
+        x, dx = ctx.saved_tensors
+        return grad_out * dx + grad_dx * 6 * x
+
+
+def cube(x):
+    return NumpyCube.apply(x)[0]
+
+
+HIGHER = {
+    "grad(grad)": lambda f: jax.grad(lambda x: jnp.sum(jax.grad(lambda x: jnp.sum(f(x)))(x))),
+    "hessian": lambda f: jax.hessian(lambda x: jnp.sum(f(x))),
+    "jvp(grad)": lambda f: (
+        lambda x: jax.jvp(jax.grad(lambda x: jnp.sum(f(x))), (x,), (jnp.ones_like(x),))[1]
+    ),
+    "jacfwd(jacrev)": lambda f: jax.jacfwd(jax.jacrev(f)),
+    "jacrev(jacrev)": lambda f: jax.jacrev(jax.jacrev(f)),
+    "grad(grad(grad))": lambda f: jax.grad(
+        lambda x: jnp.sum(jax.grad(lambda x: jnp.sum(jax.grad(lambda x: jnp.sum(f(x)))(x)))(x))
+    ),
+}
+
+
+def _cube_reference(x):
+    return x**3
+
+
+@pytest.mark.parametrize("transform", HIGHER, ids=str)
+def test_saved_output_differentiates_through_the_function(transform, x64):
+    x = jnp.array([0.5, -1.5, 2.0])
+    got = HIGHER[transform](cube)(x)
+    want = HIGHER[transform](_cube_reference)(x)  # float64 autodiff of the same math
+    assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("transform", ["grad(grad)", "hessian", "jacfwd(jacrev)"])
+def test_saved_output_matches_torch_func(transform):
+    torch = pytest.importorskip("torch")
+    from torch import func as tf
+
+    class TorchNumpyCube(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(x):
+            a = x.detach().numpy()
+            return torch.from_numpy(a**3), torch.from_numpy(3 * a**2)
+
+        @staticmethod
+        def setup_context(ctx, inputs, outputs):
+            (x,) = inputs
+            _, dx = outputs
+            ctx.save_for_backward(x, dx)
+
+        @staticmethod
+        def backward(ctx, grad_out, grad_dx):
+            x, dx = ctx.saved_tensors
+            return grad_out * dx + grad_dx * 6 * x
+
+    x = np.array([0.5, -1.5, 2.0])
+    tx = torch.from_numpy(x)
+
+    def tcube(t):
+        return TorchNumpyCube.apply(t)[0]
+
+    torch_transforms = {
+        "grad(grad)": lambda: tf.grad(lambda t: tf.grad(lambda t: tcube(t).sum())(t).sum())(tx),
+        # torch's forward mode needs a jvp method; reverse over reverse gives the same matrix
+        "hessian": lambda: tf.jacrev(tf.jacrev(lambda t: tcube(t).sum()))(tx),
+        "jacfwd(jacrev)": lambda: tf.jacrev(tf.jacrev(tcube))(tx),
+    }
+    want = torch_transforms[transform]().numpy()
+    with jax.enable_x64(True):
+        got = HIGHER[transform](cube)(jnp.asarray(x))
+    assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+class ExpSavingIntermediate(jaxext.Function):
+    """Saves an intermediate (exp(x)) that is neither an input nor an output."""
+
+    @staticmethod
+    def forward(x):
+        return jnp.exp(x) * 2
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(jnp.exp(inputs[0]))
+
+    @staticmethod
+    def backward(ctx, g):
+        (e,) = ctx.saved_tensors
+        return g * 2 * e
+
+
+def test_saved_intermediate_is_a_constant_as_in_torch():
+    torch = pytest.importorskip("torch")
+    from torch import func as tf
+
+    class TorchExpSavingIntermediate(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(x):
+            return torch.exp(x) * 2
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(torch.exp(inputs[0]))
+
+        @staticmethod
+        def backward(ctx, g):
+            (e,) = ctx.saved_tensors
+            return g * 2 * e
+
+    x = np.array([0.3, -0.7])
+    hessian = tf.jacrev(tf.jacrev(lambda t: TorchExpSavingIntermediate.apply(t).sum()))
+    want = hessian(torch.from_numpy(x))
+    with jax.enable_x64(True):
+        got = jax.hessian(lambda x: ExpSavingIntermediate.apply(x).sum())(jnp.asarray(x))
+    assert_close(got, want.numpy(), rtol=1e-12, atol=1e-12)
