@@ -284,8 +284,11 @@ class Function:
 
         Args:
             *args: the forward arguments (after ``ctx`` when forward takes one).
-            **kwargs: forward arguments by name; allowed only when every earlier
-                argument is given too (as in PyTorch: defaults are not filled in).
+            **kwargs: forward arguments by name, bound as PyTorch binds them. In
+                the ``setup_context`` style they map onto ``forward``'s parameters
+                and defaults are filled in, so ``setup_context`` receives every
+                input. In the ``forward(ctx, ...)`` style defaults are not filled
+                in, and a keyword must not skip an earlier parameter.
 
         Returns:
             What ``forward`` returns: an array, or a tuple of arrays.
@@ -356,7 +359,14 @@ def _lower(cls: type[Function], args: tuple[Any, ...], diff_positions: tuple[int
         needs = [False] * len(args)
         for i, p in zip(diff_positions, primals, strict=True):
             needs[i] = bool(p.perturbed)
-        ctx, outputs, tuple_output, non_diff = run_forward(values, tuple(needs))
+        values = [v if isinstance(v, jax.Array) else jnp.asarray(v) for v in values]
+        # As PyTorch runs forward under no_grad, forward runs on inputs cut from any outer
+        # derivative. The outputs then get their derivative from this Function's own rules
+        # (`attached`), and saved inputs and outputs are relinked to their differentiable
+        # versions: higher orders come from backward/jvp, as in torch, even for a forward
+        # JAX cannot differentiate. Other saved intermediates are constants, as in torch.
+        frozen = [jax.lax.stop_gradient(v) for v in values]
+        ctx, outputs, tuple_output, non_diff = run_forward(frozen, tuple(needs))
         inputs = [type(arg).__name__ for arg in args]
         for i, value in zip(diff_positions, values, strict=True):
             inputs[i] = (value.shape, value.dtype)
@@ -366,7 +376,11 @@ def _lower(cls: type[Function], args: tuple[Any, ...], diff_positions: tuple[int
             tuple((o.shape, o.dtype, nd) for o, nd in zip(outputs, non_diff, strict=True)),
             tuple_output,
         )
-        return (tuple(outputs) if tuple_output else outputs[0]), (ctx._residuals(), meta)
+        live = attached(values, outputs)
+        links = {id(f): v for f, v in zip(frozen, values, strict=True)}
+        links.update({id(o): v for o, v in zip(outputs, live, strict=True)})
+        state = jax.tree_util.tree_map(lambda leaf: links.get(id(leaf), leaf), ctx._residuals())
+        return (tuple(live) if tuple_output else live[0]), (state, meta)
 
     def function_bwd(residuals, cotangents):
         state, meta = residuals
@@ -376,12 +390,18 @@ def _lower(cls: type[Function], args: tuple[Any, ...], diff_positions: tuple[int
         if cotangents is None:  # nothing flows back: skip the user's backward
             return (None,) * len(diff_positions)
         if once:
-            # Every array the backward reads is an explicit input of `without_derivatives`,
-            # so a derivative through any of them, reverse or forward, raises.
-            def call(saved, cotangents):
-                return _run_backward(cls, meta, state._replace(saved=saved), cotangents)
+            # Every array the backward reads (saved, or kept as a ctx attribute) is an
+            # explicit input of `without_derivatives`, so a derivative through any of them,
+            # reverse or forward, raises.
+            leaves, treedef = jax.tree_util.tree_flatten(state)
+            arrays = [leaf for leaf in leaves if _is_array(leaf)]
 
-            grads = without_derivatives(call, once)(state.saved, cotangents)
+            def call(arrays, cotangents):
+                it = iter(arrays)
+                rebuilt = [next(it) if _is_array(leaf) else leaf for leaf in leaves]
+                return _run_backward(cls, meta, treedef.unflatten(rebuilt), cotangents)
+
+            grads = without_derivatives(call, once)(arrays, cotangents)
         else:
             grads = _run_backward(cls, meta, state, cotangents)
         return tuple(grads[i] if meta.needs_input_grad[i] else None for i in diff_positions)
@@ -389,27 +409,55 @@ def _lower(cls: type[Function], args: tuple[Any, ...], diff_positions: tuple[int
     def function_jvp(residuals, tangents):
         state, meta = residuals
         ctx = FunctionCtx._restore(name, meta.needs_input_grad, state, for_jvp=True)
+        # As in PyTorch: None for static and integer inputs, a (maybe zero) array for floats.
         grad_inputs: list[Any] = [None] * len(args)
         for i, tangent in zip(diff_positions, tangents, strict=True):
-            grad_inputs[i] = tangent
+            if jnp.issubdtype(meta.inputs[i][1], jnp.inexact):
+                grad_inputs[i] = tangent
         out = cls.jvp(ctx, *grad_inputs)
         if meta.tuple_output:
             out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+            if len(out) != len(meta.outputs):
+                raise ValueError(
+                    f"`{name}.jvp` must return one tangent per output of forward "
+                    f"({len(meta.outputs)}); got {len(out)}."
+                )
             return tuple(
-                _output_tangent(name, t, spec) for t, spec in zip(out, meta.outputs, strict=True)
+                _output_tangent(name, k, t, spec)
+                for k, (t, spec) in enumerate(zip(out, meta.outputs, strict=True))
             )
-        return _output_tangent(name, out, meta.outputs[0])
+        return _output_tangent(name, 0, out, meta.outputs[0])
+
+    # `attached(values, outputs)` returns `outputs` (computed by forward) unchanged; when it
+    # is differentiated (a second or higher order), its rules are this Function's.
+    def attached_fwd(values, outputs):
+        out, residuals = function_fwd(*values)
+        return list(out) if isinstance(out, tuple) else [out], residuals
+
+    def attached_bwd(residuals, cotangents):
+        _, meta = residuals
+        grads = function_bwd(residuals, tuple(cotangents) if meta.tuple_output else cotangents[0])
+        return list(grads), [None] * len(cotangents)
+
+    def attached_jvp(residuals, tangents):
+        out = function_jvp(residuals, tuple(tangents[0]))
+        return list(out) if isinstance(out, tuple) else [out]
+
+    def define(primal, fwd, bwd, jvp) -> custom_vjp:
+        rule = custom_vjp(primal)
+        rule.forward_mode_hint = (
+            f"define a static method `jvp(ctx, *grad_inputs)` on `{name}`, reading what "
+            "forward stored with `ctx.save_for_forward(...)`"
+        )
+        rule.no_derivatives_message = once
+        rule.defvjp(fwd, bwd, symbolic_zeros=True, jvp=jvp if _overrides(cls, "jvp") else None)
+        return rule
 
     function.__name__ = function.__qualname__ = name
-    op = custom_vjp(function)
-    op.forward_mode_hint = (
-        f"define a static method `jvp(ctx, *grad_inputs)` on `{name}`, reading what forward "
-        "stored with `ctx.save_for_forward(...)`"
+    attached = define(
+        lambda values, outputs: list(outputs), attached_fwd, attached_bwd, attached_jvp
     )
-    op.no_derivatives_message = once
-    jvp = function_jvp if _overrides(cls, "jvp") else None
-    op.defvjp(function_fwd, function_bwd, symbolic_zeros=True, jvp=jvp)
-    return op
+    return define(function, function_fwd, function_bwd, function_jvp)
 
 
 def _run_forward(cls, args, diff_positions, diff_values, needs_input_grad):
@@ -417,7 +465,9 @@ def _run_forward(cls, args, diff_positions, diff_values, needs_input_grad):
     name = cls.__name__
     full = list(args)
     for i, value in zip(diff_positions, diff_values, strict=True):
-        full[i] = value
+        # A JAX array, never a Python scalar (JAX may hand differentiated scalars over as
+        # typed Python floats): forward and setup_context may read .shape and .dtype.
+        full[i] = value if isinstance(value, jax.Array) else jnp.asarray(value)
     ctx = FunctionCtx(name, needs_input_grad)
     if _overrides(cls, "setup_context"):
         raw = cls.forward(*full)
@@ -429,10 +479,16 @@ def _run_forward(cls, args, diff_positions, diff_values, needs_input_grad):
     return ctx, outputs, tuple_output, non_diff
 
 
-def _output_tangent(name: str, tangent: Any, spec: tuple) -> Any:
-    shape, dtype, _ = spec
+def _output_tangent(name: str, k: int, tangent: Any, spec: tuple) -> Any:
+    shape, dtype, non_differentiable = spec
     if tangent is None:
         return jnp.zeros(shape, dtype) if jnp.issubdtype(dtype, jnp.inexact) else None
+    if non_differentiable or not jnp.issubdtype(dtype, jnp.inexact):
+        why = "marked non-differentiable" if non_differentiable else f"of dtype {dtype}"
+        raise ValueError(
+            f"`{name}.jvp` returned a tangent for output {k}, which is {why}: return None "
+            "at that position instead (as PyTorch requires)."
+        )
     if not _is_array(tangent):
         raise TypeError(
             f"`{name}.jvp` must return arrays (or None) as output tangents; got "
@@ -529,19 +585,44 @@ def _check_outputs(name: str, raw: Any) -> tuple[list[jax.Array], bool]:
 
 
 def _bind(cls, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """Maps keyword arguments onto forward's positions, without filling in defaults."""
-    if not kwargs:
+    """Forward's arguments by position, bound as ``torch.autograd.Function.apply`` binds them.
+
+    In the ``setup_context`` style, ``forward`` has no ``ctx``: keywords are mapped
+    onto its parameters and defaults filled in, so ``setup_context`` sees every
+    input. In the ``forward(ctx, ...)`` style, keywords are mapped after ``ctx``
+    and defaults are not filled in; a keyword that leaves a gap is an error.
+    """
+    name = cls.__name__
+    setup_style = _overrides(cls, "setup_context")
+    if not kwargs and not setup_style:
         return args
     try:
-        bound = inspect.signature(cls.forward).bind(None, *args, **kwargs)
+        signature = inspect.signature(cls.forward)
+    except (TypeError, ValueError):
+        if kwargs:
+            raise TypeError(
+                f"`{name}.apply`: keyword arguments need a forward with a signature."
+            ) from None
+        return args
+    try:
+        bound = (
+            signature.bind(*args, **kwargs)
+            if setup_style
+            else signature.bind(None, *args, **kwargs)
+        )
     except TypeError as err:
-        raise TypeError(f"`{cls.__name__}.apply`: {err}.") from None
+        raise TypeError(f"`{name}.apply`: {err}.") from None
+    if setup_style:
+        bound.apply_defaults()
     if bound.kwargs:
         raise TypeError(
-            f"`{cls.__name__}.apply`: keyword argument(s) {sorted(bound.kwargs)} must come "
+            f"`{name}.apply`: keyword argument(s) {sorted(bound.kwargs)} must come "
             "with every earlier forward argument given as well."
+            if not setup_style
+            else f"`{name}.apply`: keyword-only parameter(s) {sorted(bound.kwargs)} of "
+            "forward are not supported; make them positional."
         )
-    return tuple(bound.args[1:])
+    return tuple(bound.args) if setup_style else tuple(bound.args[1:])
 
 
 def _arg_label(cls, i: int) -> str:

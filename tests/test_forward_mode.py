@@ -511,7 +511,9 @@ class ExpWithJvp(jaxext.Function):
     def forward(ctx, x, y):
         out = jnp.exp(x) * y
         ctx.save_for_backward(out, x)
-        ctx.save_for_forward(out, jnp.exp(x))
+        # Saved inputs and outputs carry their derivatives into second order, as in torch
+        # (an intermediate such as exp(x) would be a constant there, as in torch).
+        ctx.save_for_forward(out, x)
         return out
 
     @staticmethod
@@ -521,8 +523,8 @@ class ExpWithJvp(jaxext.Function):
 
     @staticmethod
     def jvp(ctx, x_dot, y_dot):
-        out, exp_x = ctx.saved_tensors
-        return x_dot * out + y_dot * exp_x
+        out, x = ctx.saved_tensors
+        return x_dot * out + y_dot * jnp.exp(x)
 
 
 class SinCos(jaxext.Function):
