@@ -20,6 +20,7 @@ from ._checks import gradgradcheck as gradgradcheck
 from ._checks import opcheck as opcheck
 from ._function import Function as Function
 from ._function import FunctionCtx as FunctionCtx
+from ._function import VmapInfo as VmapInfo
 from ._function import once_differentiable as once_differentiable
 from ._linear import linear as linear
 from ._mul_constant import mul_constant as mul_constant

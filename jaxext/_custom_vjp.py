@@ -28,6 +28,7 @@ from typing import Any, Generic, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import custom_batching
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
@@ -121,6 +122,7 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         # derivative through it raises.
         self.forward_mode_hint: str | None = None
         self.no_derivatives_message: str | None = None
+        self.vmap_rule: Callable[..., tuple[Any, Any]] | None = None
 
     def _signature(self) -> inspect.Signature | None:
         if not hasattr(self, "_cached_signature"):
@@ -177,6 +179,56 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         self.fwd, self.bwd, self.jvp = fwd, bwd, jvp
         self.symbolic_zeros = bool(symbolic_zeros)
 
+    def def_vmap(self, rule: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[Any, Any]]:
+        """Defines the batching rule ``vmap`` uses for the function (usable as a decorator).
+
+        Without a rule, ``vmap`` batches the primal function's operations, as JAX
+        does for any function. A rule is what a function JAX cannot batch needs
+        (one that calls ``jax.pure_callback`` without a ``vmap_method``, or a C++
+        kernel), or one with a better batched form. It has the signature of
+        ``jax.custom_batching.custom_vmap``'s rules:
+        ``rule(axis_size, in_batched, *args) -> (out, out_batched)``. ``args``
+        are the function's arguments with the batch axis first on those whose
+        ``in_batched`` flag is True (``nondiff_argnums`` arguments are never
+        batched); ``out_batched`` tells which leaves of ``out`` carry the batch
+        axis first. The rule is applied at each level of nested ``vmap``.
+
+        The rule covers evaluation: under ``grad``, ``jvp`` and the other
+        transformations, the result is batched by the rule wherever ``fwd``
+        computes it by calling the decorated function (as in the example), and
+        ``bwd`` is batched by JAX. (``jax.custom_batching.custom_vmap`` cannot be
+        combined with ``jax.custom_vjp``; this rule composes with every
+        transformation.)
+
+        Args:
+            rule: the batching rule.
+
+        Returns:
+            ``rule``, so that ``def_vmap`` can decorate it.
+
+        Raises:
+            TypeError: if ``rule`` is not callable.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, numpy as np
+            >>> import jaxext
+            >>> @jaxext.custom_vjp
+            ... def host_sin(x):  # NumPy on the host: JAX can neither batch nor differentiate it
+            ...     out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+            ...     return jax.pure_callback(lambda a: np.sin(a).astype(a.dtype), out, x)
+            >>> @host_sin.def_vmap
+            ... def host_sin_vmap(axis_size, in_batched, x):
+            ...     return host_sin(x), in_batched[0]  # elementwise: a batch is more elements
+            >>> host_sin.defvjp(lambda x: (host_sin(x), jnp.cos(x)), lambda cos_x, g: (g * cos_x,))
+            >>> x = jnp.ones((3, 2))
+            >>> jax.vmap(jax.grad(lambda x: host_sin(x).sum()))(x)[0]
+            Array([0.5403023, 0.5403023], dtype=float32)
+        """
+        if not callable(rule):
+            raise TypeError(f"`rule` must be callable; got {type(rule).__name__}.")
+        self.vmap_rule = rule
+        return rule
+
     def __call__(self, *args: Any, **kwargs: Any) -> ReturnValue:
         name = getattr(self.fun, "__name__", repr(self.fun))
         if self.fwd is None or self.bwd is None:
@@ -198,7 +250,7 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
             # Nothing can differentiate or batch a value that is not traced.
             return self.fun(*args)
         op = _Op(self, name, args, tuple(diff))
-        primal = jax.custom_jvp(op.primal)
+        primal = jax.custom_jvp(op.primal if self.vmap_rule is None else op.batched_primal())
         primal.defjvp(op.jvp_rule, symbolic_zeros=True)
         return primal(*diff_args)
 
@@ -309,6 +361,27 @@ class _Op:
 
     def primal(self, *diff_values: Any) -> Any:
         return self.spec.fun(*self.merge(diff_values))
+
+    def batched_primal(self) -> Callable[..., Any]:
+        """The primal with the user's batching rule, as a ``custom_vmap``."""
+        batched = custom_batching.custom_vmap(self.primal)
+
+        @batched.def_vmap
+        def rule(axis_size: int, in_batched: Sequence[Any], *diff_values: Any) -> Any:
+            flags: list[Any] = [False] * len(self.args)
+            for i, b in zip(self.diff, in_batched, strict=True):
+                flags[i] = b
+            out, out_batched = self.spec.vmap_rule(axis_size, flags, *self.merge(diff_values))
+            try:
+                jax.tree_util.tree_structure(out).flatten_up_to(out_batched)
+            except (ValueError, TypeError):
+                raise _RuleTypeError(
+                    f"`{self.name}`: the vmap rule must return `(out, out_batched)` with one "
+                    f"bool of out_batched per leaf of out; got out_batched={out_batched!r}."
+                ) from None
+            return out, out_batched
+
+        return batched
 
     def jvp_rule(self, primals: tuple, tangents: tuple) -> tuple[Any, Any]:
         in_leaves, in_tree = jax.tree_util.tree_flatten(primals)

@@ -29,7 +29,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from ._custom_vjp import arg_label, custom_vjp, without_derivatives
 
-__all__ = ["Function", "FunctionCtx", "once_differentiable"]
+__all__ = ["Function", "FunctionCtx", "VmapInfo", "once_differentiable"]
 
 
 def _is_array(value: Any) -> bool:
@@ -214,6 +214,46 @@ class _OnceDifferentiable:
         return self if instance is None else functools.partial(self, instance)
 
 
+class VmapInfo(NamedTuple):
+    """The ``info`` a :class:`Function`'s ``vmap`` staticmethod receives, as in PyTorch.
+
+    Attributes:
+        batch_size: the size of the axis being mapped.
+        randomness: PyTorch's vmap randomness mode. JAX's randomness is explicit
+            (a key argument, batched or not), so this is always ``"error"``,
+            PyTorch's default.
+    """
+
+    batch_size: int
+    randomness: str
+
+
+def _batch_first(name: str, result: Any) -> tuple[Any, Any]:
+    """A ``vmap`` staticmethod's ``(output, out_dims)`` as ``(output, out_batched)``.
+
+    Batched outputs get their batch axis first; ``out_dims`` is one int or None for
+    every output, or one per output.
+    """
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        raise TypeError(
+            f"`{name}.vmap` must return `(output, out_dims)`; got {type(result).__name__}."
+        )
+    output, out_dims = result
+    tuple_output = isinstance(output, (tuple, list))
+    outputs = tuple(output) if tuple_output else (output,)
+    dims = tuple(out_dims) if isinstance(out_dims, (tuple, list)) else (out_dims,) * len(outputs)
+    if len(dims) != len(outputs) or not all(d is None or isinstance(d, int) for d in dims):
+        raise ValueError(
+            f"`{name}.vmap`: `out_dims` must be an int or None, or one per output "
+            f"({len(outputs)}); got {out_dims!r}."
+        )
+    moved = tuple(
+        o if d is None else jnp.moveaxis(o, d, 0) for o, d in zip(outputs, dims, strict=True)
+    )
+    flags = tuple(d is not None for d in dims)
+    return (moved, flags) if tuple_output else (moved[0], flags[0])
+
+
 class Function:
     """Base class for custom differentiable functions written the PyTorch way.
 
@@ -277,6 +317,13 @@ class Function:
     @staticmethod
     def jvp(ctx: FunctionCtx, *grad_inputs: Any) -> Any:
         raise NotImplementedError  # optional: forward mode otherwise comes from backward
+
+    @staticmethod
+    def vmap(info: VmapInfo, in_dims: tuple[int | None, ...], *args: Any) -> tuple[Any, Any]:
+        raise NotImplementedError  # optional: a batching rule (PyTorch 2's vmap staticmethod)
+
+    #: As in PyTorch; without a ``vmap`` method JAX batches ``forward``'s operations either way.
+    generate_vmap_rule: bool = False
 
     @classmethod
     def apply(cls, *args: Any, **kwargs: Any) -> Any:
@@ -349,10 +396,29 @@ def _lower(cls: type[Function], args: tuple[Any, ...], diff_positions: tuple[int
         else None
     )
     run_forward = functools.partial(_run_forward, cls, args, diff_positions)
+    batching_rule = _overrides(cls, "vmap")
+    if batching_rule and cls.generate_vmap_rule:
+        raise TypeError(
+            f"`{name}` both defines a `vmap` staticmethod and sets generate_vmap_rule=True; "
+            "choose one (as PyTorch requires)."
+        )
+    if batching_rule and not _overrides(cls, "setup_context"):
+        raise TypeError(
+            f"`{name}` defines a `vmap` staticmethod, so it must use the setup_context style "
+            "(`forward(*args)` without ctx, plus `setup_context(ctx, inputs, output)`), as "
+            "PyTorch requires for its transforms."
+        )
 
     def function(*diff_values):
         _, outputs, tuple_output, _ = run_forward(diff_values, (False,) * len(args))
         return tuple(outputs) if tuple_output else outputs[0]
+
+    def function_vmap(axis_size, in_batched, *diff_values):
+        full, in_dims = list(args), [None] * len(args)
+        for i, value, batched in zip(diff_positions, diff_values, in_batched, strict=True):
+            full[i], in_dims[i] = value, (0 if batched else None)
+        result = cls.vmap(VmapInfo(axis_size, "error"), tuple(in_dims), *full)
+        return _batch_first(name, result)
 
     def function_fwd(*primals):
         values = [p.value for p in primals]
@@ -366,7 +432,9 @@ def _lower(cls: type[Function], args: tuple[Any, ...], diff_positions: tuple[int
         # versions: higher orders come from backward/jvp, as in torch, even for a forward
         # JAX cannot differentiate. Other saved intermediates are constants, as in torch.
         frozen = [jax.lax.stop_gradient(v) for v in values]
-        ctx, outputs, tuple_output, non_diff = run_forward(frozen, tuple(needs))
+        # With a vmap rule, the outputs come from the op itself, so that vmap uses the rule.
+        evaluate = op if batching_rule else None
+        ctx, outputs, tuple_output, non_diff = run_forward(frozen, tuple(needs), evaluate)
         inputs = [type(arg).__name__ for arg in args]
         for i, value in zip(diff_positions, values, strict=True):
             inputs[i] = (value.shape, value.dtype)
@@ -457,11 +525,18 @@ def _lower(cls: type[Function], args: tuple[Any, ...], diff_positions: tuple[int
     attached = define(
         lambda values, outputs: list(outputs), attached_fwd, attached_bwd, attached_jvp
     )
-    return define(function, function_fwd, function_bwd, function_jvp)
+    op = define(function, function_fwd, function_bwd, function_jvp)
+    if batching_rule:
+        op.def_vmap(function_vmap)
+    return op
 
 
-def _run_forward(cls, args, diff_positions, diff_values, needs_input_grad):
-    """Runs the user's forward (and setup_context): ``(ctx, outputs, tuple?, non-diff flags)``."""
+def _run_forward(cls, args, diff_positions, diff_values, needs_input_grad, evaluate=None):
+    """Runs the user's forward (and setup_context): ``(ctx, outputs, tuple?, non-diff flags)``.
+
+    ``evaluate``, if given, computes forward's result from the differentiable values
+    (the op itself, so that its batching rule applies); only in the setup_context style.
+    """
     name = cls.__name__
     full = list(args)
     for i, value in zip(diff_positions, diff_values, strict=True):
@@ -470,7 +545,7 @@ def _run_forward(cls, args, diff_positions, diff_values, needs_input_grad):
         full[i] = value if isinstance(value, jax.Array) else jnp.asarray(value)
     ctx = FunctionCtx(name, needs_input_grad)
     if _overrides(cls, "setup_context"):
-        raw = cls.forward(*full)
+        raw = cls.forward(*full) if evaluate is None else evaluate(*diff_values)
         cls.setup_context(ctx, tuple(full), raw)
     else:
         raw = cls.forward(ctx, *full)
