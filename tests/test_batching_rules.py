@@ -303,3 +303,51 @@ def test_vmap_staticmethod_matches_torch_func():
         got = jax.vmap(jax.grad(lambda t: Recording.apply(t).sum()))(jnp.asarray(x))
     assert_close(got, want.numpy(), rtol=1e-12, atol=1e-12)
     assert seen["jaxext"] == seen["torch"] == (3, (0,))
+
+
+# -- a C++ kernel (jaxext.cpp_extension) called without a vmap_method --------------------------
+
+
+def _kernel_scale(x, constant):
+    """The shipped C++ mul_constant kernel, called with no vmap_method: JAX cannot batch it."""
+    from jaxext.cpp_extension import ops
+
+    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return ops.extension().jaxext_mul_constant(x, result_shape_dtypes=out, constant=constant)
+
+
+class KernelScale(jaxext.Function):
+    """A C++ forward (JAX can neither batch nor differentiate it), a ``jnp`` backward."""
+
+    @staticmethod
+    def forward(x, constant):
+        return _kernel_scale(x, constant)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.constant = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.constant, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, constant):
+        calls["rule"] += 1
+        return KernelScale.apply(x, constant), in_dims[0]  # elementwise
+
+
+@pytest.mark.parametrize("transform", ["vmap", "vmap(grad)", "vmap(jvp)", "jit(vmap(grad))"])
+def test_cpp_kernel_batched_by_the_rule(transform, x64):
+    pytest.importorskip("jax.ffi")
+    x = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)
+
+    def f(x):
+        return KernelScale.apply(x, 2.5)
+
+    with pytest.raises(Exception, match="vmap"):
+        jax.vmap(lambda x: _kernel_scale(x, 2.5))(x)  # no rule: JAX refuses, loudly
+    calls["rule"] = 0
+    got = TRANSFORMS[transform](f)(x)
+    assert calls["rule"] > 0
+    assert_close(got, TRANSFORMS[transform](lambda x: x * 2.5)(x), rtol=1e-15, atol=0)
