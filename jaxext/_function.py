@@ -431,7 +431,8 @@ def _lower(cls: type[Function], args: tuple[Any, ...], diff_positions: tuple[int
         # (`attached`), and saved inputs and outputs are relinked to their differentiable
         # versions: higher orders come from backward/jvp, as in torch, even for a forward
         # JAX cannot differentiate. Other saved intermediates are constants, as in torch.
-        frozen = [jax.lax.stop_gradient(v) for v in values]
+        # (JAX arrays: forward then receives these very objects, which the relinking needs.)
+        frozen = [jax.lax.stop_gradient(jnp.asarray(v)) for v in values]
         # With a vmap rule, the outputs come from the op itself, so that vmap uses the rule.
         evaluate = op if batching_rule else None
         ctx, outputs, tuple_output, non_diff = run_forward(frozen, tuple(needs), evaluate)
