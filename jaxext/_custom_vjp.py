@@ -226,8 +226,19 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         """
         if not callable(rule):
             raise TypeError(f"`rule` must be callable; got {type(rule).__name__}.")
+        if isinstance(self.fun, custom_batching.custom_vmap):
+            # As jax.custom_vjp forwards `def*` to the function it wraps: the rule is the
+            # wrapped custom_vmap's, which the primal applies under vmap.
+            return self.fun.def_vmap(rule)
         self.vmap_rule = rule
         return rule
+
+    def __getattr__(self, name: str) -> Any:
+        # `def*` methods of the wrapped function (custom_vmap's def_vmap, custom_jvp's
+        # defjvp ...) are forwarded to it, as jax.custom_vjp forwards them.
+        if name.startswith("def") and "fun" in self.__dict__:
+            return getattr(self.fun, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __call__(self, *args: Any, **kwargs: Any) -> ReturnValue:
         name = getattr(self.fun, "__name__", repr(self.fun))
@@ -242,6 +253,17 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
                     f"`{name}`: nondiff_argnums={self.nondiff_argnums} names argument {i}, but "
                     f"only {len(args)} were given."
                 )
+            if any(
+                isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(args[i])
+            ):
+                raise jax.errors.UnexpectedTracerError(
+                    f"`{name}`: found a JAX Tracer object passed as an argument to a "
+                    f"custom_vjp function in a position indicated by nondiff_argnums as "
+                    f"non-differentiable ({arg_label(self.fun, i)}). Tracers cannot be passed "
+                    "as non-differentiable arguments to custom_vjp functions; nondiff_argnums "
+                    "is for Python values (flags, shapes, functions). Pass an array as a "
+                    "differentiable argument and return None as its gradient."
+                )
         diff = [i for i in range(len(args)) if i not in self.nondiff_argnums]
         diff_args = tuple(args[i] for i in diff)
         if not any(
@@ -250,7 +272,9 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
             # Nothing can differentiate or batch a value that is not traced.
             return self.fun(*args)
         op = _Op(self, name, args, tuple(diff))
-        primal = jax.custom_jvp(op.primal if self.vmap_rule is None else op.batched_primal())
+        primal = jax.custom_jvp(
+            op.named_primal() if self.vmap_rule is None else op.batched_primal()
+        )
         primal.defjvp(op.jvp_rule, symbolic_zeros=True)
         return primal(*diff_args)
 
@@ -285,10 +309,14 @@ def _resolve_kwargs(
     except TypeError as err:
         raise TypeError(f"`{name}`: {err}") from None
     bound.apply_defaults()
-    if bound.kwargs:
+    # Keyword-only parameters left at their defaults are simply not passed (the function
+    # uses its defaults), as with jax.custom_vjp; passing one explicitly is an error.
+    passed = sorted(k for k in bound.kwargs if k in kwargs)
+    if passed:
         raise TypeError(
-            f"`{name}`: keyword-only arguments {sorted(bound.kwargs)} cannot be resolved to "
-            "positions; custom_vjp functions take positional arguments."
+            f"`{name}`: keyword-only arguments {passed} cannot be resolved to positions; "
+            "custom_vjp functions take positional arguments. (JAX: the following keyword "
+            f"arguments could not be resolved to positions: {', '.join(passed)})"
         )
     return tuple(bound.args)
 
@@ -306,6 +334,33 @@ def arg_label(fun: Callable[..., Any], position: int, skip: int = 0) -> str:
     ):
         return f"argument {position} (`{params[position].name}`)"
     return f"argument {position}"
+
+
+def _bwd_checks_disabled() -> bool:
+    """JAX's ``jax_disable_bwd_checks`` option (absent in some releases: then False)."""
+    return bool(getattr(jax.config, "jax_disable_bwd_checks", False))
+
+
+def _broadcast_prefix(grad: Any, tree: Any) -> list[Any]:
+    """The leaves of ``grad`` broadcast to the leaves of ``tree``, of which it is a prefix.
+
+    As in ``jax.custom_vjp``: a ``None`` (or one array) where the argument has a
+    subtree stands for every leaf of that subtree.
+    """
+    if tree.num_leaves == 0:  # an argument without arrays (None, an empty tuple)
+        if jax.tree_util.tree_leaves(grad):
+            raise TypeError("a gradient for an argument without arrays")
+        return []
+    if tree.num_leaves == 1 and jax.tree_util.treedef_is_leaf(tree):
+        return [grad]  # an array argument: whatever bwd gave is checked as its gradient
+    dummy = jax.tree_util.tree_unflatten(tree, [object()] * tree.num_leaves)
+    flat: list[Any] = []
+
+    def extend(g: Any, sub: Any) -> None:
+        flat.extend([g] * len(jax.tree_util.tree_leaves(sub)))
+
+    jax.tree_util.tree_map(extend, grad, dummy, is_leaf=lambda x: x is None)
+    return flat
 
 
 def without_derivatives(call: Callable[..., Any], message: str) -> custom_vjp:
@@ -362,9 +417,18 @@ class _Op:
     def primal(self, *diff_values: Any) -> Any:
         return self.spec.fun(*self.merge(diff_values))
 
+    def named_primal(self) -> Callable[..., Any]:
+        """The primal, named after the user's function (for jaxprs and profiles)."""
+
+        def primal(*diff_values: Any) -> Any:
+            return self.primal(*diff_values)
+
+        primal.__name__ = primal.__qualname__ = self.name
+        return primal
+
     def batched_primal(self) -> Callable[..., Any]:
         """The primal with the user's batching rule, as a ``custom_vmap``."""
-        batched = custom_batching.custom_vmap(self.primal)
+        batched = custom_batching.custom_vmap(self.named_primal())
 
         @batched.def_vmap
         def rule(axis_size: int, in_batched: Sequence[Any], *diff_values: Any) -> Any:
@@ -434,7 +498,13 @@ class _Op:
         return out, jax.tree_util.tree_unflatten(out_tree, out_tangents)
 
     def check_fwd_output(self, primals: tuple, out: Any) -> None:
-        expected = jax.eval_shape(self.primal, *primals)
+        try:
+            expected = jax.eval_shape(self.primal, *primals)
+        except jax.errors.ConcretizationTypeError:
+            # The primal branches in Python on its inputs' values: it cannot be traced
+            # abstractly, and JAX itself never traces it when differentiating eagerly. Trust
+            # fwd's output, as jax.custom_vjp does there.
+            return
         got = jax.tree_util.tree_map(
             lambda o: jax.ShapeDtypeStruct(np.shape(o), jnp.result_type(o)), out
         )
@@ -519,19 +589,25 @@ class _Linear:
                 f"`{name}`: bwd returned {len(grads)} gradients; expected {n}, one per "
                 "differentiable argument (extra trailing values must be None)."
             )
-        grads = grads[:n] + (None,) * (n - len(grads))
+        if len(grads) < n:
+            missing = ", ".join(self.op.label(k) for k in range(len(grads), n))
+            raise _RuleTypeError(
+                f"`{name}`: bwd returned {len(grads)} gradient(s); expected {n}, one per "
+                f"differentiable argument: none for {missing}. Return None for an argument "
+                "whose gradient is zero. (JAX: custom VJP bwd rule must produce a tuple of "
+                "length equal to the number of arguments to the primal function.)"
+            )
+        grads = grads[:n]
         arg_trees = self.in_tree.children()
         flat: list[Any] = []
         for k, (grad, tree) in enumerate(zip(grads, arg_trees, strict=True)):
-            if grad is None:
-                flat.extend([None] * tree.num_leaves)
-                continue
             try:
-                flat.extend(tree.flatten_up_to(grad))
+                flat.extend(_broadcast_prefix(grad, tree))
             except (ValueError, TypeError):
                 raise _RuleTypeError(
                     f"`{name}`: bwd's gradient for {self.op.label(k)} must have the argument's "
-                    f"structure {tree}; got {jax.tree_util.tree_structure(grad)}."
+                    f"structure {tree} (or a prefix of it); got "
+                    f"{jax.tree_util.tree_structure(grad)}."
                 ) from None
         labels = []
         for k, tree in enumerate(arg_trees):
@@ -539,6 +615,8 @@ class _Linear:
         result = []
         for grad, aval, q, label in zip(flat, self.in_avals, self.perturbed, labels, strict=True):
             if not q:
+                if isinstance(grad, SymbolicZero):  # checked even where no gradient is needed
+                    self.finish(grad, aval.to_tangent_aval(), label)
                 continue
             # A gradient has its input's cotangent type (a reduced input's is unreduced).
             ct_aval = aval.to_ct_aval() if hasattr(aval, "to_ct_aval") else aval
@@ -547,8 +625,23 @@ class _Linear:
 
     def finish(self, grad: Any, aval: Any, label: str) -> jax.Array:
         name = self.op.name
+        if isinstance(grad, SymbolicZero) and (
+            tuple(grad.shape) != tuple(aval.shape) or jnp.dtype(grad.dtype) != jnp.dtype(aval.dtype)
+        ):
+            raise _RuleValueError(
+                f"`{name}`: bwd returned a SymbolicZero for {label} of shape/dtype "
+                f"{jnp.dtype(grad.dtype)}{list(grad.shape)}; the input has "
+                f"{jnp.dtype(aval.dtype)}{list(aval.shape)}. Consider just returning a None here "
+                "instead of a SymbolicZero object."
+            )
         if grad is None or isinstance(grad, SymbolicZero):
             return jnp.zeros(aval.shape, aval.dtype)
+        if _bwd_checks_disabled() and _is_array_leaf(grad):
+            # As jax.custom_vjp with jax_disable_bwd_checks: the gradient as bwd made it.
+            grad = jnp.asarray(grad)
+            if tuple(grad.shape) == tuple(aval.shape):
+                return _match_type(grad.astype(aval.dtype), aval)
+            return grad
         if not _is_array_leaf(grad):
             if isinstance(grad, (int, float)) and not isinstance(grad, bool) and aval.shape == ():
                 return jnp.asarray(grad, aval.dtype)

@@ -410,16 +410,43 @@ def test_symbolic_zero_cotangents_reach_bwd_and_skip_it_when_all_zero(x64):
     _tree_close(jax.jvp(lambda x: two(x)[1], (x,), (jnp.ones(3),))[1], -jnp.sin(x))
 
 
-def test_bwd_may_return_none_and_omit_trailing_gradients(x64):
+@pytest.mark.parametrize("extra", [0, 2], ids=["exact", "extra_trailing_nones"])
+def test_bwd_may_return_none_and_extra_trailing_nones(extra, x64):
     @jaxext.custom_vjp
     def first(x, y, z):
         return 2.0 * x + 0.0 * y + 0.0 * z
 
-    first.defvjp(lambda x, y, z: (first(x, y, z), None), lambda _, g: (2.0 * g,))
+    first.defvjp(
+        lambda x, y, z: (first(x, y, z), None), lambda _, g: (2.0 * g, None, None) + (None,) * extra
+    )
     x = jnp.ones(3)
     grads = jax.grad(lambda *a: jnp.sum(first(*a)), (0, 1, 2))(x, x, x)
     _tree_close(grads, (np.full(3, 2.0), np.zeros(3), np.zeros(3)))
     _tree_close(jax.jvp(first, (x, x, x), (x, x, x))[1], np.full(3, 2.0))
+
+
+@pytest.mark.parametrize("argnums", [(0,), (1,), (0, 1, 2)], ids=str)
+@pytest.mark.parametrize("mode", ["grad", "jvp"])
+def test_bwd_returning_too_few_gradients_is_an_error(argnums, mode):
+    """A forgotten gradient is never a silent zero (JAX raises TypeError as well)."""
+
+    @jaxext.custom_vjp
+    def first(x, y, z):
+        return 2.0 * x + 3.0 * y + 4.0 * z
+
+    first.defvjp(lambda x, y, z: (first(x, y, z), None), lambda _, g: (2.0 * g,))
+    x = jnp.ones(3)
+    with pytest.raises(
+        TypeError,
+        match=r"`first`: bwd returned 1 gradient\(s\); expected 3.*"
+        r"none for argument 1 \(`y`\), argument 2 \(`z`\)",
+    ):
+        if mode == "grad":
+            jax.grad(lambda *a: jnp.sum(first(*a)), argnums)(x, x, x)
+        else:
+            jax.jvp(first, (x, x, x), (x, x, x))
+    with pytest.raises(TypeError, match="must produce a tuple"):  # JAX's own phrase
+        jax.grad(lambda *a: jnp.sum(first(*a)), argnums)(x, x, x)
 
 
 def test_integer_inputs_and_outputs(x64):
@@ -588,3 +615,132 @@ def test_definition_errors():
     short.defvjp(lambda x, y: (x * y, None), lambda r, g: (g, g))
     with pytest.raises(TypeError, match=r"nondiff_argnums=\(2,\) names argument 2"):
         short(1.0, 2.0)
+
+
+# -- the drop-in promise: behaviours jax.custom_vjp has, with only the import switched ---------
+# Each test runs the same code with jax.custom_vjp as the reference where JAX accepts it.
+
+DECORATORS = {"jax": jax.custom_vjp, "jaxext": jaxext.custom_vjp}
+
+
+@pytest.mark.parametrize("impl", DECORATORS)
+def test_python_control_flow_on_values_under_eager_grad(impl):
+    @DECORATORS[impl]
+    def f(x):
+        if x > 0:  # concrete under eager grad: JAX never traces the primal there
+            return jnp.sin(x)
+        return jnp.cos(x)
+
+    def f_fwd(x):
+        return f(x), x
+
+    def f_bwd(x, g):
+        return (g * (jnp.cos(x) if x > 0 else -jnp.sin(x)),)
+
+    f.defvjp(f_fwd, f_bwd)
+    for x in (1.0, -1.0):
+        want = np.cos(x) if x > 0 else -np.sin(x)
+        np.testing.assert_allclose(jax.grad(f)(x), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("impl", DECORATORS)
+def test_traced_value_through_nondiff_argnums_is_a_clear_error(impl):
+    @functools.partial(DECORATORS[impl], nondiff_argnums=(0,))
+    def scale(c, x):
+        return c * x
+
+    scale.defvjp(lambda c, x: (scale(c, x), None), lambda c, _, g: (c * g,))
+    with pytest.raises(jax.errors.UnexpectedTracerError, match="custom_vjp"):
+        jax.grad(jax.jit(lambda c, x: scale(c, x)), 1)(2.0, 3.0)
+    assert float(jax.grad(lambda x: scale(2.0, x))(3.0)) == 2.0  # a Python value is fine
+
+
+@pytest.mark.parametrize("impl", DECORATORS)
+def test_bwd_gradient_may_be_a_prefix_of_a_pytree_argument(impl):
+    @DECORATORS[impl]
+    def total(tree):
+        return tree["a"] * 2.0 + tree["b"]["c"] * 2.0
+
+    total.defvjp(lambda t: (total(t), None), lambda _, g: (2.0 * g,))  # one array, two leaves
+    tree = {"a": jnp.arange(3.0), "b": {"c": jnp.ones(3)}}
+    got = jax.grad(lambda t: jnp.sum(total(t)))(tree)
+    _tree_close(got, {"a": np.full(3, 2.0), "b": {"c": np.full(3, 2.0)}})
+
+
+@pytest.mark.parametrize("impl", DECORATORS)
+def test_symbolic_zero_of_the_wrong_shape_is_an_error(impl):
+    @DECORATORS[impl]
+    def ident(x, y, z):
+        return x, y, z
+
+    def fwd(x, y, z):
+        return ident(x.value, y.value, z.value), None
+
+    def bwd(_, gs):
+        x_bar, y_bar, z_bar = gs
+        return y_bar, x_bar, z_bar  # swapped: SymbolicZeros of the wrong shapes
+
+    ident.defvjp(fwd, bwd, symbolic_zeros=True)
+    with pytest.raises(ValueError, match="returning a None here"):
+        jax.grad(lambda x, y, z: ident(x, y, z)[2].sum(), 2)(jnp.ones(1), jnp.ones(2), jnp.ones(3))
+
+
+@pytest.mark.parametrize("impl", DECORATORS)
+def test_disable_bwd_checks_is_honoured(impl):
+    @DECORATORS[impl]
+    def first(x, y):
+        return x
+
+    first.defvjp(lambda x, y: (x, None), lambda _, g: (jnp.zeros(3), jnp.zeros(3)))
+    args = (jnp.ones(3), jnp.ones(4))
+    jax.config.update("jax_disable_bwd_checks", True)
+    try:
+        jax.grad(lambda x, y: first(x, y).sum(), 1)(*args)  # y's gradient has a wrong shape
+    finally:
+        jax.config.update("jax_disable_bwd_checks", False)
+    with pytest.raises(ValueError):
+        jax.grad(lambda x, y: first(x, y).sum(), 1)(*args)
+
+
+@pytest.mark.parametrize("impl", DECORATORS)
+def test_def_methods_are_forwarded_to_the_wrapped_function(impl, x64):
+    @jax.custom_batching.custom_vmap
+    def sin(x):
+        return jnp.sin(x)
+
+    wrapped = DECORATORS[impl](sin)
+
+    @wrapped.def_vmap  # the wrapped custom_vmap's rule
+    def _rule(axis_size, in_batched, xs):
+        return jnp.sin(xs) + 1.0, in_batched[0]  # recognisably the rule's result
+
+    wrapped.defvjp(lambda x: (wrapped(x), jnp.cos(x)), lambda cos_x, g: (g * cos_x,))
+    np.testing.assert_allclose(jax.vmap(sin)(jnp.arange(3.0)), np.sin(np.arange(3.0)) + 1.0)
+    xs = jnp.arange(3.0)
+    np.testing.assert_allclose(jax.vmap(wrapped)(xs), np.sin(np.arange(3.0)) + 1.0)
+    np.testing.assert_allclose(jax.grad(wrapped)(0.5), np.cos(0.5))
+
+
+@pytest.mark.parametrize("impl", DECORATORS)
+def test_keyword_only_parameter_with_a_default(impl):
+    @DECORATORS[impl]
+    def scaled(x, *, scale=2.0):
+        return x * scale
+
+    scaled.defvjp(lambda x, *, scale=2.0: (scaled(x), None), lambda _, g: (g * 2.0,))
+    x = jnp.arange(3.0)
+    np.testing.assert_allclose(scaled(x), 2.0 * np.arange(3.0))
+    np.testing.assert_allclose(jax.grad(lambda x: scaled(x).sum())(x), np.full(3, 2.0))
+    with pytest.raises(TypeError, match="could not be resolved to positions"):
+        scaled(x, scale=3.0)
+
+
+def test_jaxpr_names_the_op():
+    @jaxext.custom_vjp
+    def my_op(x):
+        return jnp.sin(x)
+
+    my_op.defvjp(lambda x: (my_op(x), jnp.cos(x)), lambda c, g: (g * c,))
+    text = str(jax.make_jaxpr(my_op)(1.0))
+    assert "name=my_op" in text, text
+    assert "name=primal" not in text
