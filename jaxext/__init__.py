@@ -6,6 +6,8 @@ checker with PyTorch-style diagnostics, Flax layers built on the ops, and a
 """
 
 # The op-writing API first: the ops below are built on it (`from jaxext import ...`).
+from ._custom_vjp import RuleTypeError as RuleTypeError
+from ._custom_vjp import RuleValueError as RuleValueError
 from ._custom_vjp import custom_vjp as custom_vjp
 from ._grad_type import grad_type as grad_type
 from ._validation import check_array as check_array

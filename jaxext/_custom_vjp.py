@@ -33,7 +33,7 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-__all__ = ["custom_vjp"]
+__all__ = ["RuleTypeError", "RuleValueError", "custom_vjp"]
 
 ReturnValue = TypeVar("ReturnValue")
 
@@ -54,9 +54,10 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
       save different residuals depending on it, also inside a reused ``jit``;
     * residuals may hold Python values (flags, dtypes, shapes): they are kept as
       static data, never traced;
-    * ``bwd`` may return ``None`` for an input (a zero gradient) and may omit
-      trailing ``None``; a gradient of the wrong shape, dtype or structure is a
-      clear error at trace time naming the op and the input;
+    * ``bwd`` may return ``None`` for an input (a zero gradient) and extra
+      trailing ``None``; a missing gradient, or one of the wrong shape, dtype or
+      structure, is a clear error at trace time naming the op and the input
+      (:class:`jaxext.RuleTypeError` / :class:`jaxext.RuleValueError`);
     * inside ``shard_map``, a gradient that varies over mesh axes its input does
       not vary over is summed over them, as autodiff does.
 
@@ -380,12 +381,21 @@ def without_derivatives(call: Callable[..., Any], message: str) -> custom_vjp:
     return blocked
 
 
-class _RuleTypeError(TypeError):
-    """A rule broke its contract (checked by jaxext): raised as is, never wrapped."""
+class RuleTypeError(TypeError):
+    """A ``jaxext.custom_vjp`` rule (``fwd``, ``bwd``, ``jvp``, a vmap rule) broke its
+    contract with a value of the wrong kind, count or structure.
+
+    Raised at trace time, naming the op and the argument. A ``TypeError``, so code
+    written for ``jax.custom_vjp`` that catches ``TypeError`` keeps working.
+    """
 
 
-class _RuleValueError(ValueError):
-    """A rule broke its contract (checked by jaxext): raised as is, never wrapped."""
+class RuleValueError(ValueError):
+    """A ``jaxext.custom_vjp`` rule returned a value of the wrong shape (a ``ValueError``)."""
+
+
+# Tracebacks show the names users can import and catch, not this private module's.
+RuleTypeError.__module__ = RuleValueError.__module__ = "jaxext"
 
 
 def _is_array_leaf(leaf: Any) -> bool:
@@ -439,7 +449,7 @@ class _Op:
             try:
                 jax.tree_util.tree_structure(out).flatten_up_to(out_batched)
             except (ValueError, TypeError):
-                raise _RuleTypeError(
+                raise RuleTypeError(
                     f"`{self.name}`: the vmap rule must return `(out, out_batched)` with one "
                     f"bool of out_batched per leaf of out; got out_batched={out_batched!r}."
                 ) from None
@@ -579,19 +589,19 @@ class _Linear:
     def check_grads(self, grads: Any) -> list[jax.Array]:
         name, n = self.op.name, len(self.op.diff)
         if not isinstance(grads, (tuple, list)):
-            raise _RuleTypeError(
+            raise RuleTypeError(
                 f"`{name}`: bwd must return a tuple with one gradient per differentiable "
                 f"argument ({n}); got {type(grads).__name__}."
             )
         grads = tuple(grads)
         if len(grads) > n and any(g is not None for g in grads[n:]):
-            raise _RuleValueError(
+            raise RuleValueError(
                 f"`{name}`: bwd returned {len(grads)} gradients; expected {n}, one per "
                 "differentiable argument (extra trailing values must be None)."
             )
         if len(grads) < n:
             missing = ", ".join(self.op.label(k) for k in range(len(grads), n))
-            raise _RuleTypeError(
+            raise RuleTypeError(
                 f"`{name}`: bwd returned {len(grads)} gradient(s); expected {n}, one per "
                 f"differentiable argument: none for {missing}. Return None for an argument "
                 "whose gradient is zero. (JAX: custom VJP bwd rule must produce a tuple of "
@@ -604,7 +614,7 @@ class _Linear:
             try:
                 flat.extend(_broadcast_prefix(grad, tree))
             except (ValueError, TypeError):
-                raise _RuleTypeError(
+                raise RuleTypeError(
                     f"`{name}`: bwd's gradient for {self.op.label(k)} must have the argument's "
                     f"structure {tree} (or a prefix of it); got "
                     f"{jax.tree_util.tree_structure(grad)}."
@@ -628,7 +638,7 @@ class _Linear:
         if isinstance(grad, SymbolicZero) and (
             tuple(grad.shape) != tuple(aval.shape) or jnp.dtype(grad.dtype) != jnp.dtype(aval.dtype)
         ):
-            raise _RuleValueError(
+            raise RuleValueError(
                 f"`{name}`: bwd returned a SymbolicZero for {label} of shape/dtype "
                 f"{jnp.dtype(grad.dtype)}{list(grad.shape)}; the input has "
                 f"{jnp.dtype(aval.dtype)}{list(aval.shape)}. Consider just returning a None here "
@@ -645,17 +655,17 @@ class _Linear:
         if not _is_array_leaf(grad):
             if isinstance(grad, (int, float)) and not isinstance(grad, bool) and aval.shape == ():
                 return jnp.asarray(grad, aval.dtype)
-            raise _RuleTypeError(
+            raise RuleTypeError(
                 f"`{name}`: bwd's gradient for {label} must be an array or None; got "
                 f"{type(grad).__name__}."
             )
         if tuple(grad.shape) != tuple(aval.shape):
-            raise _RuleValueError(
+            raise RuleValueError(
                 f"`{name}`: bwd's gradient for {label} must have the input's shape "
                 f"{tuple(aval.shape)}; got shape {tuple(grad.shape)}."
             )
         if jnp.dtype(grad.dtype) != jnp.dtype(aval.dtype):
-            raise _RuleTypeError(
+            raise RuleTypeError(
                 f"`{name}`: bwd's gradient for {label} must have the input's dtype "
                 f"{jnp.dtype(aval.dtype)}; got {jnp.dtype(grad.dtype)} (cast it with .astype)."
             )
@@ -684,7 +694,7 @@ class _Linear:
         try:
             transposed = jax.linear_transpose(lambda cts: self.backward(res_arrays, cts), examples)
             (out,) = transposed(list(t_in))
-        except (_RuleTypeError, _RuleValueError):
+        except (RuleTypeError, RuleValueError):
             raise
         except Exception as err:  # noqa: BLE001 -- re-raised with the way out
             raise TypeError(
@@ -707,7 +717,7 @@ class _Linear:
         try:
             flat = self.out_tree.flatten_up_to(out)
         except (ValueError, TypeError):
-            raise _RuleTypeError(
+            raise RuleTypeError(
                 f"`{name}`: jvp must return a tangent with the output's structure "
                 f"{self.out_tree}; got {jax.tree_util.tree_structure(out)}."
             ) from None

@@ -744,3 +744,19 @@ def test_jaxpr_names_the_op():
     text = str(jax.make_jaxpr(my_op)(1.0))
     assert "name=my_op" in text, text
     assert "name=primal" not in text
+
+
+def test_rule_errors_carry_public_names():
+    @jaxext.custom_vjp
+    def bad(x):
+        return x
+
+    bad.defvjp(lambda x: (x, None), lambda _, g: (g[:1],))
+    with pytest.raises(jaxext.RuleValueError) as info:
+        jax.grad(lambda x: bad(x).sum())(jnp.ones(3))
+    assert isinstance(info.value, ValueError)
+    assert f"{type(info.value).__module__}.{type(info.value).__qualname__}" == (
+        "jaxext.RuleValueError"
+    )
+    assert jaxext.RuleValueError.__name__ == "RuleValueError"
+    assert issubclass(jaxext.RuleTypeError, TypeError)
