@@ -739,8 +739,14 @@ def test_check_forward_and_backward_ad_select_the_modes():
     assert jaxext.gradgradcheck(
         reference_linear, (f64(0, (3, 4)), f64(1, (2, 4))), check_fwd_over_rev=True
     )
-    with pytest.raises(ValueError, match="nothing to check"):
+    with pytest.raises(ValueError, match="nothing to check") as info:
         jaxext.gradgradcheck(reference_linear, (x,), check_rev_over_rev=False)
+    # gradgradcheck's errors name gradgradcheck's own options, not gradcheck's
+    assert "`check_rev_over_rev` is False" in str(info.value)
+    assert "check_fwd_over_rev=True" in str(info.value)
+    assert "_ad" not in str(info.value)
+    with pytest.raises(TypeError, match="`check_fwd_over_rev` must be True or False"):
+        jaxext.gradgradcheck(reference_linear, (x,), check_fwd_over_rev=1)
 
 
 @pytest.mark.parametrize(

@@ -154,8 +154,10 @@ def gradcheck(
     """
     args = _as_args(func, inputs)
     settings = Settings.validate(
-        eps, atol, rtol, nondet_tol, fast_mode, modes, check_forward_ad, check_backward_ad,
-        num_directions, seed,
+        eps=eps, atol=atol, rtol=rtol, nondet_tol=nondet_tol, fast_mode=fast_mode, modes=modes,
+        forward=("check_forward_ad", check_forward_ad),
+        backward=("check_backward_ad", check_backward_ad),
+        num_directions=num_directions, seed=seed,
     )  # fmt: skip
     undefined, batched, dtypes = _flags(check_undefined_grad, check_batched_grad, check_grad_dtypes)
     error = check_gradients(
@@ -238,8 +240,10 @@ def gradgradcheck(
     """
     args = _as_args(func, inputs)
     settings = Settings.validate(
-        eps, atol, rtol, nondet_tol, fast_mode, modes, check_fwd_over_rev, check_rev_over_rev,
-        num_directions, seed,
+        eps=eps, atol=atol, rtol=rtol, nondet_tol=nondet_tol, fast_mode=fast_mode, modes=modes,
+        forward=("check_fwd_over_rev", check_fwd_over_rev),
+        backward=("check_rev_over_rev", check_rev_over_rev),
+        num_directions=num_directions, seed=seed,
     )  # fmt: skip
     undefined, batched, _ = _flags(check_undefined_grad, check_batched_grad, False)
     error = check_gradients(
@@ -269,14 +273,27 @@ class Settings:
 
     @classmethod
     def validate(
-        cls, eps, atol, rtol, nondet_tol, fast_mode, modes, forward, backward, num_directions, seed
+        cls,
+        *,
+        eps: Any,
+        atol: Any,
+        rtol: Any,
+        nondet_tol: Any,
+        fast_mode: Any,
+        modes: Any,
+        forward: tuple[str, Any],
+        backward: tuple[str, Any],
+        num_directions: Any,
+        seed: Any,
     ) -> Settings:
+        """Checks each option; ``forward``/``backward`` are ``(caller's option name, value)``."""
+        (forward_name, forward), (backward_name, backward) = forward, backward
         if fast_mode is not None and not isinstance(fast_mode, bool):
             raise TypeError(f"`fast_mode` must be None, True or False; got {fast_mode!r}.")
         modes = (modes,) if isinstance(modes, str) else tuple(modes)
         if not modes or len(set(modes)) != len(modes) or not set(modes) <= {"rev", "fwd"}:
             raise ValueError(f"`modes` must be distinct entries of ('rev', 'fwd'); got {modes!r}.")
-        for name, flag in (("check_forward_ad", forward), ("check_backward_ad", backward)):
+        for name, flag in ((forward_name, forward), (backward_name, backward)):
             if not isinstance(flag, bool):
                 raise TypeError(f"`{name}` must be True or False; got {flag!r}.")
         if forward and "fwd" not in modes:
@@ -285,8 +302,8 @@ class Settings:
             modes = tuple(mode for mode in modes if mode != "rev")
         if not modes:
             raise ValueError(
-                "nothing to check: `check_backward_ad` is False and forward mode is not asked "
-                "for (pass check_forward_ad=True)."
+                f"nothing to check: `{backward_name}` is False and forward mode is not asked "
+                f"for (pass {forward_name}=True)."
             )
         for name, value in (("num_directions", num_directions), ("seed", seed)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):

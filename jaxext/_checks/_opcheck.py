@@ -113,7 +113,9 @@ def opcheck(
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     selected = _selected(checks, skip)
     settings = Settings.validate(
-        eps, atol, rtol, nondet_tol, None, ("rev",), False, True, 3, seed
+        eps=eps, atol=atol, rtol=rtol, nondet_tol=nondet_tol, fast_mode=None, modes=("rev",),
+        forward=("check_forward_ad", False), backward=("check_backward_ad", True),
+        num_directions=3, seed=seed,
     )  # fmt: skip
     if not isinstance(raise_exception, bool):
         raise TypeError(f"`raise_exception` must be True or False; got {raise_exception!r}.")
