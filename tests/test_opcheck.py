@@ -365,3 +365,46 @@ def test_export_checks_skip_without_the_serializer_package(monkeypatch):
     )
     for result in report.results:
         assert result.status == "SKIP" and "jaxext[export]" in result.detail, str(report)
+
+
+# -- no state left behind -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "checker",
+    [
+        lambda f, args: jaxext.opcheck(f, args),
+        lambda f, args: jaxext.gradcheck(f, args, eps=1e-6, atol=1e-4),
+        lambda f, args: jaxext.gradgradcheck(f, args, eps=1e-6, atol=1e-4),
+    ],
+    ids=["opcheck", "gradcheck", "gradgradcheck"],
+)
+def test_checks_leave_the_callers_arrays_as_they_were(checker):
+    """After every check (run with x64), the caller's NumPy arrays, x64 off, train as before."""
+    assert not jax.config.jax_enable_x64
+    x, w = f64(0, (4, 3)), f64(1, (2, 3))
+    ids = np.array([1, 0, 1, 1])
+
+    @jaxext.custom_vjp
+    def square(x):
+        return x * x
+
+    square.defvjp(lambda x: (x * x, x), lambda x, g: (2 * x * g,))
+
+    def op(x, w, ids):  # a user's op applied to the caller's arrays directly
+        return jaxext.linear(square(x), w)[jnp.arange(4), ids]
+
+    checker(op, (x, w, ids))
+    assert not jax.config.jax_enable_x64
+    for a, dtype in ((x, jnp.float32), (w, jnp.float32), (ids, jnp.int32)):
+        assert jnp.asarray(a).dtype == dtype
+    grad = jax.grad(lambda x, w: jnp.sum(op(x, w, ids) ** 2), argnums=(0, 1))(x, w)
+    assert [g.dtype for g in grad] == [jnp.float32, jnp.float32]
+    # float64 reference: y = (x*x) @ w.T, loss = sum_i y[i, ids_i]^2
+    y = (x * x) @ w.T
+    want_x, want_w = np.zeros_like(x), np.zeros_like(w)
+    for i, j in enumerate(ids):
+        want_w[j] += 2 * y[i, j] * x[i] ** 2
+        want_x[i] += 2 * y[i, j] * w[j] * 2 * x[i]
+    np.testing.assert_allclose(grad[0], want_x, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(grad[1], want_w, rtol=1e-5, atol=1e-6)

@@ -29,7 +29,7 @@ import numpy as np
 from ._compare import Mismatch, directional_mismatches, entry_mismatches, full_mismatches
 from ._jacobians import FlatJacobians
 from ._precision import float64_numerics
-from ._problem import Problem, first_order, float_dtype, second_order
+from ._problem import Problem, first_order, float_dtype, private_copies, second_order
 from ._report import GradcheckError as GradcheckError
 from ._report import dtype_error, gradcheck_error
 
@@ -338,7 +338,7 @@ def _as_args(func: Any, inputs: Any) -> tuple:
     args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     if not args:
         raise ValueError("`inputs` must hold at least one positional argument; got none.")
-    return args
+    return private_copies(args)
 
 
 def _flags(undefined: Any, batched: Any, dtypes: Any) -> tuple[bool, bool, bool]:

@@ -17,6 +17,7 @@ from ._battery import CHECKS, Skip
 from ._gradcheck import Settings
 from ._op import CheckFailed, OpUnderTest
 from ._precision import float64_numerics
+from ._problem import private_copies
 from ._report import CheckResult, OpcheckError, OpcheckReport
 
 __all__ = ["CHECK_NAMES", "opcheck"]
@@ -110,7 +111,7 @@ def opcheck(
     """
     if not callable(func):
         raise TypeError(f"`func` must be callable; got {type(func).__name__}.")
-    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+    args = private_copies(tuple(args) if isinstance(args, (tuple, list)) else (args,))
     selected = _selected(checks, skip)
     settings = Settings.validate(
         eps=eps, atol=atol, rtol=rtol, nondet_tol=nondet_tol, fast_mode=None, modes=("rev",),

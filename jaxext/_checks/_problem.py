@@ -58,6 +58,18 @@ class Problem:
     out_positions: tuple[int, ...] = ()  # leaf position of each output segment
 
 
+def private_copies(args: tuple) -> tuple:
+    """``args`` with every NumPy array copied, so the checks never hand JAX the caller's.
+
+    JAX remembers a NumPy array it converted with x64 on: after the checks (which run
+    with x64) the same object would come back from ``jnp.asarray`` as float64 with x64
+    off, and the caller's next ``jax.grad`` would see float64 where it expects float32.
+    """
+    return jax.tree_util.tree_map(
+        lambda leaf: leaf.copy() if isinstance(leaf, np.ndarray) else leaf, args
+    )
+
+
 def float_dtype(leaf: Any, label: str) -> np.dtype | None:
     """The dtype of a checked (real floating array) leaf, else ``None``."""
     if not isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
