@@ -759,3 +759,42 @@ def test_invalid_pytorch_options(kwargs):
     error = ValueError if name == "nondet_tol" else TypeError
     with pytest.raises(error, match=f"`{name}`"):
         jaxext.gradcheck(jaxext.mul_constant, (f64(0, (3,)), 2.0), **kwargs)
+
+
+# -- edge inputs: empty arrays, NaN outside the domain -------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 3), (3, 0)], ids=str)
+@pytest.mark.parametrize("checker", [jaxext.gradcheck, jaxext.gradgradcheck])
+def test_empty_inputs_pass_as_in_pytorch(shape, checker):
+    x = np.zeros(shape)
+    assert checker(jnp.sin, (x,))
+    # a non-empty input beside the empty one is still checked
+    wrong = _WRONG_SQUARES[checker.__name__]
+    with pytest.raises(jaxext.GradcheckError):
+        checker(lambda x, y: jnp.sin(x).sum() + wrong(y), (x, np.arange(1.0, 3.0)))
+
+
+def _square_with_bwd(bwd):
+    @jax.custom_vjp
+    def square(y):
+        return jnp.sum(y**2)
+
+    square.defvjp(lambda y: (jnp.sum(y**2), y), bwd)
+    return square
+
+
+_WRONG_SQUARES = {  # sum(y**2), wrong at first order / right at first order only
+    "gradcheck": _square_with_bwd(lambda y, g: (3 * g * y,)),
+    "gradgradcheck": _square_with_bwd(lambda y, g: (2 * g * jax.lax.stop_gradient(y),)),
+}
+
+
+def test_nan_outside_the_domain_is_reported_as_a_nan_not_a_primal_mismatch():
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(jnp.log, (np.array([2.0, -1.0, 3.0]),))
+    err = info.value
+    assert err.kind == "jacobian", str(err)  # the forward rule is not blamed
+    assert "output element (1,)" in str(err) and "numerical:  nan" in str(err)
+    assert "the function is NaN" in str(err)
+    assert jaxext.gradcheck(jnp.log, (np.array([2.0, 1.0, 3.0]),))

@@ -177,6 +177,28 @@ def nonzero_grad_for_zero_cotangent():
     return op, (f64(0, (4, 3)), f64(1, (2, 3)))
 
 
+def symbolic_zero_taken_for_ones():
+    """Two outputs; bwd reads an unused output's symbolic-zero cotangent as ones."""
+
+    @jax.custom_vjp
+    def op(x, w):
+        return x @ w.T, jnp.sin(x)
+
+    def fwd(x, w):
+        return op(x.value, w.value), (x.value, w.value)
+
+    def bwd(res, g):
+        x, w = res
+        g_y, g_s = (
+            jnp.ones(t.shape, t.dtype) if isinstance(t, jax.custom_derivatives.SymbolicZero) else t
+            for t in g
+        )
+        return g_y @ w + g_s * jnp.cos(x), g_y.T @ x
+
+    op.defvjp(fwd, bwd, symbolic_zeros=True)
+    return op, (f64(0, (4, 3)), f64(1, (2, 3)))
+
+
 def forward_rule_differs():
     @jax.custom_vjp
     def op(x, w):
@@ -247,6 +269,7 @@ BUGGY_OPS = {
     "residual_layout": (residual_layout_bug, "jit_reuse"),
     "wrong_vmap_method": (wrong_vmap_method, "vmap"),
     "nonzero_grad_for_zero_cotangent": (nonzero_grad_for_zero_cotangent, "zero_cotangent"),
+    "symbolic_zero_taken_for_ones": (symbolic_zero_taken_for_ones, "zero_cotangent"),
     "forward_rule_differs": (forward_rule_differs, "forward_rule"),
     "eager_and_jit_differ": (eager_and_jit_differ, "jit"),
     "nondeterministic_backward": (nondeterministic_backward, "reentrancy"),

@@ -26,7 +26,8 @@ class CheckFailed(Exception):
 
 
 def _is_array(leaf: Any) -> bool:
-    return isinstance(leaf, (jax.Array, np.ndarray))
+    """An array, or an array's type (``jax.ShapeDtypeStruct``, as ``output_shapes`` gives)."""
+    return isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
 
 
 @dataclasses.dataclass(frozen=True)

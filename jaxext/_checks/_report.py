@@ -179,6 +179,13 @@ def gradcheck_error(
             )
             unit = "directions"
         lines += [f"  numerical:  {num:.10g}", f"  analytical: {auto:.10g}"]
+        if math.isnan(num) and not math.isnan(auto):
+            lines.append(
+                "  (the numerical value is NaN: the function is NaN at or within eps of this "
+                "input element, outside its domain; check inside it)"
+            )
+        elif math.isnan(auto):
+            lines.append("  (the analytical value is NaN: the derivative rule gives NaN here)")
         reference = "numerical"
     else:
         lines = [
