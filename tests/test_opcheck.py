@@ -78,6 +78,11 @@ CORRECT_OPS = {
         lambda: (jaxext.mul_constant, (f64(0, (4, 3)), np.array([0.5, 2.0, -1.0]))),
         (),
     ),
+    # A 0-d float input (a learnable scale): its expected gradients are NumPy scalars.
+    "jaxext.mul_constant_0d": (
+        lambda: (jaxext.mul_constant, (f64(0, (4, 3)), np.array(2.0))),
+        (),
+    ),
     "nnx.Linear": (nnx_linear_op, ()),
     "linen.Dense": (linen_dense_op, ()),
     "Function": (lambda: (LinearFunction.apply, (f64(0, (4, 3)), f64(1, (2, 3)))), ()),

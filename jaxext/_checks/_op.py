@@ -26,8 +26,8 @@ class CheckFailed(Exception):
 
 
 def _is_array(leaf: Any) -> bool:
-    """An array, or an array's type (``jax.ShapeDtypeStruct``, as ``output_shapes`` gives)."""
-    return isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+    """An array (a NumPy scalar too) or its type (``jax.ShapeDtypeStruct``)."""
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
 
 
 @dataclasses.dataclass(frozen=True)
