@@ -33,6 +33,8 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from ._linearity import Kind, nonlinearities
+
 __all__ = ["RuleTypeError", "RuleValueError", "custom_vjp"]
 
 ReturnValue = TypeVar("ReturnValue")
@@ -496,6 +498,8 @@ class _Op:
             out_float=out_float,
         )
         t_in = [t for t, q in zip(t_leaves, perturbed, strict=True) if q]
+        if t_in and any(isinstance(v, jax.core.Tracer) for v in [*in_leaves, *res_arrays]):
+            res_arrays = [*res_arrays, *lin.hoist(res_arrays)]  # staged: see _Linear.hoist
         float_tangents = iter(tangent_p.bind(*res_arrays, *t_in, lin=lin) if t_in else [])
         out_tangents = []
         for o, is_float in zip(out_leaves, out_float, strict=True):
@@ -545,7 +549,10 @@ class _Linear:
 
     def __init__(self, **fields: Any):
         self.__dict__.update(fields)
-        self.n_res = sum(self.res_is_array)
+        self.n_res = self.n_own = sum(self.res_is_array)
+        self.hoisted_bwd: Callable[..., Any] | None = None
+        self.hoisted_jvp: Callable[..., Any] | None = None
+        self.n_bwd_consts = self.n_jvp_consts = 0
         self.t_avals = tuple(
             a.to_tangent_aval() for a, q in zip(self.in_avals, self.perturbed, strict=True) if q
         )
@@ -568,8 +575,51 @@ class _Linear:
 
     # -- the backward: cotangents of the float outputs -> gradients of perturbed inputs --
 
+    def hoist(self, res_arrays: Sequence[Any]) -> list[Any]:
+        """Makes the tracers ``bwd`` and ``jvp`` close over explicit operands; returns them.
+
+        The tangent primitive runs ``bwd`` (transposed) or ``jvp`` when it is evaluated or
+        lowered, after the trace that made it has ended. Tracers of that trace that the
+        rules close over (a traced scale under ``jit``, a ``scan`` carry) would be stale
+        there, so they travel as operands, after the residuals, as ``jax.closure_convert``
+        arranges. A rule that cannot be traced abstractly (Python control flow on a
+        residual's value) is left as it is.
+        """
+        cts = [jnp.zeros(a.shape, a.dtype) for a in self.ct_avals]
+        t_in = [jnp.zeros(a.shape, a.dtype) for a in self.t_avals]
+        own = list(res_arrays)
+        consts: list[Any] = []
+        try:
+            bwd, bwd_consts = jax.closure_convert(self.own_backward, own, cts)
+        except jax.errors.ConcretizationTypeError:
+            bwd, bwd_consts = None, []
+        if bwd_consts:
+            self.hoisted_bwd, self.n_bwd_consts = bwd, len(bwd_consts)
+            consts += bwd_consts
+        if self.op.spec.jvp is not None:
+            try:
+                jvp, jvp_consts = jax.closure_convert(self.own_user_jvp, own, t_in)
+            except jax.errors.ConcretizationTypeError:
+                jvp, jvp_consts = None, []
+            if jvp_consts:
+                self.hoisted_jvp, self.n_jvp_consts = jvp, len(jvp_consts)
+                consts += jvp_consts
+        self.n_res = self.n_own + len(consts)
+        return consts
+
     def backward(self, res_arrays: Sequence[Any], cts: Sequence[Any]) -> list[jax.Array]:
         """Runs ``bwd``; ``cts`` has one entry (``None`` for zero) per float output."""
+        if self.hoisted_bwd is None:
+            return self.own_backward(res_arrays, cts)
+        own, hoisted = res_arrays[: self.n_own], res_arrays[self.n_own :]
+        cts = [
+            jnp.zeros(a.shape, a.dtype) if ct is None else ct
+            for ct, a in zip(cts, self.ct_avals, strict=True)
+        ]
+        return list(self.hoisted_bwd(list(own), list(cts), *hoisted[: self.n_bwd_consts]))
+
+    def own_backward(self, res_arrays: Sequence[Any], cts: Sequence[Any]) -> list[jax.Array]:
+        """``bwd`` itself, on the op's own residuals."""
         spec = self.op.spec
         ct_iter = iter(cts)
         leaves = []
@@ -691,6 +741,7 @@ class _Linear:
             f"give a JVP rule: `{self.op.name}.defvjp(fwd, bwd, jvp=jvp)` with "
             "`jvp(*nondiff_args, residuals, tangents) -> output tangent`"
         )
+        self.check_linear(res_arrays, examples, hint)
         try:
             transposed = jax.linear_transpose(lambda cts: self.backward(res_arrays, cts), examples)
             (out,) = transposed(list(t_in))
@@ -705,7 +756,41 @@ class _Linear:
             ) from err
         return [jnp.asarray(o) for o in out]
 
+    def check_linear(self, res_arrays: Sequence[Any], examples: list[Any], hint: str) -> None:
+        """Raises unless ``bwd`` is linear in its cotangent, as transposing it assumes.
+
+        ``jax.linear_transpose`` silently drops a term that does not depend on the
+        cotangent, so this is checked on the backward's jaxpr first.
+        """
+        kinds = nonlinearities(lambda *cts: self.backward(res_arrays, list(cts)), examples)
+        labels = [
+            self.op.label(k)
+            for k, tree in enumerate(self.in_tree.children())
+            for _ in range(tree.num_leaves)
+        ]
+        labels = [label for label, q in zip(labels, self.perturbed, strict=True) if q]
+        for (kind, where), label in zip(kinds, labels, strict=True):
+            if kind in (Kind.CONST, Kind.AFFINE):
+                problem = "has a term that does not depend on the cotangent"
+            elif kind == Kind.NONLINEAR:
+                problem = f"uses the cotangent nonlinearly (in {where})"
+            else:
+                continue
+            raise RuleTypeError(
+                f"`{self.op.name}`: forward-mode differentiation (jvp, jacfwd, linearize, "
+                "hessian) of a jaxext.custom_vjp function is derived by transposing its bwd, "
+                f"which must be linear in its cotangent; bwd's gradient for {label} {problem}. "
+                f"A correct bwd computes g -> J^T g; if this one is meant, {hint}."
+            )
+
     def user_jvp(self, res_arrays: Sequence[Any], t_in: Sequence[Any]) -> list[jax.Array]:
+        if self.hoisted_jvp is None:
+            return self.own_user_jvp(res_arrays, t_in)
+        own, hoisted = res_arrays[: self.n_own], res_arrays[self.n_own + self.n_bwd_consts :]
+        return list(self.hoisted_jvp(list(own), list(t_in), *hoisted))
+
+    def own_user_jvp(self, res_arrays: Sequence[Any], t_in: Sequence[Any]) -> list[jax.Array]:
+        """The user's ``jvp`` rule itself, on the op's own residuals."""
         name = self.op.name
         t_iter = iter(t_in)
         leaves = [

@@ -760,3 +760,158 @@ def test_rule_errors_carry_public_names():
     )
     assert jaxext.RuleValueError.__name__ == "RuleValueError"
     assert issubclass(jaxext.RuleTypeError, TypeError)
+
+
+# -- forward mode needs a backward linear in its cotangent ----------------------------
+# Forward mode transposes bwd. jax.linear_transpose silently drops a term that does not
+# depend on the cotangent, so each non-linear form below must be refused, naming the op
+# and the argument whose gradient is not linear; a linear bwd (however it is written)
+# must give the JVP of the primal.
+
+
+def _two_input_op(bwd_x, bwd_y):
+    """``x**3 * y``, with the given formulas for the gradients of x and y."""
+
+    @jaxext.custom_vjp
+    def cube_times(x, y):
+        return x**3 * y
+
+    cube_times.defvjp(
+        lambda x, y: (x**3 * y, (x, y)),
+        lambda res, g: (bwd_x(*res, g), bwd_y(*res, g)),
+    )
+    return cube_times
+
+
+def _right_y(x, y, g):
+    return g * x**3
+
+
+NONLINEAR_BACKWARDS = {  # gradient of x, in forms seen in user code
+    "ignores_cotangent": lambda x, y, g: 3 * x**2 * y,
+    "affine": lambda x, y, g: g * 3 * x**2 * y + 6 * x,
+    "abs": lambda x, y, g: jnp.abs(g) * 3 * x**2 * y,
+    "clip": lambda x, y, g: jnp.clip(g, -1.0, 1.0) * 3 * x**2 * y,
+    "square": lambda x, y, g: g * g * 3 * x**2 * y,
+    "sign": lambda x, y, g: jnp.sign(g) * 3 * x**2 * y,
+    "branch_on_cotangent": lambda x, y, g: jnp.where(g > 0, g, 0.0) * 3 * x**2 * y,
+    "divide_by_cotangent": lambda x, y, g: 3 * x**2 * y / g,
+    "affine_under_jit": lambda x, y, g: jax.jit(lambda a, b: a + b)(g * 3 * x**2 * y, x),
+}
+
+
+@pytest.mark.parametrize("form", list(NONLINEAR_BACKWARDS))
+@pytest.mark.parametrize("which", ["x", "y"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_forward_mode_of_a_nonlinear_bwd_is_an_error(form, which, jit, x64):
+    bad = NONLINEAR_BACKWARDS[form]
+    if which == "x":
+        op = _two_input_op(bad, _right_y)
+    else:  # the same defect in the second argument's gradient
+        op = _two_input_op(lambda x, y, g: g * 3 * x**2 * y, lambda x, y, g: bad(y, x, g))
+    x, y = jnp.array([0.5, -1.5, 2.0]), jnp.array([1.5, 0.25, -2.0])
+
+    def jvp(x, y):
+        return jax.jvp(op, (x, y), (jnp.ones(3), jnp.ones(3)))
+
+    with pytest.raises(
+        TypeError, match=rf"`cube_times`: forward-mode.*gradient for argument \d \(`{which}`\)"
+    ):
+        (jax.jit(jvp) if jit else jvp)(x, y)
+    with pytest.raises(jaxext.RuleTypeError):
+        jax.jacfwd(op, argnums=(0, 1))(x, y)
+
+
+LINEAR_BACKWARDS = {  # gradient of x, linear in g however written
+    "product": lambda x, y, g: g * 3 * x**2 * y,
+    "divide_by_residual": lambda x, y, g: g / (1.0 / (3 * x**2 * y)),
+    "where_on_residual": lambda x, y, g: jnp.where(x > 0, g * 3 * x**2 * y, 3 * x**2 * y * g),
+    "where_with_zero": lambda x, y, g: jnp.where(x > 100.0, 0.0, g * 3 * x**2 * y),
+    "sum_of_terms": lambda x, y, g: g * x**2 * y + 2 * (g * x**2 * y) - jnp.zeros_like(g),
+    "under_jit": lambda x, y, g: jax.jit(lambda a, b: a * b)(g, 3 * x**2 * y),
+    "slices": lambda x, y, g: jnp.concatenate([(g * 3 * x**2 * y)[:1], (3 * x**2 * y * g)[1:]]),
+    "matrix": lambda x, y, g: jnp.diag(3 * x**2 * y) @ g,
+}
+
+
+@pytest.mark.parametrize("form", list(LINEAR_BACKWARDS))
+def test_forward_mode_of_a_linear_bwd_is_not_rejected(form, x64):
+    op = _two_input_op(LINEAR_BACKWARDS[form], _right_y)
+    x, y = jnp.array([0.5, -1.5, 2.0]), jnp.array([1.5, 0.25, -2.0])
+    tx, ty = jnp.array([0.3, -1.0, 2.0]), jnp.array([1.0, 0.5, -0.25])
+    got = jax.jit(lambda *a: jax.jvp(op, a[:2], a[2:]))(x, y, tx, ty)
+    want = jax.jvp(lambda x, y: x**3 * y, (x, y), (tx, ty))
+    _tree_close(got, want)
+
+
+# -- forward mode where the rules close over traced values ----------------------------
+# A scale traced by jit, a scan or while_loop carry, a cond operand: the rules close over
+# it, and forward mode must work wherever reverse mode does, with the derivatives
+# through the closed-over value too.
+
+
+def _scaled_sin(scale, with_jvp):
+    """``sin(x) * scale`` with rules closing over ``scale``."""
+
+    @jaxext.custom_vjp
+    def scaled_sin(x):
+        return jnp.sin(x) * scale
+
+    def fwd(x):
+        return jnp.sin(x) * scale, jnp.cos(x)
+
+    def bwd(cos_x, g):
+        return (g * cos_x * scale,)
+
+    def jvp(cos_x, tangents):
+        return tangents[0] * cos_x * scale
+
+    scaled_sin.defvjp(fwd, bwd, jvp=jvp if with_jvp else None)
+    return scaled_sin
+
+
+def _closure_programs(op_of):
+    """(name, f(scale, x)) pairs: forward-mode derivatives with a traced closure."""
+
+    def jvp(scale, x):
+        return jax.jvp(op_of(scale), (x,), (jnp.cos(x),))[1]
+
+    def hessian_diag(scale, x):
+        return jnp.diag(jax.hessian(lambda x: op_of(scale)(x).sum())(x))
+
+    def through_scale(scale, x):  # d/dscale of the jvp: the closed-over value's derivative
+        return jax.grad(lambda s: jvp(s, x).sum())(scale)
+
+    def scan(scale, x):
+        def body(carry, s):
+            return carry + jvp(s * scale, x), None
+
+        return jax.lax.scan(body, jnp.zeros_like(x), jnp.arange(1.0, 3.0))[0]
+
+    def while_loop(scale, x):
+        def body(state):
+            i, acc = state
+            return i + 1, acc + jvp(scale * i, x)
+
+        return jax.lax.while_loop(lambda st: st[0] < 3, body, (0, jnp.zeros_like(x)))[1]
+
+    def cond(scale, x):
+        return jax.lax.cond(scale > 0, lambda: jvp(scale, x), lambda: jnp.zeros_like(x))
+
+    return {
+        "jvp": jvp,
+        "hessian": hessian_diag,
+        "through_scale": through_scale,
+        "scan": scan,
+        "while_loop": while_loop,
+        "cond": cond,
+    }
+
+
+@pytest.mark.parametrize("program", list(_closure_programs(None)))
+@pytest.mark.parametrize("with_jvp", [False, True], ids=["from_bwd", "jvp_rule"])
+def test_forward_mode_with_rules_closing_over_traced_values(program, with_jvp, x64):
+    ours = _closure_programs(lambda s: _scaled_sin(s, with_jvp))[program]
+    reference = _closure_programs(lambda s: lambda x: jnp.sin(x) * s)[program]
+    scale, x = jnp.asarray(1.5), jnp.array([0.5, -1.0, 2.0])
+    _tree_close(jax.jit(ours)(scale, x), reference(scale, x))

@@ -1,0 +1,241 @@
+"""Is a traced function linear in its inputs? A walk over its jaxpr.
+
+Forward mode of a :class:`jaxext.custom_vjp` function transposes its backward, which
+is only right when the backward is linear in the cotangent. ``jax.linear_transpose``
+raises for some nonlinear uses (``jnp.clip``) but silently drops others: a term that
+does not depend on the cotangent (``return 3 * x**2``, or ``g * a + b``) transposes to
+nothing. This module classifies each value of the backward's jaxpr as
+
+* ``ZERO``: identically zero (a literal ``0``, ``jnp.zeros``, a product with zero),
+* ``CONST``: independent of the inputs (residuals, literals, their functions),
+* ``LINEAR``: a linear function of the inputs,
+* ``AFFINE``: linear plus a term that does not depend on the inputs,
+* ``NONLINEAR``: any other use of the inputs,
+
+and reports, per output, why it is not linear. Primitives it does not know are given
+the benefit of the doubt (``UNKNOWN``): the walk only reports what it can prove.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["Kind", "nonlinearities"]
+
+
+class Kind(enum.IntEnum):
+    ZERO = 0
+    CONST = 1
+    LINEAR = 2
+    UNKNOWN = 3
+    AFFINE = 4
+    NONLINEAR = 5
+
+
+# Linear in every operand together (f(a t) = a f(t)), with no constant operands allowed
+# beyond zeros: sums of linear terms.
+_ADDITIVE = {"add", "sub", "add_any", "concatenate"}
+# Linear in their first operand; every other operand must not depend on the inputs.
+_LINEAR_IN_FIRST = {
+    "neg",
+    "reduce_sum",
+    "broadcast_in_dim",
+    "reshape",
+    "transpose",
+    "convert_element_type",
+    "squeeze",
+    "expand_dims",
+    "slice",
+    "dynamic_slice",
+    "rev",
+    "copy",
+    "copy_p",
+    "real",
+    "imag",
+    "conj",
+    "reduce_precision",
+    "cumsum",
+    "gather",
+    "psum",
+    "all_gather",
+    "all_to_all",
+    "ppermute",
+    "reduce_scatter",
+    "psum_scatter",
+    "pbroadcast",
+    "pvary",
+    "sharding_constraint",
+    "mesh_cast",
+    "reshard",
+    "device_put",
+    "optimization_barrier",
+    "select_and_scatter_add",
+    "reduce_window_sum",
+}
+# Bilinear: linear when exactly one operand depends on the inputs.
+_BILINEAR = {"mul", "dot_general", "conv_general_dilated", "complex"}
+# Nonlinear in every operand that depends on the inputs.
+_NONLINEAR = {
+    "abs",
+    "sign",
+    "max",
+    "min",
+    "clamp",
+    "exp",
+    "exp2",
+    "log",
+    "log1p",
+    "expm1",
+    "sin",
+    "cos",
+    "tan",
+    "tanh",
+    "logistic",
+    "sqrt",
+    "rsqrt",
+    "cbrt",
+    "pow",
+    "integer_pow",
+    "square",
+    "erf",
+    "erfc",
+    "erf_inv",
+    "atan2",
+    "asin",
+    "acos",
+    "atan",
+    "sinh",
+    "cosh",
+    "asinh",
+    "acosh",
+    "atanh",
+    "floor",
+    "ceil",
+    "round",
+    "is_finite",
+    "reduce_max",
+    "reduce_min",
+    "argmax",
+    "argmin",
+    "gt",
+    "ge",
+    "lt",
+    "le",
+    "eq",
+    "ne",
+    "sort",
+    "nextafter",
+    "rem",
+    "lgamma",
+    "digamma",
+}
+_SUBJAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+def nonlinearities(fn: Callable[..., Any], examples: Sequence[Any]) -> list[tuple[Kind, str]]:
+    """Traces ``fn`` at ``examples`` and classifies each output leaf.
+
+    Args:
+        fn: the function, called as ``fn(*examples)``.
+        examples: its arguments (arrays or ``jax.ShapeDtypeStruct``s).
+
+    Returns:
+        One ``(kind, reason)`` per output leaf; ``reason`` names the primitive that made
+        it ``NONLINEAR``, and is empty otherwise.
+    """
+    closed = jax.make_jaxpr(fn)(*examples)
+    kinds = _walk(closed.jaxpr, [Kind.LINEAR] * len(closed.jaxpr.invars))
+    return kinds
+
+
+def _walk(jaxpr: Any, in_kinds: Sequence[Kind]) -> list[tuple[Kind, str]]:
+    env: dict[Any, tuple[Kind, str]] = {}
+    for v in jaxpr.constvars:
+        env[v] = (Kind.CONST, "")
+    for v, k in zip(jaxpr.invars, in_kinds, strict=True):
+        env[v] = (k, "")
+
+    def read(atom: Any) -> tuple[Kind, str]:
+        if isinstance(atom, jax.extend.core.Literal):
+            return (Kind.ZERO if _is_zero(atom.val) else Kind.CONST, "")
+        return env.get(atom, (Kind.CONST, ""))
+
+    for eqn in jaxpr.eqns:
+        ins = [read(a) for a in eqn.invars]
+        outs = _rule(eqn, ins)
+        for v, k in zip(eqn.outvars, outs, strict=True):
+            env[v] = k
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _is_zero(val: Any) -> bool:
+    try:
+        arr = np.asarray(val)
+        return arr.dtype != object and arr.size > 0 and not np.any(arr)
+    except Exception:  # noqa: BLE001 -- not a plain number: not provably zero
+        return False
+
+
+def _worst(ins: Sequence[tuple[Kind, str]]) -> tuple[Kind, str]:
+    return max(ins, key=lambda kr: kr[0], default=(Kind.CONST, ""))
+
+
+def _rule(eqn: Any, ins: Sequence[tuple[Kind, str]]) -> list[tuple[Kind, str]]:
+    n_out = len(eqn.outvars)
+    name = eqn.primitive.name
+    kinds = [k for k, _ in ins]
+    worst = _worst(ins)
+    if worst[0] >= Kind.AFFINE:  # already not linear: stays so
+        return [worst] * n_out
+    if all(k <= Kind.CONST for k in kinds):
+        # Independent of the inputs. A zero stays zero through shape-only and linear ops.
+        zero = kinds and all(k == Kind.ZERO for k in kinds[:1]) and name in _LINEAR_IN_FIRST
+        zero = zero or (name in _BILINEAR and Kind.ZERO in kinds)
+        zero = zero or (name in _ADDITIVE and all(k == Kind.ZERO for k in kinds))
+        return [(Kind.ZERO if zero else Kind.CONST, "")] * n_out
+    here = f"`{name}`"
+    if name in _ADDITIVE:
+        if any(k == Kind.CONST for k in kinds) and any(k >= Kind.LINEAR for k in kinds):
+            if Kind.UNKNOWN in kinds:
+                return [(Kind.UNKNOWN, "")] * n_out
+            return [(Kind.AFFINE, here)] * n_out
+        return [worst] * n_out
+    if name in _LINEAR_IN_FIRST:
+        if any(k >= Kind.LINEAR for k in kinds[1:]):
+            return [(Kind.NONLINEAR, here)] * n_out
+        return [ins[0] if kinds[0] >= Kind.LINEAR else (Kind.CONST, "")] * n_out
+    if name in _BILINEAR:
+        dependent = [k for k in kinds if k >= Kind.LINEAR]
+        if Kind.ZERO in kinds:
+            return [(Kind.ZERO, "")] * n_out
+        if len(dependent) > 1:
+            return [(Kind.NONLINEAR, here)] * n_out
+        return [worst] * n_out
+    if name == "div":
+        if kinds[1] >= Kind.LINEAR:
+            return [(Kind.NONLINEAR, here)] * n_out
+        return [ins[0]] * n_out
+    if name in ("select_n", "cond"):
+        # The predicate / branch index must not depend on the inputs.
+        if kinds[0] >= Kind.LINEAR:
+            return [(Kind.NONLINEAR, here)] * n_out
+        if name == "select_n":
+            cases = ins[1:]
+            if any(k == Kind.CONST for k, _ in cases) and any(k >= Kind.LINEAR for k, _ in cases):
+                return [(Kind.AFFINE, here)] * n_out
+            return [_worst(cases)] * n_out
+        branch_outs = [_walk(b.jaxpr, [k for k, _ in ins[1:]]) for b in eqn.params["branches"]]
+        return [_worst(col) for col in zip(*branch_outs, strict=True)]
+    if name in _NONLINEAR:
+        return [(Kind.NONLINEAR, here)] * n_out
+    for param in _SUBJAXPR_PARAMS:  # pjit, closed_call, checkpoint, custom_jvp_call, ...
+        sub = eqn.params.get(param)
+        sub = getattr(sub, "jaxpr", sub)
+        if sub is not None and hasattr(sub, "eqns") and len(sub.invars) == len(kinds):
+            return _walk(sub, kinds)
+    return [(Kind.UNKNOWN, "")] * n_out
