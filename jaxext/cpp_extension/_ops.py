@@ -138,12 +138,23 @@ def _float_array(value: Any, arg: str) -> jax.Array:
 
 # -- the FFI calls ---------------------------------------------------------------------
 
+# How each kernel splits over a device mesh (see FfiFunction.__call__'s `partition`):
+# on a batch-sharded x every device runs the kernels on its rows only. A result that
+# lacks a split dimension is summed over it (psum): the weight and bias gradients over
+# the rows `b` (over the data axis, as autodiff reduces them), grad_x over `o` when w is
+# split by rows. The features `_` are never split: the forward adds the bias once, and
+# grad_bias does not depend on them, so a sum over their shards would be wrong.
+_ELEMENTWISE = "... -> ..."
+_LINEAR = "b _, o _, o -> b o"  # y = x @ w.T + bias
+_LINEAR_BWD = "b _, o _, b o -> b _, o _, o"  # grad_x, grad_w, grad_bias from (x, w, g)
+
 
 def _call_mul_constant(x, constant):
     return extension().jaxext_mul_constant(
         x,
         result_shape_dtypes=jax.ShapeDtypeStruct(x.shape, x.dtype),
         vmap_method="expand_dims",
+        partition=_ELEMENTWISE,
         constant=constant,  # a Python float: the handler's float64 attribute
     )
 
@@ -151,7 +162,7 @@ def _call_mul_constant(x, constant):
 def _call_linear_forward(x, weight, bias):
     out = jax.ShapeDtypeStruct((x.shape[0], weight.shape[0]), x.dtype)
     return extension().jaxext_linear_forward(
-        x, weight, bias, result_shape_dtypes=out, vmap_method="expand_dims"
+        x, weight, bias, result_shape_dtypes=out, vmap_method="expand_dims", partition=_LINEAR
     )
 
 
@@ -159,7 +170,7 @@ def _call_linear_backward(x, weight, g):
     shapes = (x, weight, jax.ShapeDtypeStruct(weight.shape[:1], weight.dtype))
     shapes = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in shapes]
     return extension().jaxext_linear_backward(
-        x, weight, g, result_shape_dtypes=shapes, vmap_method="expand_dims"
+        x, weight, g, result_shape_dtypes=shapes, vmap_method="expand_dims", partition=_LINEAR_BWD
     )
 
 
