@@ -145,14 +145,21 @@ class Extension:
     """
 
     def __init__(
-        self, name: str, path: Path, built: bool, platform: str, targets: Mapping[str, str]
+        self,
+        name: str,
+        path: Path,
+        built: bool,
+        platform: str,
+        targets: Mapping[str, str],
+        partition: Mapping[str, str | None] | None = None,
     ):
         self.name = name
         self.path = path
         self.built = built
         self.platform = platform
         self._functions = {
-            symbol: FfiFunction(symbol, target, platform) for symbol, target in targets.items()
+            symbol: FfiFunction(symbol, target, platform, (partition or {}).get(symbol))
+            for symbol, target in targets.items()
         }
 
     @property
