@@ -65,12 +65,12 @@ def load(
         platform: ``"cpu"`` or ``"CUDA"``, the platform the handlers are registered
             for. Default: ``"CUDA"`` if a source is ``.cu``, else ``"cpu"``.
         partition: ``{handler: rule}``, how each handler splits over a device mesh
-            (its :attr:`FfiFunction.partition <jaxext.cpp_extension.FfiFunction>`):
+            (its ``FfiFunction.partition``):
             ``"batch"`` (the leading dimension of the first operand and of every
             result), an einsum-like rule such as ``"b i, o i -> b o"``, or ``None``
             (the default for handlers not named: sharded operands are gathered and
             every device runs the whole kernel). See ``partition`` in
-            :meth:`FfiFunction.__call__ <jaxext.cpp_extension.FfiFunction.__call__>`,
+            ``FfiFunction.__call__``,
             which can also override it per call.
         verbose: print the compiler command and output.
 

@@ -26,7 +26,7 @@ class FfiFunction:
         partition: how the kernel splits over a device mesh when it is called
             without a ``partition`` argument: ``None`` (it does not: sharded operands
             are gathered and every device computes the whole result), ``"batch"``
-            or an einsum-like rule (see :meth:`__call__`). Set by ``load(...,
+            or an einsum-like rule (see ``__call__``). Set by ``load(...,
             partition=...)``; may be reassigned.
     """
 
@@ -38,6 +38,7 @@ class FfiFunction:
 
     @property
     def partition(self) -> str | None:
+        """The default ``partition`` rule of this function's calls (``None``: gathered)."""
         return self._partition
 
     @partition.setter
@@ -69,7 +70,7 @@ class FfiFunction:
             has_side_effect: keep the call even if its results are unused.
             input_output_aliases: ``{input index: output index}`` buffers to reuse.
             partition: how the kernel splits over a device mesh; default: the
-                function's :attr:`partition` (``None`` unless ``load`` set one).
+                function's ``partition`` attribute (``None`` unless ``load`` set one).
 
                 * ``None``: it does not. On operands sharded over a mesh, XLA
                   gathers every operand whole onto every device, and every device
