@@ -18,6 +18,18 @@ Compared, in one process and in interleaved rounds (see ``benchlib.py``):
   as measured, no target.
 
 Writes ``benchmarks/results/cpp_extension_<backend>[_quick].json`` and ``.md``.
+
+``--per-device-work [--devices N]`` measures instead what each of N CPU devices
+(forced host devices, in subprocesses) computes when x is batch-sharded over a
+``("data",)`` mesh (explicit axes, ``jax.set_mesh``): for the compiled
+``jit(mul_constant)``, ``jit(linear)`` and ``jit(grad)`` of a linear loss, the
+elements of every ``jaxext_*`` custom call's operands and results in the
+per-device program (the compiled, SPMD-partitioned HLO), and its all-gathers;
+before (the handlers' ``partition`` rules set to ``None``) and after (the rules
+``ops`` ships). With a rule each device's kernels see 1/N of the batch. XLA's
+``cost_analysis()`` cannot tell: it reports -1 (unknown) or nothing for custom
+calls. Writes ``benchmarks/results/cpp_extension_per_device_<backend>.json``/``.md``.
+
 This is a benchmark, not a test.
 """
 
@@ -25,6 +37,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -136,6 +151,128 @@ def _max_rel_err(a, b) -> float:
     return worst
 
 
+# -- per-device work ------------------------------------------------------------------
+
+_CUSTOM_CALL = re.compile(r"=\s*(.*?)\s+custom-call\((.*?)\),.*?custom_call_target=\"([^\"]+)\"")
+_SHAPE = re.compile(r"\b[a-z]+[0-9]*\[([0-9,]*)\]")
+
+
+def _elements(text: str) -> int:
+    total = 0
+    for dims in _SHAPE.findall(text):
+        total += int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
+    return total
+
+
+def kernel_work(compiled_text: str) -> dict[str, Any]:
+    """Per-device elements read and written by the jaxext custom calls of a compiled program."""
+    calls = []
+    for line in compiled_text.splitlines():
+        m = _CUSTOM_CALL.search(line)
+        if not m or ".jaxext_" not in m.group(3):
+            continue
+        layouts = re.search(r"operand_layout_constraints=\{((?:[^{}]|\{[^{}]*\})*)\}", line)
+        calls.append(
+            {
+                "kernel": m.group(3).split(".")[-1],
+                "result_elements": _elements(m.group(1)),
+                "operand_elements": _elements(layouts.group(1)) if layouts else None,
+            }
+        )
+    return {
+        "calls": calls,
+        "all_gathers": len(re.findall(r"\ball-gather(?:-start)?\(", compiled_text)),
+        "all_reduces": len(re.findall(r"\ball-reduce(?:-start)?\(", compiled_text)),
+    }
+
+
+def per_device_child(n: int, rules: bool, batch: int, features: int) -> dict[str, Any]:
+    """Runs in a process with ``n`` forced CPU devices: the compiled programs' kernel work."""
+    from jax.sharding import PartitionSpec as P
+
+    ext = ops.extension()
+    if not rules:  # "before": the handlers as a kernel that says nothing
+        for name in ext.functions:
+            getattr(ext, name).partition = None
+    mesh = jax.make_mesh((n,), ("data",))
+    rng = np.random.default_rng(0)
+    with jax.set_mesh(mesh):
+        x = jax.device_put(rng.standard_normal((batch, features), np.float32), P("data"))
+        w = jax.device_put(rng.standard_normal((features, features), np.float32), P())
+        b = jax.device_put(rng.standard_normal((features,), np.float32), P())
+        programs = {
+            "mul_constant forward": (lambda x: ops.mul_constant(x, 2.0), (x,)),
+            "linear forward": (ops.linear, (x, w, b)),
+            "linear fwd+bwd": (
+                jax.grad(lambda x, w, b: jnp.sum(jnp.tanh(ops.linear(x, w, b))), argnums=(0, 1, 2)),
+                (x, w, b),
+            ),
+        }
+        out = {}
+        for name, (fn, fargs) in programs.items():
+            text = jax.jit(fn).lower(*fargs).compile().as_text()
+            out[name] = kernel_work(text)
+    return out
+
+
+def bench_per_device_work(args: argparse.Namespace, log) -> dict[str, Any]:
+    results: dict[str, Any] = {"devices": args.devices, "batch": args.batch, "features": 256}
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+    ).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    for label, flag in (("before", "off"), ("after", "on")):
+        command = [sys.executable, __file__, "--per-device-child", flag]
+        command += ["--devices", str(args.devices), "--batch", str(args.batch)]
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        if proc.returncode:
+            raise RuntimeError(f"per-device child failed:\n{proc.stdout}\n{proc.stderr}")
+        results[label] = json.loads(proc.stdout.strip().splitlines()[-1])
+        log(f"{label}: measured {len(results[label])} programs")
+    return results
+
+
+def render_per_device(results: dict[str, Any]) -> str:
+    m = results["machine"]
+    work = results["per_device_work"]
+    n, batch, feat = work["devices"], work["batch"], work["features"]
+    lines = [
+        f"# jaxext C++ kernels: per-device work on a batch-sharded input ({n} CPU devices)",
+        "",
+        f"jax {m['jax']}, jaxlib {m['jaxlib']}, {m['date_utc']}. x: ({batch}, {feat}) float32 "
+        f"split over `data` (P('data')), w: ({feat}, {feat}) and b replicated; explicit "
+        "axes under `jax.set_mesh`. Elements read (operands) and written (results) by the "
+        "`jaxext_*` custom calls of one device's compiled program, before (no `partition` "
+        "rule) and after (the rules `ops` ships); the ideal share of the batch is 1/"
+        f"{n}. XLA's `cost_analysis()` reports -1 (unknown) for custom calls, so the "
+        "elements are read from the compiled HLO.",
+        "",
+        "| program | kernel | before: result elems | after: result elems | after/before | "
+        "before: operand elems | after: operand elems | all-gathers before -> after |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for program, before in work["before"].items():
+        after = work["after"][program]
+        gathers = f"{before['all_gathers']} -> {after['all_gathers']}"
+        for cb, ca in zip(before["calls"], after["calls"], strict=True):
+            ratio = ca["result_elements"] / cb["result_elements"]
+            lines.append(
+                f"| {program} | {cb['kernel']} | {cb['result_elements']:,} | "
+                f"{ca['result_elements']:,} | {ratio:.3f} | {cb['operand_elements']:,} | "
+                f"{ca['operand_elements']:,} | {gathers} |"
+            )
+    lines += [
+        "",
+        f"Before, every device runs each kernel on the whole batch of {batch} rows "
+        "(after gathering it); after, on its own "
+        f"{batch // n} rows: the batch-shaped results shrink to 1/{n}. The weight and "
+        "bias gradients of the backward keep their full (replicated) size: each device "
+        "computes its partial sum, and one all-reduce adds them, as in plain autodiff.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def render(results: dict[str, Any]) -> str:
     m = results["machine"]
     lines = [
@@ -187,7 +324,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--budget", type=float, default=8.0, help="seconds per comparison")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--note", default="", help="stored with the results")
+    parser.add_argument(
+        "--per-device-work",
+        action="store_true",
+        help="per-device kernel work on a batch-sharded input, without and with rules",
+    )
+    parser.add_argument("--devices", type=int, default=4, help="for --per-device-work")
+    parser.add_argument("--batch", type=int, default=4096, help="for --per-device-work")
+    parser.add_argument("--per-device-child", choices=("on", "off"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    if args.per_device_child:
+        work = per_device_child(args.devices, args.per_device_child == "on", args.batch, 256)
+        print(json.dumps(work))
+        return work
+    if args.per_device_work:
+        results = {
+            "machine": benchlib.machine_info(),
+            "note": args.note,
+            "per_device_work": bench_per_device_work(args, log),
+        }
+        text = render_per_device(results)
+        print(text)
+        stem = f"cpp_extension_per_device_{jax.default_backend()}"
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{stem}.json").write_text(json.dumps(results, indent=1) + "\n")
+        (args.out / f"{stem}.md").write_text(text)
+        log(f"wrote {args.out / stem}.json and .md")
+        return results
     if args.quick:
         args.rounds, args.budget = 5, 1.0
         mul_sizes = [2**10, 2**20]
@@ -195,9 +362,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         mul_sizes = [2**10, 2**20, 2**24]
         linear_sizes = [(32, 64, 64), (256, 256, 256), (1024, 1024, 1024)]
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
 
     ops.extension()  # build (or load) the kernels before anything is timed
     results = {

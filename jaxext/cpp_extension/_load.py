@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import jax
@@ -13,6 +13,7 @@ import jaxlib
 from ._cache import build_once, cache_key, cache_root
 from ._compiler import compile_command, compile_library, find_compiler
 from ._module import Extension
+from ._partition import check_rule
 from ._registry import register_handlers
 
 __all__ = ["load", "load_inline"]
@@ -36,6 +37,7 @@ def load(
     extra_include_paths: Sequence[PathLike] = (),
     build_directory: PathLike | None = None,
     platform: str | None = None,
+    partition: Mapping[str, str | None] | None = None,
     verbose: bool = False,
 ) -> Extension:
     """Compiles C++ (or CUDA) source files of XLA FFI handlers and registers them with JAX.
@@ -62,6 +64,14 @@ def load(
             else ``~/.cache/jaxext/cpp_extensions`` (under ``$XDG_CACHE_HOME`` if set).
         platform: ``"cpu"`` or ``"CUDA"``, the platform the handlers are registered
             for. Default: ``"CUDA"`` if a source is ``.cu``, else ``"cpu"``.
+        partition: ``{handler: rule}``, how each handler splits over a device mesh
+            (its ``FfiFunction.partition``):
+            ``"batch"`` (the leading dimension of the first operand and of every
+            result), an einsum-like rule such as ``"b i, o i -> b o"``, or ``None``
+            (the default for handlers not named: sharded operands are gathered and
+            every device runs the whole kernel). See ``partition`` in
+            ``FfiFunction.__call__``,
+            which can also override it per call.
         verbose: print the compiler command and output.
 
     Returns:
@@ -116,6 +126,7 @@ def load(
         extra_include_paths=extra_include_paths,
         build_directory=build_directory,
         platform=platform,
+        partition=partition,
         verbose=verbose,
     )
 
@@ -131,6 +142,7 @@ def load_inline(
     extra_include_paths: Sequence[PathLike] = (),
     build_directory: PathLike | None = None,
     platform: str | None = None,
+    partition: Mapping[str, str | None] | None = None,
     verbose: bool = False,
 ) -> Extension:
     """Like :func:`jaxext.cpp_extension.load`, with the sources given as strings.
@@ -153,6 +165,7 @@ def load_inline(
         extra_include_paths: see :func:`jaxext.cpp_extension.load`.
         build_directory: see :func:`jaxext.cpp_extension.load`.
         platform: see :func:`jaxext.cpp_extension.load`.
+        partition: see :func:`jaxext.cpp_extension.load`.
         verbose: see :func:`jaxext.cpp_extension.load`.
 
     Returns:
@@ -200,6 +213,7 @@ def load_inline(
         extra_include_paths=extra_include_paths,
         build_directory=build_directory,
         platform=platform,
+        partition=partition,
         verbose=verbose,
     )
 
@@ -216,6 +230,7 @@ def _load(
     extra_include_paths: Sequence[PathLike],
     build_directory: PathLike | None,
     platform: str | None,
+    partition: Mapping[str, str | None] | None,
     verbose: bool,
 ) -> Extension:
     """Builds (once) and registers; ``inline_files`` are written into the build directory."""
@@ -225,6 +240,7 @@ def _load(
     cuda = any(str(s).endswith(".cu") for s in sources)
     platform = _platform(platform, cuda)
     symbols = _functions(functions, texts)
+    rules = _partition_rules(partition, symbols)
     compiler = find_compiler(cuda)
     key = cache_key(
         [
@@ -265,7 +281,24 @@ def _load(
     if verbose and not built:
         print(f"[jaxext.cpp_extension] {name!r}: using the cached build {library}", flush=True)
     targets = register_handlers(name, library, f"{name}_{key}", symbols, platform)
-    return Extension(name, library, built, platform, targets)
+    return Extension(name, library, built, platform, targets, rules)
+
+
+def _partition_rules(
+    partition: Mapping[str, str | None] | None, symbols: Sequence[str]
+) -> dict[str, str | None]:
+    if partition is None:
+        return {}
+    if not isinstance(partition, Mapping):
+        raise TypeError(
+            f"`partition` must be a dict {{handler name: rule}}; got {type(partition).__name__}."
+        )
+    unknown = sorted(set(partition) - set(symbols))
+    if unknown:
+        raise ValueError(
+            f"`partition` names handlers that are not loaded: {unknown}; loaded: {list(symbols)}."
+        )
+    return {name: check_rule(rule) for name, rule in partition.items()}
 
 
 def _check_name(name: object) -> None:

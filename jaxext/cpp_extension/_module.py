@@ -8,7 +8,12 @@ from typing import Any
 
 import jax
 
+from ._partition import check_rule, partitioned_call
+
 __all__ = ["Extension", "FfiFunction"]
+
+
+_OWN_RULE: Any = object()  # FfiFunction.__call__'s default: the function's own rule
 
 
 class FfiFunction:
@@ -18,12 +23,27 @@ class FfiFunction:
         name: the handler's symbol in the sources.
         target_name: the FFI target it is registered as.
         platform: ``"cpu"`` or ``"CUDA"``.
+        partition: how the kernel splits over a device mesh when it is called
+            without a ``partition`` argument: ``None`` (it does not: sharded operands
+            are gathered and every device computes the whole result), ``"batch"``
+            or an einsum-like rule (see ``__call__``). Set by ``load(...,
+            partition=...)``; may be reassigned.
     """
 
-    def __init__(self, name: str, target_name: str, platform: str):
+    def __init__(self, name: str, target_name: str, platform: str, partition: str | None = None):
         self.name = name
         self.target_name = target_name
         self.platform = platform
+        self.partition = partition
+
+    @property
+    def partition(self) -> str | None:
+        """The default ``partition`` rule of this function's calls (``None``: gathered)."""
+        return self._partition
+
+    @partition.setter
+    def partition(self, rule: str | None) -> None:
+        self._partition = check_rule(rule)
 
     def __call__(
         self,
@@ -32,6 +52,7 @@ class FfiFunction:
         vmap_method: str | None = None,
         has_side_effect: bool = False,
         input_output_aliases: dict[int, int] | None = None,
+        partition: Any = _OWN_RULE,
         **attributes: Any,
     ) -> Any:
         """Calls the handler on ``args`` (arrays), eagerly or under any JAX transformation.
@@ -48,6 +69,38 @@ class FfiFunction:
                 broadcast to the batch) or ``None`` (``vmap`` raises).
             has_side_effect: keep the call even if its results are unused.
             input_output_aliases: ``{input index: output index}`` buffers to reuse.
+            partition: how the kernel splits over a device mesh; default: the
+                function's ``partition`` attribute (``None`` unless ``load`` set one).
+
+                * ``None``: it does not. On operands sharded over a mesh, XLA
+                  gathers every operand whole onto every device, and every device
+                  runs the kernel on the whole problem; the results come back
+                  replicated.
+                * An einsum-like rule naming each dimension of each operand and
+                  result, names separated by spaces, operands and results by
+                  commas: ``"b i, o i, o -> b o"`` for ``y = x @ w.T + b``. ``...``
+                  stands for any number of dimensions (matched from the right, as
+                  in NumPy), ``_`` for a dimension that is never split. A named
+                  dimension may be split over mesh axes: where an operand's
+                  ``NamedSharding`` splits it, the call runs in ``jax.shard_map``
+                  on that mesh, each device calling the kernel on its shards, and a
+                  result that lacks a dimension that is split is summed over it
+                  (``psum``), as ``jnp.einsum`` sums it. So a rule promises that
+                  the kernel computes each result element from the operand elements
+                  with the same indices, summing over the dimensions the result
+                  lacks. The results keep the operands' splits.
+                * ``"batch"``: short for the rule that names only the leading
+                  dimension of the first operand and of every result (the other
+                  operands are passed whole): elementwise kernels of one array,
+                  row-wise kernels such as a linear layer's forward.
+
+                Which dimensions are split is read from the operands: the
+                sharding of concrete arrays, and under ``jit`` the sharding in
+                their type (``jax.typeof(x).sharding``), which names the mesh axes
+                of explicit meshes (``axis_types=Explicit``, the default of
+                ``jax.make_mesh``). Under ``jit`` with ``Auto`` axes the type does
+                not say, and the kernel runs as with ``None``. Inside ``shard_map``
+                the kernel already sees shards, and runs as it is.
             **attributes: the handler's attributes, by name. A Python ``float`` is
                 sent as float64 and an ``int`` as int64; use NumPy scalars
                 (``np.float32(2)``) for other widths.
@@ -56,14 +109,26 @@ class FfiFunction:
             What ``jax.ffi.ffi_call`` returns: an array, or a list of arrays when
             ``result_shape_dtypes`` is a sequence.
         """
-        call = jax.ffi.ffi_call(
-            self.target_name,
-            result_shape_dtypes,
-            vmap_method=vmap_method,
-            has_side_effect=has_side_effect,
-            input_output_aliases=input_output_aliases,
-        )
-        return call(*args, **attributes)
+        rule = self.partition if partition is _OWN_RULE else check_rule(partition)
+
+        def make_call(results: Any) -> Any:
+            call = jax.ffi.ffi_call(
+                self.target_name,
+                results,
+                vmap_method=vmap_method,
+                has_side_effect=has_side_effect,
+                input_output_aliases=input_output_aliases,
+            )
+            return lambda *arrays: call(*arrays, **attributes)
+
+        if rule is None:
+            return make_call(result_shape_dtypes)(*args)
+        several = isinstance(result_shape_dtypes, (list, tuple))
+        results = list(result_shape_dtypes) if several else [result_shape_dtypes]
+        outs = partitioned_call(make_call, args, results, rule)
+        if not several:
+            return outs[0]
+        return tuple(outs) if isinstance(result_shape_dtypes, tuple) else outs
 
     def __repr__(self) -> str:
         return f"<FfiFunction {self.name} -> FFI target {self.target_name!r} ({self.platform})>"
@@ -81,14 +146,21 @@ class Extension:
     """
 
     def __init__(
-        self, name: str, path: Path, built: bool, platform: str, targets: Mapping[str, str]
+        self,
+        name: str,
+        path: Path,
+        built: bool,
+        platform: str,
+        targets: Mapping[str, str],
+        partition: Mapping[str, str | None] | None = None,
     ):
         self.name = name
         self.path = path
         self.built = built
         self.platform = platform
         self._functions = {
-            symbol: FfiFunction(symbol, target, platform) for symbol, target in targets.items()
+            symbol: FfiFunction(symbol, target, platform, (partition or {}).get(symbol))
+            for symbol, target in targets.items()
         }
 
     @property

@@ -1,13 +1,16 @@
 """jaxext's ops with C++ kernels: ``jaxext/csrc/jaxext_ops.cc`` loaded and given gradients.
 
-This module is also the template for your own kernels. It is in three steps:
+This module is also the template for your own kernels. It is in four steps:
 
 1. build the handlers with the public :func:`~jaxext.cpp_extension.load`, at the
    first call (not at import);
 2. call each handler through ``ffi_call`` with its result shapes and a
    ``vmap_method`` (here ``"expand_dims"``: the handlers broadcast over leading
    batch axes);
-3. attach the C++ backward with :class:`jaxext.custom_vjp`, and a ``jvp=`` rule
+3. say how each handler splits over a device mesh (``load``'s ``partition``): on
+   a batch-sharded input every device runs the kernels on its rows, and the
+   weight gradients are summed across devices;
+4. attach the C++ backward with :class:`jaxext.custom_vjp`, and a ``jvp=`` rule
    made of the C++ forward (both ops are linear in each input), because JAX can
    neither differentiate nor transpose an FFI call: ``grad`` runs the C++
    backward, ``jvp``/``jacfwd`` the ``jvp`` rule. Second derivatives would need
@@ -38,15 +41,36 @@ SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "jaxext_ops.cc"
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
+# How each kernel splits over a device mesh (the `partition` of load):
+# on a batch-sharded x every device runs the kernels on its rows only. A result that
+# lacks a split dimension is summed over it (psum): the weight and bias gradients over
+# the rows `b` (over the data axis, as autodiff reduces them), grad_x over `o` when w is
+# split by rows. The features `_` are never split: the forward adds the bias once, and
+# grad_bias does not depend on them, so a sum over their shards would be wrong.
+_ELEMENTWISE = "... -> ..."
+_LINEAR = "b _, o _, o -> b o"  # y = x @ w.T + bias
+_LINEAR_BWD = "b _, o _, b o -> b _, o _, o"  # grad_x, grad_w, grad_bias from (x, w, g)
+
+
 @functools.cache
 def extension() -> Extension:
     """The compiled ``jaxext_ops`` extension (built at the first call, then cached).
 
     Returns:
         The :class:`~jaxext.cpp_extension.Extension` with the handlers
-        ``jaxext_mul_constant``, ``jaxext_linear_forward`` and ``jaxext_linear_backward``.
+        ``jaxext_mul_constant``, ``jaxext_linear_forward`` and ``jaxext_linear_backward``,
+        each with its ``partition`` rule (on a batch-sharded input, every device runs
+        the kernels on its own rows).
     """
-    return load("jaxext_ops", [SOURCE])
+    return load(
+        "jaxext_ops",
+        [SOURCE],
+        partition={
+            "jaxext_mul_constant": _ELEMENTWISE,
+            "jaxext_linear_forward": _LINEAR,
+            "jaxext_linear_backward": _LINEAR_BWD,
+        },
+    )
 
 
 def mul_constant(x: ArrayLike, constant: float) -> jax.Array:

@@ -1,0 +1,170 @@
+"""C++ kernels under sharding: the ``partition`` rules of ``jaxext.cpp_extension``.
+
+The multi-device checks run once in a subprocess (``tests/_cpp_sharding_worker.py``,
+8 forced CPU devices, as ``test_sharding.py`` does) that writes JSON; the tests here
+assert on it. References: one-device float64 autodiff of the same math in plain
+``jnp``, and the collectives of plain autodiff compiled with the same shardings. The
+rule parser's errors are checked in this process (no mesh needed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import rounding_tolerance
+
+from jaxext import cpp_extension
+from jaxext.cpp_extension import ops
+
+WORKER = Path(__file__).with_name("_cpp_sharding_worker.py")
+REPO_ROOT = WORKER.parent.parent
+
+OPS = ("mul_constant", "linear")
+RULE_CASES = [
+    *(f"{op}_explicit_{mode}" for op in OPS for mode in ("jit", "eager")),
+    *(f"{op}_auto_eager" for op in OPS),  # concrete shardings: their specs are known
+    "linear_explicit_jit_3d",
+]
+FALLBACK_CASES = [f"{op}_auto_jit" for op in OPS]  # auto axes under jit: replicated
+HANDLER_CASES = ["batch_rule_explicit_jit", "load_rule_explicit_jit"]
+ALL_CASES = RULE_CASES + FALLBACK_CASES + HANDLER_CASES + ["no_rule_explicit_jit"]
+# float32 results of these small problems (sums of up to 16 * 6 terms) against float64.
+TOL = rounding_tolerance(np.float32, n=128)
+
+
+@pytest.fixture(scope="module")
+def worker_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cpp_sharding") / "results.json"
+    env = dict(os.environ)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), str(out)],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"cpp sharding worker failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(out.read_text())
+
+
+def _check(results, name):
+    result = results["checks"][name]
+    assert "error" not in result, f"{name} raised in the worker:\n{result['error']}"
+    return result
+
+
+def _assert_values(result):
+    assert result["out_diff"] <= TOL * result["out_scale"]
+    assert result["loss"][0] == pytest.approx(result["loss"][1], rel=TOL)
+    if "grad_diff" in result:
+        assert result["grad_scale"] > 1e-2
+        assert result["grad_diff"] <= TOL * result["grad_scale"]
+
+
+def test_worker_sees_eight_devices(worker_results):
+    assert worker_results["device_count"] == 8
+    assert set(worker_results["checks"]) == set(ALL_CASES)
+
+
+@pytest.mark.parametrize("name", ALL_CASES)
+def test_values_and_gradients_match_unsharded_reference(worker_results, name):
+    _assert_values(_check(worker_results, name))
+
+
+@pytest.mark.parametrize("name", RULE_CASES + HANDLER_CASES)
+def test_output_keeps_batch_sharding(worker_results, name):
+    result = _check(worker_results, name)
+    assert result["out_spec"].startswith("('data',")
+
+
+@pytest.mark.parametrize("name", RULE_CASES)
+def test_gradients_keep_parameter_shardings(worker_results, name):
+    result = _check(worker_results, name)
+    assert result["grad_specs"] == result["param_specs"]
+
+
+@pytest.mark.parametrize("name", [c for c in RULE_CASES + HANDLER_CASES if "jit" in c])
+def test_compiled_forward_and_backward_gather_nothing(worker_results, name):
+    result = _check(worker_results, name)
+    assert result["forward_collectives"]["all-gather"] == 0
+    assert result["forward_collectives"]["all-reduce"] == 0
+    if "backward_collectives" in result:
+        # As plain autodiff: no gather, and the one reduction of the weight gradients
+        # across the batch (none for mul_constant, which has no parameter).
+        assert result["backward_collectives"] == result["plain_backward_collectives"]
+        assert result["backward_collectives"]["all-gather"] == 0
+        expected = 1 if name.startswith("linear") else 0
+        assert result["backward_collectives"]["all-reduce"] == expected
+
+
+@pytest.mark.parametrize("name", ["no_rule_explicit_jit", *FALLBACK_CASES])
+def test_without_a_rule_the_batch_is_gathered(worker_results, name):
+    # What a kernel that says nothing costs (and auto axes under jit, where the
+    # operands' types do not say how they are split): the batch is all-gathered and
+    # every device runs the whole kernel; the values stay right.
+    result = _check(worker_results, name)
+    assert result["forward_collectives"]["all-gather"] >= 1
+    assert result["out_spec"] == "(None, None)"
+
+
+# -- the rule argument, in this process --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("rule", "match"),
+    [
+        ("b i, o i", "exactly one '->'"),
+        ("b i -> b o", "'o' is in no operand"),
+        ("b b -> b", "repeats"),
+        ("... i ... -> i", "twice"),
+        ("b+i -> b", "not a dimension name"),
+    ],
+)
+def test_malformed_rules_are_value_errors(rule, match):
+    with pytest.raises(ValueError, match=match):
+        cpp_extension.FfiFunction("f", "t", "cpu", partition=rule)
+
+
+def test_rule_must_be_a_string():
+    with pytest.raises(TypeError, match="`partition`"):
+        cpp_extension.FfiFunction("f", "t", "cpu", partition=("b", "b"))
+
+
+def test_rule_that_does_not_fit_the_call_is_a_value_error():
+    x = jnp.ones((4, 3))
+    handler = ops.extension().jaxext_mul_constant
+    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    with pytest.raises(ValueError, match="2 operand"):
+        handler(x, result_shape_dtypes=out, partition="b, c -> b", constant=2.0)
+    with pytest.raises(ValueError, match="rank 2"):
+        handler(x, result_shape_dtypes=out, partition="b -> b", constant=2.0)
+
+
+def test_load_partition_names_loaded_handlers():
+    with pytest.raises(ValueError, match="not loaded"):
+        cpp_extension.load("jaxext_ops", [ops.SOURCE], partition={"nope": "batch"})
+    ext = cpp_extension.load(
+        "jaxext_ops", [ops.SOURCE], partition={"jaxext_mul_constant": "... -> ..."}
+    )
+    assert ext.jaxext_mul_constant.partition == "... -> ..."
+    assert ext.jaxext_linear_forward.partition is None
+
+
+def test_rule_on_one_device_gives_the_kernel_result():
+    # No mesh: the rule changes nothing (the call runs whole).
+    x = jnp.arange(6.0).reshape(2, 3)
+    out = ops.extension().jaxext_mul_constant(
+        x, result_shape_dtypes=x, partition="batch", constant=3.0
+    )
+    np.testing.assert_array_equal(out, np.arange(6.0).reshape(2, 3) * 3.0)
