@@ -11,7 +11,8 @@
   GitHub and in Jupyter) or in the site. A link that resolves to no page is a warning, so
   ``mkdocs build --strict`` fails on it.
 - Names of JAX and Flax (``jax.custom_vjp``, ``flax.nnx.Linear``, ``nnx.Param``) written as code
-  in any page become links to their entries in JAX's and Flax's documentation. The build is
+  in any page, and JAX's types in signatures (``jax.Array``, ``jax.typing.ArrayLike``), become
+  links to their entries in JAX's and Flax's documentation. The build is
   offline, so the URLs are formed here by the rules of those sites rather than read from their
   ``objects.inv``; a name whose page the rules do not know links to the site's search.
 """
@@ -74,9 +75,9 @@ _JAX_MODULE_PAGES = {
     "jax.typing",
 }
 # Modules whose functions and classes each have an `_autosummary/<name>.html` page.
-_JAX_AUTOSUMMARY = _JAX_MODULE_PAGES - {"jax.errors", "jax.sharding", "jax.typing"} | {"jax"}
+_JAX_AUTOSUMMARY = _JAX_MODULE_PAGES - {"jax.errors", "jax.sharding"} | {"jax"}
 # Modules documented on their page with anchors (`jax.errors.html#jax.errors.JaxRuntimeError`).
-_JAX_ANCHORED = {"jax.errors", "jax.sharding", "jax.typing"}
+_JAX_ANCHORED = {"jax.errors", "jax.sharding"}
 
 # flax.nnx's API reference: one page per topic, an anchor per name.
 _NNX_PAGES = {
@@ -253,3 +254,23 @@ def on_page_content(content, page, config, files):
 
         content = _HREF.sub(relink, content)
     return link_external_names(content)
+
+
+# Type annotations in signatures that name JAX's or Flax's types: autorefs leaves those it
+# cannot resolve (no inventory offline) as `<span title="jax.Array">Array</span>`.
+_UNRESOLVED = re.compile(r'<span title="(?P<name>(?:jax|flax)\.[\w.]+)">(?P<text>[^<]*)</span>')
+
+
+def on_post_page(output, page, config):
+    def link(match: re.Match[str]) -> str:
+        name = match["name"]
+        url = external_url(name)
+        # Only pages of their own: not the search, not the dtypes of jax.numpy.
+        if url is None or "search.html" in url or name.startswith("jax.numpy."):
+            return match[0]
+        return (
+            f'<a class="jaxext-external" href="{html.escape(url)}" title="{name}">'
+            f"{match['text']}</a>"
+        )
+
+    return _UNRESOLVED.sub(link, output)

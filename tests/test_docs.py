@@ -383,6 +383,7 @@ LINEN = "https://flax-linen.readthedocs.io/en/latest/api_reference/flax.linen/"
         ("jax.ffi.include_dir()", f"{JAX}_autosummary/jax.ffi.include_dir.html"),
         ("jax.lax.dot_general", f"{JAX}_autosummary/jax.lax.dot_general.html"),
         ("jax.numpy", f"{JAX}jax.numpy.html"),
+        ("jax.typing.ArrayLike", f"{JAX}_autosummary/jax.typing.ArrayLike.html"),
         ("jax.errors.JaxRuntimeError", f"{JAX}jax.errors.html#jax.errors.JaxRuntimeError"),
         ("jax.custom_derivatives.Zero", f"{JAX}search.html?q=jax.custom_derivatives.Zero"),
         ("nnx.Param", f"{FLAX}variables.html#flax.nnx.Param"),
@@ -402,3 +403,5 @@ def test_jax_and_flax_names_link_to_their_docs(site):
     assert (f"{FLAX}nn/linear.html#flax.nnx.Linear", "flax.nnx.Linear") in links
     links = set(_Page((site / "guides" / "writing_ops.html").read_text()).link_texts)
     assert (f"{JAX}_autosummary/jax.custom_vjp.html", "jax.custom_vjp") in links
+    links = set(_Page((site / "api" / "ops.html").read_text()).link_texts)  # in signatures
+    assert (f"{JAX}_autosummary/jax.typing.ArrayLike.html", "ArrayLike") in links
