@@ -6,7 +6,8 @@ mkdocstrings parses them:
 - Sphinx roles (``:func:`jaxext.linear```) become autorefs links,
   ``[`jaxext.linear`][jaxext.linear]``; a name without dots is looked up in the
   docstring's own module. A target that exists nowhere in the site fails the strict
-  build, as any broken cross-reference does.
+  build, as any broken cross-reference does. A role naming another library's object
+  (``:func:`jax.custom_vjp```) becomes code, which docs/hooks.py links to its docs.
 - An ``Args:`` entry naming several arguments at once (``eps, atol, rtol: as for
   gradcheck.``) becomes one entry per argument with the same description.
 - ``Example:`` (the house style's heading for the doctest run by the suite) is read as
@@ -28,6 +29,9 @@ _GROUPED_ENTRY = re.compile(
     re.MULTILINE,
 )
 _EXAMPLE_HEADING = re.compile(r"^Example:[ \t]*$", re.MULTILINE)
+# Roles naming these libraries' objects (``:func:`jax.custom_vjp```) become code, not autorefs
+# links: their inventories are not in the offline build.
+_OTHER_LIBRARIES = {"jax", "flax", "nnx", "numpy", "np", "jnp", "torch", "optax"}
 
 
 def _split_grouped_entries(section: re.Match[str]) -> str:
@@ -47,6 +51,8 @@ class DocstringHabits(griffe.Extension):
 
         def link(match: re.Match[str]) -> str:
             target = match.group(1)
+            if target.split(".")[0] in _OTHER_LIBRARIES:
+                return f"`{target}`"  # linked to that library's docs by docs/hooks.py
             if "." not in target and target in obj.module.members:
                 return f"[`{target}`][{obj.module.path}.{target}]"
             return f"[`{target}`][{target}]"

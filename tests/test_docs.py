@@ -10,13 +10,16 @@ from __future__ import annotations
 import __future__
 
 import importlib
+import importlib.util
 import os
 import pkgutil
 import re
 import subprocess
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
 from types import ModuleType
+from urllib.parse import unquote, urlsplit
 
 import pytest
 
@@ -47,6 +50,7 @@ runpy.run_module("mkdocs", run_name="__main__", alter_sys=True)
 # A block right after a `<!-- not-run: reason -->` line is skipped.
 PAGES_WITH_CODE = [
     "index.md",
+    "quickstart.md",
     "guides/flax_layers.md",
     "guides/scaling_out.md",
     "guides/writing_ops.md",
@@ -165,3 +169,239 @@ def test_page_code_runs(page, tmp_path):
         check=False,
     )
     assert result.returncode == 0, f"{page}:\n{result.stderr[-3000:]}"
+
+
+# --- The built site: links, anchors, titles, the API index, links out ----------------------------
+# `mkdocs build --strict` checks links between Markdown pages, but not the HTML that plugins
+# write (notebooks, mkdocstrings), nor anchors into it, nor the titles a plugin sets. These tests
+# read the built HTML as a browser would.
+
+
+class _Page(HTMLParser):
+    """What a link check needs from one HTML page: its anchors, links, title and link texts."""
+
+    _LINKING = {"a": "href", "link": "href", "script": "src", "img": "src", "iframe": "src"}
+
+    def __init__(self, text: str):
+        super().__init__(convert_charrefs=True)
+        self.ids: set[str] = set()
+        self.links: list[str] = []
+        self.title = ""
+        self.link_texts: list[tuple[str | None, str]] = []  # (href, text) of each <a>
+        self._open_links: list[list] = []
+        self._in_title = False
+        self.feed(text)
+        self.close()
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if attrs.get("id"):
+            self.ids.add(attrs["id"])
+        if tag == "a" and attrs.get("name"):
+            self.ids.add(attrs["name"])
+        target = attrs.get(self._LINKING.get(tag, ""))
+        if target is not None:
+            self.links.append(target)
+        if tag == "a":
+            self._open_links.append([attrs.get("href"), ""])
+        self._in_title = self._in_title or tag == "title"
+
+    def handle_endtag(self, tag):
+        if tag == "a" and self._open_links:
+            href, text = self._open_links.pop()
+            self.link_texts.append((href, " ".join(text.split())))
+        if tag == "title":
+            self._in_title = False
+
+    def handle_data(self, data):
+        if self._in_title:
+            self.title += data
+        for link in self._open_links:
+            link[1] += data
+
+
+def _read_site(site: Path) -> dict[Path, _Page]:
+    return {path: _Page(path.read_text(encoding="utf-8")) for path in sorted(site.rglob("*.html"))}
+
+
+def broken_links(site: Path) -> list[str]:
+    """Every link of every page of ``site`` to a missing file or a missing ``#fragment``.
+
+    External links (with a scheme or a host) are not followed: the build is offline. A path
+    starting with ``/`` is taken from the site's root (``404.html`` links that way).
+    """
+    site = site.resolve()
+    pages = _read_site(site)
+    problems = []
+    for page, parsed in pages.items():
+        where = page.relative_to(site).as_posix()
+        for link in parsed.links:
+            parts = urlsplit(link)
+            if parts.scheme or parts.netloc:
+                continue
+            path = unquote(parts.path)
+            if not path:
+                target = page
+            elif path.startswith("/"):
+                target = (site / path.lstrip("/")).resolve()
+            else:
+                target = (page.parent / path).resolve()
+            if target.is_dir():
+                target = target / "index.html"
+            if not target.is_relative_to(site) or not target.is_file():
+                problems.append(f"{where}: {link!r} is no file of the site")
+            elif (
+                parts.fragment
+                and target.suffix == ".html"
+                and unquote(parts.fragment) not in pages[target].ids
+            ):
+                problems.append(f"{where}: {link!r} names no id of {target.name}")
+    return problems
+
+
+def test_link_check_finds_missing_pages_and_anchors(tmp_path):
+    (tmp_path / "guides").mkdir()
+    (tmp_path / "style.css").write_text("")
+    (tmp_path / "index.html").write_text(
+        '<link href="style.css"><h1 id="top">x</h1><a name="old"></a>'
+        '<a href="#top">ok</a> <a href="#old">ok</a> <a href="guides/a.html#sec">ok</a>'
+        '<a href="https://example.org/#nowhere">external</a> <a href="guides/">dir</a>'
+        '<a href="#gone">1</a> <a href="guides/a.html#gone">2</a> <a href="b.html">3</a>'
+        '<script src="/missing.js"></script> <a href="../outside.html">4</a>'
+    )
+    (tmp_path / "guides" / "a.html").write_text('<h2 id="sec">s</h2><a href="../index.html#top">')
+    (tmp_path / "guides" / "index.html").write_text('<a href="a.md">5</a>')
+    assert sorted(broken_links(tmp_path)) == [
+        "guides/index.html: 'a.md' is no file of the site",
+        "index.html: '#gone' names no id of index.html",
+        "index.html: '../outside.html' is no file of the site",
+        "index.html: '/missing.js' is no file of the site",
+        "index.html: 'b.html' is no file of the site",
+        "index.html: 'guides/a.html#gone' names no id of a.html",
+    ]
+
+
+def test_every_internal_link_and_anchor_resolves(site):
+    problems = broken_links(site)
+    assert not problems, "\n".join(problems)
+
+
+def _nav_titles(nav: list) -> list[tuple[str, str]]:
+    """``(title, page)`` for each page that ``nav`` in mkdocs.yml gives a title."""
+    entries = []
+    for item in nav:
+        if isinstance(item, dict):
+            for title, value in item.items():
+                if isinstance(value, list):
+                    entries += _nav_titles(value)
+                else:
+                    entries.append((title, value))
+    return entries
+
+
+def _site_title(page_title: str) -> str:
+    return f"{page_title} - jaxext {jaxext.__version__}"
+
+
+_HEADER_TOPIC = re.compile(
+    r'data-md-component="header-topic">\s*<span class="md-ellipsis">\s*(.*?)\s*</span>', re.DOTALL
+)
+
+
+def test_page_titles_are_those_of_the_nav(site):
+    """Notebooks included: their first heading must not replace the title in mkdocs.yml."""
+    import yaml  # a dependency of mkdocs (and flax)
+
+    nav = _nav_titles(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"])
+    notebooks = [page for _, page in nav if page.endswith(".ipynb")]
+    assert len(notebooks) == len(list((ROOT / "notebooks").glob("*.ipynb"))), notebooks
+    home = _Page((site / "index.html").read_text())
+    for title, page in nav:
+        url = page.rsplit(".", 1)[0] + ".html"
+        html = (site / url).read_text()
+        expected = f"jaxext {jaxext.__version__}" if url == "index.html" else _site_title(title)
+        assert _Page(html).title == expected, page  # (the home page's is the site's name)
+        assert _HEADER_TOPIC.findall(html)[-1] == title, page  # the header, once scrolled
+        assert (url, title) in home.link_texts, f"{page} is not {title!r} in the sidebar"
+
+
+def test_notebook_table_of_contents_is_that_of_the_rendered_headings(site):
+    """A heading with a code span keeps it (mkdocs-jupyter's own TOC cut it off there)."""
+    links = _Page((site / "notebooks" / "cpp_extension.html").read_text()).link_texts
+    assert ("#c-kernels-in-jax-with-jaxextcpp_extension", "Skip to content") in links
+    assert ("#1-the-handler", "1. The handler") in links
+
+
+def test_site_shows_the_version_and_the_source(site):
+    header = re.search(
+        r'md-header__topic">\s*<span class="md-ellipsis">\s*(.*?)\s*</span>',
+        (site / "index.html").read_text(),
+    )
+    assert header[1] == f"jaxext {jaxext.__version__}"
+    ops = (site / "api" / "ops.html").read_text()
+    assert "Source code in" in ops and "jaxext/_linear.py" in ops
+
+
+def index_names() -> set[str]:
+    """The public names, and those of public modules inside public packages (``.ops``)."""
+    names = set(public_names())
+    for path, module in _public_namespaces().items():
+        for info in pkgutil.iter_modules(getattr(module, "__path__", [])):
+            if path == "jaxext" or info.name.startswith("_"):
+                continue
+            inner = importlib.import_module(f"{path}.{info.name}")
+            names.add(inner.__name__)
+            exported = getattr(inner, "__all__", None)
+            assert exported is not None, f"{inner.__name__} has no __all__"
+            names.update(f"{inner.__name__}.{name}" for name in exported)
+    return names
+
+
+def test_api_index_lists_every_public_name(site):
+    assert "jaxext.cpp_extension.ops.linear" in index_names()
+    listed = {text for _, text in _Page((site / "api" / "index.html").read_text()).link_texts}
+    missing = sorted(index_names() - listed)
+    assert not missing, f"add these to docs/api/index.md, 'Every public name': {missing}"
+
+
+def _hooks() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+JAX = "https://docs.jax.dev/en/latest/"
+FLAX = "https://flax.readthedocs.io/en/latest/api_reference/flax.nnx/"
+LINEN = "https://flax-linen.readthedocs.io/en/latest/api_reference/flax.linen/"
+
+
+@pytest.mark.parametrize(
+    ("name", "url"),
+    [
+        ("jax.custom_vjp", f"{JAX}_autosummary/jax.custom_vjp.html"),
+        ("jax.ffi.include_dir()", f"{JAX}_autosummary/jax.ffi.include_dir.html"),
+        ("jax.lax.dot_general", f"{JAX}_autosummary/jax.lax.dot_general.html"),
+        ("jax.numpy", f"{JAX}jax.numpy.html"),
+        ("jax.typing.ArrayLike", f"{JAX}_autosummary/jax.typing.ArrayLike.html"),
+        ("jax.errors.JaxRuntimeError", f"{JAX}jax.errors.html#jax.errors.JaxRuntimeError"),
+        ("jax.custom_derivatives.Zero", f"{JAX}search.html?q=jax.custom_derivatives.Zero"),
+        ("nnx.Param", f"{FLAX}variables.html#flax.nnx.Param"),
+        ("flax.nnx.Linear", f"{FLAX}nn/linear.html#flax.nnx.Linear"),
+        ("flax.linen.Dense", f"{LINEN}layers.html#flax.linen.Dense"),
+        ("numpy.sum", None),
+        ("torch.nn.Linear", None),
+        ("jaxext.linear", None),
+    ],
+)  # fmt: skip
+def test_external_docs_url(name, url):
+    assert _hooks().external_url(name) == url
+
+
+def test_jax_and_flax_names_link_to_their_docs(site):
+    links = set(_Page((site / "api" / "nnx.html").read_text()).link_texts)
+    assert (f"{FLAX}nn/linear.html#flax.nnx.Linear", "flax.nnx.Linear") in links
+    links = set(_Page((site / "guides" / "writing_ops.html").read_text()).link_texts)
+    assert (f"{JAX}_autosummary/jax.custom_vjp.html", "jax.custom_vjp") in links
+    links = set(_Page((site / "api" / "ops.html").read_text()).link_texts)  # in signatures
+    assert (f"{JAX}_autosummary/jax.typing.ArrayLike.html", "ArrayLike") in links
