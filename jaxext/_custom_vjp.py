@@ -683,14 +683,16 @@ class _Linear:
             result.append(self.finish(grad, ct_aval, label))
         return result
 
-    def finish(self, grad: Any, aval: Any, label: str) -> jax.Array:
+    def finish(self, grad: Any, aval: Any, label: str, rule: str = "bwd") -> jax.Array:
+        """Checks one gradient (``rule="bwd"``) or output tangent (``rule="jvp"``)."""
+        value, side = ("gradient", "input") if rule == "bwd" else ("tangent", "output")
         name = self.op.name
         if isinstance(grad, SymbolicZero) and (
             tuple(grad.shape) != tuple(aval.shape) or jnp.dtype(grad.dtype) != jnp.dtype(aval.dtype)
         ):
             raise RuleValueError(
-                f"`{name}`: bwd returned a SymbolicZero for {label} of shape/dtype "
-                f"{jnp.dtype(grad.dtype)}{list(grad.shape)}; the input has "
+                f"`{name}`: {rule} returned a SymbolicZero for {label} of shape/dtype "
+                f"{jnp.dtype(grad.dtype)}{list(grad.shape)}; the {side} has "
                 f"{jnp.dtype(aval.dtype)}{list(aval.shape)}. Consider just returning a None here "
                 "instead of a SymbolicZero object."
             )
@@ -706,17 +708,17 @@ class _Linear:
             if isinstance(grad, (int, float)) and not isinstance(grad, bool) and aval.shape == ():
                 return jnp.asarray(grad, aval.dtype)
             raise RuleTypeError(
-                f"`{name}`: bwd's gradient for {label} must be an array or None; got "
+                f"`{name}`: {rule}'s {value} for {label} must be an array or None; got "
                 f"{type(grad).__name__}."
             )
         if tuple(grad.shape) != tuple(aval.shape):
             raise RuleValueError(
-                f"`{name}`: bwd's gradient for {label} must have the input's shape "
+                f"`{name}`: {rule}'s {value} for {label} must have the {side}'s shape "
                 f"{tuple(aval.shape)}; got shape {tuple(grad.shape)}."
             )
         if jnp.dtype(grad.dtype) != jnp.dtype(aval.dtype):
             raise RuleTypeError(
-                f"`{name}`: bwd's gradient for {label} must have the input's dtype "
+                f"`{name}`: {rule}'s {value} for {label} must have the {side}'s dtype "
                 f"{jnp.dtype(aval.dtype)}; got {jnp.dtype(grad.dtype)} (cast it with .astype)."
             )
         return _match_type(jnp.asarray(grad), aval)
@@ -809,7 +811,7 @@ class _Linear:
         result = []
         for t, aval, is_float in zip(flat, self.out_avals, self.out_float, strict=True):
             if is_float:
-                result.append(self.finish(t, aval.to_tangent_aval(), "the output"))
+                result.append(self.finish(t, aval.to_tangent_aval(), "the output", "jvp"))
         return result
 
 

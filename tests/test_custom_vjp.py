@@ -915,3 +915,29 @@ def test_forward_mode_with_rules_closing_over_traced_values(program, with_jvp, x
     reference = _closure_programs(lambda s: lambda x: jnp.sin(x) * s)[program]
     scale, x = jnp.asarray(1.5), jnp.array([0.5, -1.0, 2.0])
     _tree_close(jax.jit(ours)(scale, x), reference(scale, x))
+
+
+@pytest.mark.parametrize(
+    "jvp, error, match",
+    [
+        (lambda c, t: (t[0] * c)[:2], ValueError, r"jvp's tangent for the output must have the "
+         r"output's shape \(3,\); got shape \(2,\)"),
+        (lambda c, t: (t[0] * c).astype(jnp.float32), TypeError, r"jvp's tangent for the output "
+         r"must have the output's dtype float64; got float32"),
+        (lambda c, t: {"t": t[0] * c}, TypeError, r"jvp's tangent for the output must be an "
+         r"array or None; got dict"),
+    ],
+    ids=["shape", "dtype", "structure"],
+)  # fmt: skip
+def test_wrong_jvp_rule_is_blamed_on_the_jvp_rule(jvp, error, match, x64):
+    @jaxext.custom_vjp
+    def sine(x):
+        return jnp.sin(x)
+
+    sine.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (g * c,), jvp=jvp)
+    x = jnp.array([0.5, 1.0, 2.0])
+    with pytest.raises(error, match=rf"`sine`: {match}") as info:
+        jax.jvp(sine, (x,), (jnp.ones(3),))
+    assert "bwd" not in str(info.value)
+    # reverse mode does not use the jvp rule
+    _tree_close(jax.grad(lambda x: sine(x).sum())(x), jnp.cos(x))
