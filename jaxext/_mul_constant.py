@@ -63,8 +63,11 @@ def mul_constant(x: ArrayLike, constant: Any) -> jax.Array:
     if isinstance(constant, (int, float, complex, np.number)) and not isinstance(
         constant, (bool, np.bool_)
     ):
-        op = _mul_static if isinstance(x, jax.core.Tracer) else _mul_static_compiled
-        return op(x, constant)
+        if isinstance(x, jax.core.Tracer):
+            return _mul_static(x, constant)
+        # Eager: nothing to differentiate. The constant goes in as an argument, as
+        # jax.numpy's functions take it, so a new value reuses the compiled program.
+        return _mul_eager(x, constant)
     if isinstance(constant, (bool, np.bool_)) or not hasattr(constant, "dtype"):
         hint = " (wrap it with jnp.asarray)" if isinstance(constant, (list, tuple)) else ""
         raise TypeError(
@@ -120,7 +123,11 @@ def _mul_static_bwd(constant, res, g):
 
 
 _mul_static.defvjp(_mul_static_fwd, _mul_static_bwd)
-_mul_static_compiled = jax.jit(_mul_static, static_argnums=1)
+
+
+@jax.jit
+def _mul_eager(x, constant):
+    return x * constant
 
 
 # -- array constant: both operands are differentiable -------------------------------

@@ -6,6 +6,8 @@ PyTorch (``x * c`` autograd and a port of the seed's ``MulConstant``).
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -455,3 +457,17 @@ def test_errors_are_raised_at_trace_time_under_jit():
         jax.jit(jaxext.mul_constant)(XA, jnp.array(True))
     with pytest.raises(TypeError, match=r"`x`.*dtype bool"):
         jax.jit(jaxext.mul_constant)(XA.astype(bool), 2.0)
+
+
+def test_eager_calls_with_new_constants_reuse_one_program(caplog):
+    """A new Python constant must not compile (and keep) a new program per value."""
+    x = jnp.arange(1.0, 7.0, dtype=jnp.float32).reshape(2, 3)
+    jaxext.mul_constant(x, 0.5)  # compiles once
+    constants = [1.0 + 0.01 * i for i in range(20)]
+    with jax.log_compiles(True), caplog.at_level(logging.DEBUG):
+        outs = [jaxext.mul_constant(x, c) for c in constants]
+    compiles = [r for r in caplog.records if "Compiling" in r.getMessage()]
+    assert compiles == [], [r.getMessage() for r in compiles]
+    for c, out in zip(constants, outs, strict=True):
+        assert out.dtype == jnp.float32
+        np.testing.assert_allclose(out, np.asarray(x, np.float64) * c, rtol=1e-6)
