@@ -247,7 +247,8 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         name = getattr(self.fun, "__name__", repr(self.fun))
         if self.fwd is None or self.bwd is None:
             raise AttributeError(
-                f"No VJP defined for custom_vjp function `{name}`: call `{name}.defvjp(fwd, bwd)`."
+                f"No VJP defined for custom_vjp function {name} using defvjp: call "
+                f"`{name}.defvjp(fwd, bwd)`."
             )
         args = _resolve_kwargs(self._signature(), name, args, kwargs)
         for i in self.nondiff_argnums:
@@ -318,7 +319,7 @@ def _resolve_kwargs(
     if passed:
         raise TypeError(
             f"`{name}`: keyword-only arguments {passed} cannot be resolved to positions; "
-            "custom_vjp functions take positional arguments. (JAX: the following keyword "
+            "custom_vjp functions take positional arguments. (JAX: The following keyword "
             f"arguments could not be resolved to positions: {', '.join(passed)})"
         )
     return tuple(bound.args)
@@ -344,6 +345,13 @@ def _bwd_checks_disabled() -> bool:
     return bool(getattr(jax.config, "jax_disable_bwd_checks", False))
 
 
+_JAX_BWD_TUPLE = (  # JAX's wording, which users' code may match on
+    "(JAX: Custom VJP bwd rule must produce an output with the same container (pytree) "
+    "structure as the args tuple of the primal function, and in particular must produce a "
+    "tuple of length equal to the number of arguments to the primal function.)"
+)
+
+
 def _broadcast_prefix(grad: Any, tree: Any) -> list[Any]:
     """The leaves of ``grad`` broadcast to the leaves of ``tree``, of which it is a prefix.
 
@@ -357,12 +365,12 @@ def _broadcast_prefix(grad: Any, tree: Any) -> list[Any]:
     if tree.num_leaves == 1 and jax.tree_util.treedef_is_leaf(tree):
         return [grad]  # an array argument: whatever bwd gave is checked as its gradient
     dummy = jax.tree_util.tree_unflatten(tree, [object()] * tree.num_leaves)
+    # Flattened, not mapped: mapping would rebuild bwd's pytree with placeholder children,
+    # which a user's unflatten may refuse.
+    g_leaves, g_tree = jax.tree_util.tree_flatten(grad, is_leaf=lambda x: x is None)
     flat: list[Any] = []
-
-    def extend(g: Any, sub: Any) -> None:
+    for g, sub in zip(g_leaves, g_tree.flatten_up_to(dummy), strict=True):
         flat.extend([g] * len(jax.tree_util.tree_leaves(sub)))
-
-    jax.tree_util.tree_map(extend, grad, dummy, is_leaf=lambda x: x is None)
     return flat
 
 
@@ -475,7 +483,7 @@ class _Op:
         if not isinstance(result, (tuple, list)) or len(result) != 2:
             raise TypeError(
                 f"`{self.name}`: fwd must return a pair (output, residuals); got "
-                f"{type(result).__name__}."
+                f"{type(result).__name__}. {self.jax_fwd_phrase()}"
             )
         out, res = result
         self.check_fwd_output(primals, out)
@@ -511,6 +519,15 @@ class _Op:
                 out_tangents.append(jnp.zeros_like(o))
         return out, jax.tree_util.tree_unflatten(out_tree, out_tangents)
 
+    def jax_fwd_phrase(self) -> str:
+        """JAX's wording of a wrong fwd output, which users' code may match on."""
+        fwd_name = getattr(self.spec.fwd, "__name__", "fwd")
+        return (
+            f"(JAX: Custom VJP fwd rule {fwd_name} for function {self.name} must produce a pair "
+            "(list or tuple of length two) where the first element represents the primal "
+            "output.)"
+        )
+
     def check_fwd_output(self, primals: tuple, out: Any) -> None:
         try:
             expected = jax.eval_shape(self.primal, *primals)
@@ -529,7 +546,7 @@ class _Op:
         if exp_tree != got_tree:
             raise TypeError(
                 f"`{self.name}`: fwd's output must have the primal's structure {exp_tree}; "
-                f"got {got_tree}."
+                f"got {got_tree}. {self.jax_fwd_phrase()}"
             )
         for e, g in zip(
             jax.tree_util.tree_leaves(expected), jax.tree_util.tree_leaves(got), strict=True
@@ -537,7 +554,8 @@ class _Op:
             if e.shape != g.shape or jnp.dtype(e.dtype) != jnp.dtype(g.dtype):
                 raise TypeError(
                     f"`{self.name}`: fwd's output must have the primal's shapes and dtypes "
-                    f"{e.dtype}{list(e.shape)}; got {g.dtype}{list(g.shape)}."
+                    f"{e.dtype}{list(e.shape)}; got {g.dtype}{list(g.shape)}. "
+                    f"{self.jax_fwd_phrase()}"
                 )
 
 
@@ -591,7 +609,7 @@ class _Linear:
         consts: list[Any] = []
         try:
             bwd, bwd_consts = jax.closure_convert(self.own_backward, own, cts)
-        except jax.errors.ConcretizationTypeError:
+        except Exception:  # noqa: BLE001 -- a dry run: the rule itself runs (and raises) later
             bwd, bwd_consts = None, []
         if bwd_consts:
             self.hoisted_bwd, self.n_bwd_consts = bwd, len(bwd_consts)
@@ -599,7 +617,7 @@ class _Linear:
         if self.op.spec.jvp is not None:
             try:
                 jvp, jvp_consts = jax.closure_convert(self.own_user_jvp, own, t_in)
-            except jax.errors.ConcretizationTypeError:
+            except Exception:  # noqa: BLE001 -- as above
                 jvp, jvp_consts = None, []
             if jvp_consts:
                 self.hoisted_jvp, self.n_jvp_consts = jvp, len(jvp_consts)
@@ -608,9 +626,17 @@ class _Linear:
         return consts
 
     def backward(self, res_arrays: Sequence[Any], cts: Sequence[Any]) -> list[jax.Array]:
-        """Runs ``bwd``; ``cts`` has one entry (``None`` for zero) per float output."""
+        """Runs ``bwd`` (reverse mode); ``cts`` has one entry (``None`` for zero) per float output.
+
+        Reverse mode transposes the tangent primitive inside the trace that made it, so
+        ``bwd`` runs as written, on its own residuals, with symbolic zeros as it asked.
+        """
+        return self.own_backward(res_arrays[: self.n_own], cts)
+
+    def staged_backward(self, res_arrays: Sequence[Any], cts: Sequence[Any]) -> list[jax.Array]:
+        """``bwd`` for forward mode, which may run after the trace: with hoisted closures."""
         if self.hoisted_bwd is None:
-            return self.own_backward(res_arrays, cts)
+            return self.own_backward(res_arrays[: self.n_own], cts)
         own, hoisted = res_arrays[: self.n_own], res_arrays[self.n_own :]
         cts = [
             jnp.zeros(a.shape, a.dtype) if ct is None else ct
@@ -641,21 +667,20 @@ class _Linear:
         if not isinstance(grads, (tuple, list)):
             raise RuleTypeError(
                 f"`{name}`: bwd must return a tuple with one gradient per differentiable "
-                f"argument ({n}); got {type(grads).__name__}."
+                f"argument ({n}); got {type(grads).__name__}. {_JAX_BWD_TUPLE}"
             )
         grads = tuple(grads)
         if len(grads) > n and any(g is not None for g in grads[n:]):
             raise RuleValueError(
                 f"`{name}`: bwd returned {len(grads)} gradients; expected {n}, one per "
-                "differentiable argument (extra trailing values must be None)."
+                f"differentiable argument (extra trailing values must be None). {_JAX_BWD_TUPLE}"
             )
         if len(grads) < n:
             missing = ", ".join(self.op.label(k) for k in range(len(grads), n))
             raise RuleTypeError(
                 f"`{name}`: bwd returned {len(grads)} gradient(s); expected {n}, one per "
                 f"differentiable argument: none for {missing}. Return None for an argument "
-                "whose gradient is zero. (JAX: custom VJP bwd rule must produce a tuple of "
-                "length equal to the number of arguments to the primal function.)"
+                f"whose gradient is zero. {_JAX_BWD_TUPLE}"
             )
         grads = grads[:n]
         arg_trees = self.in_tree.children()
@@ -669,24 +694,46 @@ class _Linear:
                     f"structure {tree} (or a prefix of it); got "
                     f"{jax.tree_util.tree_structure(grad)}."
                 ) from None
-        labels = []
+        labels, paths = [], []
         for k, tree in enumerate(arg_trees):
             labels.extend([self.op.label(k)] * tree.num_leaves)
+            leaves = jax.tree_util.tree_flatten_with_path(
+                jax.tree_util.tree_unflatten(tree, range(tree.num_leaves))
+            )[0]
+            paths.extend(f"output[{k}]{jax.tree_util.keystr(p)}" for p, _ in leaves)
         result = []
-        for grad, aval, q, label in zip(flat, self.in_avals, self.perturbed, labels, strict=True):
+        for grad, aval, q, label, path in zip(
+            flat, self.in_avals, self.perturbed, labels, paths, strict=True
+        ):
             if not q:
                 if isinstance(grad, SymbolicZero):  # checked even where no gradient is needed
                     self.finish(grad, aval.to_tangent_aval(), label)
                 continue
             # A gradient has its input's cotangent type (a reduced input's is unreduced).
             ct_aval = aval.to_ct_aval() if hasattr(aval, "to_ct_aval") else aval
-            result.append(self.finish(grad, ct_aval, label))
+            result.append(self.finish(grad, ct_aval, label, jax_path=path))
         return result
 
-    def finish(self, grad: Any, aval: Any, label: str, rule: str = "bwd") -> jax.Array:
-        """Checks one gradient (``rule="bwd"``) or output tangent (``rule="jvp"``)."""
+    def finish(
+        self, grad: Any, aval: Any, label: str, rule: str = "bwd", jax_path: str | None = None
+    ) -> jax.Array:
+        """Checks one gradient (``rule="bwd"``) or output tangent (``rule="jvp"``).
+
+        ``jax_path`` (``output[k]...``) adds JAX's wording of a shape/dtype mismatch.
+        """
         value, side = ("gradient", "input") if rule == "bwd" else ("tangent", "output")
         name = self.op.name
+
+        def jax_phrase(got: Any) -> str:
+            if jax_path is None:
+                return ""
+            return (
+                " (JAX: Custom VJP bwd rule must produce an output with the same type as the "
+                f"args tuple of the primal function, but at {jax_path} the bwd rule produced "
+                f"an output of type {_short(got)} corresponding to an input of type "
+                f"{_short(aval)}.)"
+            )
+
         if isinstance(grad, SymbolicZero) and (
             tuple(grad.shape) != tuple(aval.shape) or jnp.dtype(grad.dtype) != jnp.dtype(aval.dtype)
         ):
@@ -714,12 +761,13 @@ class _Linear:
         if tuple(grad.shape) != tuple(aval.shape):
             raise RuleValueError(
                 f"`{name}`: {rule}'s {value} for {label} must have the {side}'s shape "
-                f"{tuple(aval.shape)}; got shape {tuple(grad.shape)}."
+                f"{tuple(aval.shape)}; got shape {tuple(grad.shape)}.{jax_phrase(grad)}"
             )
         if jnp.dtype(grad.dtype) != jnp.dtype(aval.dtype):
             raise RuleTypeError(
                 f"`{name}`: {rule}'s {value} for {label} must have the {side}'s dtype "
                 f"{jnp.dtype(aval.dtype)}; got {jnp.dtype(grad.dtype)} (cast it with .astype)."
+                f"{jax_phrase(grad)}"
             )
         return _match_type(jnp.asarray(grad), aval)
 
@@ -745,7 +793,9 @@ class _Linear:
         )
         self.check_linear(res_arrays, examples, hint)
         try:
-            transposed = jax.linear_transpose(lambda cts: self.backward(res_arrays, cts), examples)
+            transposed = jax.linear_transpose(
+                lambda cts: self.staged_backward(res_arrays, cts), examples
+            )
             (out,) = transposed(list(t_in))
         except (RuleTypeError, RuleValueError):
             raise
@@ -764,7 +814,7 @@ class _Linear:
         ``jax.linear_transpose`` silently drops a term that does not depend on the
         cotangent, so this is checked on the backward's jaxpr first.
         """
-        kinds = nonlinearities(lambda *cts: self.backward(res_arrays, list(cts)), examples)
+        kinds = nonlinearities(lambda *cts: self.staged_backward(res_arrays, list(cts)), examples)
         labels = [
             self.op.label(k)
             for k, tree in enumerate(self.in_tree.children())
@@ -813,6 +863,11 @@ class _Linear:
             if is_float:
                 result.append(self.finish(t, aval.to_tangent_aval(), "the output", "jvp"))
         return result
+
+
+def _short(value: Any) -> str:
+    """``float32[3]``: a value's dtype and shape, as JAX's messages write them."""
+    return f"{jnp.dtype(value.dtype).name}[{','.join(str(d) for d in value.shape)}]"
 
 
 def _match_type(grad: jax.Array, aval: Any) -> jax.Array:

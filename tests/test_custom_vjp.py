@@ -597,7 +597,7 @@ def test_definition_errors():
     def undefined(x):
         return x
 
-    with pytest.raises(AttributeError, match=r"No VJP defined .* `undefined`"):
+    with pytest.raises(AttributeError, match=r"No VJP defined for custom_vjp function undefined"):
         undefined(1.0)
     with pytest.raises(TypeError, match=r"`fun` must be callable; got int"):
         jaxext.custom_vjp(3)
@@ -941,3 +941,73 @@ def test_wrong_jvp_rule_is_blamed_on_the_jvp_rule(jvp, error, match, x64):
     assert "bwd" not in str(info.value)
     # reverse mode does not use the jvp rule
     _tree_close(jax.grad(lambda x: sine(x).sum())(x), jnp.cos(x))
+
+
+# -- JAX's key phrases: code that matched on jax.custom_vjp's errors keeps matching ------
+
+
+def _rule_error_case(case):
+    """(function to call, exception type, JAX's phrase) for one kind of broken rule."""
+
+    def f(x, y):
+        return x * y
+
+    def f_fwd(x, y):
+        return f(x, y), (x, y)
+
+    bwds = {
+        "bwd_not_a_tuple": lambda res, g: g * res[1],
+        "bwd_too_many": lambda res, g: (g * res[1], g * res[0], g),
+        "bwd_too_few": lambda res, g: (g * res[1],),
+        "bwd_wrong_shape": lambda res, g: (g * res[1], jnp.zeros(2)),
+    }
+    fwds = {"fwd_not_a_pair": lambda x, y: f(x, y)}
+    for impl in DECORATORS.values():
+        op = impl(f)
+        op.defvjp(fwds.get(case, f_fwd), bwds.get(case, lambda res, g: (g * res[1], g * res[0])))
+        yield impl, op
+
+
+_JAX_FWD_PAIR = r"Custom VJP fwd rule <lambda> for function f must produce a pair"
+JAX_PHRASES = {
+    "bwd_not_a_tuple": (TypeError, r"Custom VJP bwd rule .* must produce a tuple"),
+    "bwd_too_many": ((TypeError, ValueError), r"Custom VJP bwd rule .*must produce"),
+    "bwd_too_few": (TypeError, r"Custom VJP bwd rule .*must produce"),
+    "bwd_wrong_shape": (
+        ValueError,
+        r"at output\[1\] the bwd rule produced an output of type float32\[2\] corresponding "
+        r"to an input of type float32\[3\]",
+    ),
+    "fwd_not_a_pair": (TypeError, _JAX_FWD_PAIR),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(JAX_PHRASES))
+def test_errors_keep_jax_key_phrases(case):
+    error, phrase = JAX_PHRASES[case]
+    x, y = jnp.array([1.0, 2.0, 3.0]), jnp.array([0.5, -1.0, 2.0])
+    for _, op in _rule_error_case(case):  # jax.custom_vjp, then jaxext.custom_vjp
+        with pytest.raises(error, match=phrase):
+            jax.jit(jax.grad(lambda x, y, op=op: op(x, y).sum(), argnums=(0, 1)))(x, y)
+
+
+@pytest.mark.parametrize("impl", DECORATORS)
+def test_bwd_gradient_pytree_is_not_rebuilt_with_placeholders(impl):
+    """A pytree whose unflatten refuses None children, as a bwd gradient: not rebuilt."""
+
+    class Pair(list):
+        pass
+
+    def unflatten(_, children):
+        assert all(c is not None for c in children)
+        return Pair(children)
+
+    jax.tree_util.register_pytree_node(Pair, lambda p: (list(p), None), unflatten)
+
+    @DECORATORS[impl]
+    def first(p):
+        return p[0] * 2.0
+
+    first.defvjp(lambda p: (p[0] * 2.0, None), lambda _, g: (Pair([2.0 * g, jnp.zeros(())]),))
+    grad = jax.grad(first)(Pair([jnp.asarray(1.5), jnp.asarray(3.0)]))
+    assert isinstance(grad, Pair) and float(grad[0]) == 2.0 and float(grad[1]) == 0.0
