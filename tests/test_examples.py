@@ -8,12 +8,13 @@ elsewhere (its module's namespace, an earlier block, another example) fails here
 doctest run in its module's namespace (``--doctest-modules``) passes. Doctests are run by
 ``doctest`` in that process with empty globals, so their printed outputs are checked too.
 
-Markers, on the line right before a fenced block:
+Markers, HTML comments (invisible on the site) on the lines right before a fenced block:
 
 - ``<!-- not-run: reason -->``: not run (it needs a GPU, several hosts, illustrative paths).
-- ``<!-- builds-on: previous -->``: the block continues the page's previous ``python`` block,
-  which is run first in the same process (and, if that one builds on its predecessor, that
-  one before it). The page says so to the reader as well; nothing is shared silently.
+- ``<!-- example: NAME -->``: names the block, for ``builds-on``.
+- ``<!-- builds-on: previous -->`` or ``<!-- builds-on: NAME -->``: the block continues the
+  page's previous ``python`` block, or the one named NAME, which is run first in the same
+  process (and, if that one builds on another, that one before it). Nothing else is shared.
 
 The processes run a few at a time; the tests are marked ``slow`` (``-m "not slow"`` skips them).
 """
@@ -45,7 +46,8 @@ TIMEOUT_S = 600
 _FENCE = re.compile(
     r"^(?P<indent> *)```(?P<lang>[\w+-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```", re.M | re.S
 )
-_MARKER = re.compile(r"<!--\s*(?P<kind>not-run|builds-on):\s*(?P<arg>[^>]*?)\s*-->\s*$")
+_MARKER = re.compile(r"^<!--\s*(?P<kind>[\w-]+):\s*(?P<arg>[^>]*?)\s*-->$")
+_MARKER_KINDS = ("not-run", "example", "builds-on")
 
 # Run in the fresh process for a docstring: the docstring comes on stdin.
 _DOCTEST_MAIN = """
@@ -81,7 +83,7 @@ class Block:
 
     lineno: int  # 1-based line of the opening fence
     code: str
-    marker: tuple[str, str] | None
+    markers: dict[str, str]  # {"builds-on": "previous"}, ...
 
 
 def markdown_blocks(text: str) -> list[Block]:
@@ -90,32 +92,32 @@ def markdown_blocks(text: str) -> list[Block]:
     for fence in _FENCE.finditer(text):
         if fence["lang"] not in ("python", "py"):
             continue
-        before = text[: fence.start()].rstrip("\n").rsplit("\n", 1)[-1]
-        marker = _MARKER.search(before)
-        blocks.append(
-            Block(
-                lineno=text.count("\n", 0, fence.start()) + 1,
-                code=textwrap.dedent(fence["body"]),
-                marker=(marker["kind"], marker["arg"]) if marker else None,
-            )
-        )
+        lineno = text.count("\n", 0, fence.start()) + 1
+        markers = {}
+        for line in reversed(text[: fence.start()].splitlines()):
+            marker = _MARKER.match(line.strip())
+            if not marker:
+                break
+            if marker["kind"] not in _MARKER_KINDS:
+                raise ValueError(f"line {lineno}: unknown marker {line.strip()!r}")
+            markers[marker["kind"]] = marker["arg"]
+        blocks.append(Block(lineno, textwrap.dedent(fence["body"]), markers))
     return blocks
 
 
 def markdown_examples(text: str, name: str) -> list[Example]:
     """One example per block of page ``name``, each with the earlier blocks it builds on."""
     blocks = markdown_blocks(text)
+    named = {b.markers["example"]: b for b in blocks if "example" in b.markers}
     examples = []
     for block in blocks:
-        kind, arg = block.marker or ("", "")
-        if kind == "builds-on" and arg != "previous":
-            raise ValueError(f"{name}:{block.lineno}: unknown builds-on target {arg!r}")
         chain = [block]
-        while chain[0].marker and chain[0].marker[0] == "builds-on":
-            index = blocks.index(chain[0])
-            if index == 0:
-                raise ValueError(f"{name}:{block.lineno}: builds on a block that does not exist")
-            chain.insert(0, blocks[index - 1])
+        while "builds-on" in chain[0].markers:
+            target, index = chain[0].markers["builds-on"], blocks.index(chain[0])
+            base = blocks[index - 1] if target == "previous" and index > 0 else named.get(target)
+            if base is None or base in chain:
+                raise ValueError(f"{name}:{block.lineno}: builds on {target!r}, not a block before")
+            chain.insert(0, base)
         examples.append(
             Example(
                 id=f"{name}:{block.lineno}",
@@ -123,7 +125,7 @@ def markdown_examples(text: str, name: str) -> list[Example]:
                 code="\n".join(b.code for b in chain),
                 filename=name,
                 lineno=block.lineno,
-                skip=arg if kind == "not-run" else None,
+                skip=block.markers.get("not-run"),
             )
         )
     return examples
@@ -250,8 +252,16 @@ def test_builds_on_prepends_the_previous_blocks():
     ]
     assert [e.skip for e in examples] == [None, None, None, "needs a GPU"]
     assert [e.id for e in examples] == ["page.md:1", "page.md:6", "page.md:11", "page.md:16"]
-    with pytest.raises(ValueError, match="builds on a block that does not exist"):
+    with pytest.raises(ValueError, match="builds on 'previous', not a block before"):
         markdown_examples("<!-- builds-on: previous -->\n```python\nx\n```\n", "p.md")
+    named = "<!-- example: base -->\n```python\na = 1\n```\n\n```python\nb = 2\n```\n\n"
+    named += "<!-- builds-on: base -->\n<!-- not-run: reason -->\n```python\nc = a\n```\n"
+    assert [e.code for e in markdown_examples(named, "p.md")] == [
+        "a = 1\n",
+        "b = 2\n",
+        "a = 1\n\nc = a\n",
+    ]
+    assert markdown_examples(named, "p.md")[2].skip == "reason"
 
 
 @pytest.mark.slow
