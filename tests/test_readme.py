@@ -72,3 +72,10 @@ def test_single_host_sharding_recipe_runs_on_8_cpu_devices():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "recipe ok" in result.stdout
+
+
+def test_no_unexplained_jargon():
+    """ "The seeds'" meant PyTorch's *Extending PyTorch* note's examples; say so instead."""
+    root = Path(__file__).parent.parent
+    for path in [root / "README.md", *sorted((root / "notebooks").glob("*.ipynb"))]:
+        assert "seeds'" not in path.read_text().lower(), path.name
