@@ -12,9 +12,9 @@ Markers, HTML comments (invisible on the site) on the lines right before a fence
 
 - ``<!-- not-run: reason -->``: not run (it needs a GPU, several hosts, illustrative paths).
 - ``<!-- example: NAME -->``: names the block, for ``builds-on``.
-- ``<!-- builds-on: previous -->`` or ``<!-- builds-on: NAME -->``: the block continues the
-  page's previous ``python`` block, or the one named NAME, which is run first in the same
-  process (and, if that one builds on another, that one before it). Nothing else is shared.
+- ``<!-- builds-on: previous -->`` or ``<!-- builds-on: NAME, NAME2 -->``: the block continues
+  the page's previous ``python`` block, or the ones named, which are run first in the same
+  process (with, in page order, the blocks those build on). Nothing else is shared.
 
 The processes run a few at a time; the tests are marked ``slow`` (``-m "not slow"`` skips them).
 """
@@ -109,15 +109,21 @@ def markdown_examples(text: str, name: str) -> list[Example]:
     """One example per block of page ``name``, each with the earlier blocks it builds on."""
     blocks = markdown_blocks(text)
     named = {b.markers["example"]: b for b in blocks if "example" in b.markers}
+
+    def with_bases(block: Block, seen: tuple[Block, ...]) -> list[Block]:
+        """``block`` preceded by the blocks it builds on, each once, in page order."""
+        chain = []
+        for target in block.markers.get("builds-on", "").replace(",", " ").split():
+            index = blocks.index(block)
+            base = blocks[index - 1] if target == "previous" and index > 0 else named.get(target)
+            if base is None or blocks.index(base) >= index or base in seen:
+                raise ValueError(f"{name}:{block.lineno}: builds on {target!r}, not a block before")
+            chain += [b for b in with_bases(base, (*seen, block)) if b not in chain]
+        return sorted(chain, key=blocks.index) + [block]
+
     examples = []
     for block in blocks:
-        chain = [block]
-        while "builds-on" in chain[0].markers:
-            target, index = chain[0].markers["builds-on"], blocks.index(chain[0])
-            base = blocks[index - 1] if target == "previous" and index > 0 else named.get(target)
-            if base is None or base in chain:
-                raise ValueError(f"{name}:{block.lineno}: builds on {target!r}, not a block before")
-            chain.insert(0, base)
+        chain = with_bases(block, ())
         examples.append(
             Example(
                 id=f"{name}:{block.lineno}",
@@ -255,11 +261,15 @@ def test_builds_on_prepends_the_previous_blocks():
     with pytest.raises(ValueError, match="builds on 'previous', not a block before"):
         markdown_examples("<!-- builds-on: previous -->\n```python\nx\n```\n", "p.md")
     named = "<!-- example: base -->\n```python\na = 1\n```\n\n```python\nb = 2\n```\n\n"
-    named += "<!-- builds-on: base -->\n<!-- not-run: reason -->\n```python\nc = a\n```\n"
+    named += "<!-- builds-on: base -->\n<!-- not-run: reason -->\n```python\nc = a\n```\n\n"
+    named += "<!-- example: d -->\n```python\nd = 4\n```\n\n"
+    named += "<!-- builds-on: d, previous, base -->\n```python\ne = a + c + d\n```\n"
     assert [e.code for e in markdown_examples(named, "p.md")] == [
         "a = 1\n",
         "b = 2\n",
         "a = 1\n\nc = a\n",
+        "d = 4\n",
+        "a = 1\n\nd = 4\n\ne = a + c + d\n",
     ]
     assert markdown_examples(named, "p.md")[2].skip == "reason"
 
