@@ -119,6 +119,7 @@ def train_digits(
         ValueError: if ``epochs`` or ``batch_size`` is not positive.
 
     Example:
+        >>> from jaxext._demo import train_digits
         >>> result = train_digits(epochs=1, seed=0)
         >>> len(result.loss), result.final_test_accuracy > 0.5
         (1, True)

@@ -64,6 +64,7 @@ def dense(
 
     Example:
         >>> import jax.numpy as jnp
+        >>> from jaxext._dense import dense
         >>> dense(jnp.ones((4, 3)), jnp.ones((3, 2)), jnp.zeros(2), precision=None,
         ...       preferred_element_type=None, out_sharding=None).shape
         (4, 2)

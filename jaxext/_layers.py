@@ -49,7 +49,8 @@ def uniform_range(low: float = -0.1, high: float = 0.1) -> Initializer:
 
     Example:
         >>> import jax
-        >>> init = uniform_range(-0.1, 0.1)
+        >>> import jaxext.nnx
+        >>> init = jaxext.nnx.uniform_range(-0.1, 0.1)
         >>> w = init(jax.random.key(0), (3, 2))
         >>> bool((w >= -0.1).all() and (w < 0.1).all())
         True

@@ -64,7 +64,8 @@ def torch_linear_to_params(
 
     Example:
         >>> import numpy as np
-        >>> p = torch_linear_to_params({"weight": np.ones((2, 3)), "bias": np.zeros(2)})
+        >>> import jaxext
+        >>> p = jaxext.torch_linear_to_params({"weight": np.ones((2, 3)), "bias": np.zeros(2)})
         >>> p["kernel"].shape, p["bias"].shape
         ((3, 2), (2,))
     """
@@ -111,7 +112,7 @@ def load_torch_linear(layer: Any, state_dict: Mapping[str, Any], *, prefix: str 
         >>> from flax import nnx
         >>> import jaxext.nnx
         >>> layer = jaxext.nnx.Linear(3, 2, rngs=nnx.Rngs(0))
-        >>> load_torch_linear(layer, {"weight": np.ones((2, 3)), "bias": np.zeros(2)})
+        >>> jaxext.load_torch_linear(layer, {"weight": np.ones((2, 3)), "bias": np.zeros(2)})
         >>> float(layer.kernel[...].sum())
         6.0
     """
@@ -161,7 +162,8 @@ def export_torch_linear(source: Any, *, prefix: str = "", as_torch: bool = False
 
     Example:
         >>> import numpy as np
-        >>> sd = export_torch_linear({"kernel": np.ones((3, 2)), "bias": np.zeros(2)})
+        >>> import jaxext
+        >>> sd = jaxext.export_torch_linear({"kernel": np.ones((3, 2)), "bias": np.zeros(2)})
         >>> sd["weight"].shape
         (2, 3)
     """

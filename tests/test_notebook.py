@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,18 @@ def test_notebook_is_stored_with_outputs(path):
         assert cell.execution_count is not None, f"cell not executed:\n{cell.source[:200]}"
         assert cell.outputs, f"stored cell has no output:\n{cell.source[:200]}"
         assert not [o for o in cell.outputs if o.output_type == "error"]
+
+
+# An absolute path of the machine that ran the notebook: a temporary file (a warning's
+# location), a home directory, a virtual environment's site-packages.
+_MACHINE_PATH = re.compile(r"(/tmp/|/var/folders/|/home/|/Users/|/root/|site-packages|[A-Z]:\\)")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_stored_outputs_hold_no_machine_paths(path):
+    nb = nbformat.read(path, as_version=4)
+    found = [line for line in output_lines(nb) if _MACHINE_PATH.search(line)]
+    assert not found, f"stored outputs show paths of the machine that ran them: {found[:3]}"
 
 
 def output_lines(nb):

@@ -9,6 +9,9 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import pytest
+
+import jaxext
 
 README = (Path(__file__).parent.parent / "README.md").read_text()
 PY_BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)
@@ -21,16 +24,27 @@ def _block_containing(marker: str) -> str:
 
 
 def test_quick_example_runs():
-    code = _block_containing("jaxext.gradcheck(jaxext.linear, (x, w), eps=1e-6, atol=1e-4)")
+    code = _block_containing("jaxext.gradcheck(jaxext.linear, (x64, w64), eps=1e-6, atol=1e-4)")
     namespace: dict = {}
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # gradcheck's float32 upcast warning
+        warnings.simplefilter("error")  # the first snippet a user runs prints no warning
         exec(compile(code, "README.md", "exec"), namespace)
     assert namespace["y"].shape == (20, 30)
     assert namespace["gw"].shape == (30, 20)
     assert namespace["z"].shape == (20, 30)
     # Forward mode through the hand-written backward: linear in w, so J w = x @ w.T.
     np.testing.assert_allclose(namespace["tw"], namespace["y"], rtol=1e-5, atol=1e-5)
+
+
+def test_quick_example_explains_the_float32_warning_it_avoids():
+    """The README quotes gradcheck's float32 warning; the quote must match what it says."""
+    x = np.ones((2, 3), np.float32)
+    with pytest.warns(UserWarning) as caught:
+        jaxext.gradcheck(lambda x: x * 2.0, (x,))
+    message = str(caught[0].message)
+    quoted = re.search(r"`UserWarning: \.\.\. ([^`]*)`", README)
+    assert quoted, "the README no longer quotes the warning"
+    assert quoted[1] in message, (quoted[1], message)
 
 
 def test_writing_your_own_op_example_runs_and_its_hessian_is_right():
@@ -58,3 +72,10 @@ def test_single_host_sharding_recipe_runs_on_8_cpu_devices():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "recipe ok" in result.stdout
+
+
+def test_no_unexplained_jargon():
+    """ "The seeds'" meant PyTorch's *Extending PyTorch* note's examples; say so instead."""
+    root = Path(__file__).parent.parent
+    for path in [root / "README.md", *sorted((root / "notebooks").glob("*.ipynb"))]:
+        assert "seeds'" not in path.read_text().lower(), path.name

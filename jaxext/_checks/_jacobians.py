@@ -69,6 +69,7 @@ class FlatJacobians:
 
     Example:
         >>> import jax, jax.numpy as jnp
+        >>> from jaxext._checks._jacobians import FlatJacobians
         >>> with jax.enable_x64(True):
         ...     jac = FlatJacobians(lambda x: x**2, jnp.array([1.0, 2.0]))
         ...     print(jac.numerical(range(2), 1e-6)[0].round(6).tolist())  # transposed

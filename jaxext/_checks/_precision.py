@@ -28,6 +28,7 @@ def numerics_plan(platform: str) -> NumericsPlan:
     """The plan for a backend ``platform`` name (``"cpu"``, ``"gpu"``, ``"tpu"`` ...).
 
     Example:
+        >>> from jaxext._checks._precision import numerics_plan
         >>> numerics_plan("tpu")
         NumericsPlan(use_cpu=True, matmul_precision='highest')
     """
@@ -51,6 +52,7 @@ def float64_numerics(platform: str | None = None) -> Iterator[NumericsPlan]:
 
     Example:
         >>> import jax, jax.numpy as jnp
+        >>> from jaxext._checks._precision import float64_numerics
         >>> with float64_numerics():
         ...     print(jnp.zeros(1).dtype)
         float64

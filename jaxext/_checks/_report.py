@@ -382,3 +382,8 @@ class OpcheckError(AssertionError):
             if result.status == "FAIL":
                 sections.append(f"FAIL {result.name}:\n  " + result.detail.replace("\n", "\n  "))
         super().__init__("\n".join(sections))
+
+
+# Tracebacks show the names users can import and catch (`jaxext.GradcheckError`), not this
+# private module's.
+GradcheckError.__module__ = OpcheckError.__module__ = "jaxext"

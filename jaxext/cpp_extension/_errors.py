@@ -31,3 +31,10 @@ class CompileError(ExtensionError):
 
 class MissingHandlerError(ExtensionError):
     """A requested handler symbol is not exported by the compiled library."""
+
+
+# Tracebacks show the names users can import and catch (`jaxext.cpp_extension.CompileError`),
+# not this private module's.
+for _error in (ExtensionError, CompilerNotFoundError, CompileError, MissingHandlerError):
+    _error.__module__ = "jaxext.cpp_extension"
+del _error
