@@ -432,11 +432,44 @@ def test_ops_linear_forward_mode(perturbed, x64):
         np.testing.assert_allclose(j, j_ref, rtol=1e-12, atol=1e-13)
 
 
-def test_ops_second_derivatives_are_refused_not_wrong(x64):
-    """No rule differentiates the C++ backward: JAX says so instead of answering."""
+def _reference_linear(x, w, b):
+    return x @ w.T + b
+
+
+@pytest.mark.parametrize(
+    "transform",
+    ["hessian", "jacfwd_jacrev", "jacrev_jacrev", "third_order"],
+)
+def test_ops_linear_higher_derivatives_match_autodiff(transform, x64):
+    """Every rule is made of differentiable ops: any order, against plain float64 autodiff."""
     x, w, b = _linear_inputs((3,), (4, 2), np.float64)
-    with pytest.raises(ValueError, match="cannot be differentiated"):
-        jax.hessian(lambda x: jnp.sum(ops.linear(x, w, b) ** 2))(x)
+
+    def derivative(f):
+        loss = lambda x, w, b: jnp.sum(jnp.sin(f(x, w, b)) * jnp.cos(x[..., :2].sum()))  # noqa: E731
+        argnums = (0, 1, 2)
+        if transform == "hessian":
+            return jax.hessian(loss, argnums)
+        if transform == "jacfwd_jacrev":
+            return jax.jacfwd(jax.jacrev(loss, argnums), argnums)
+        if transform == "jacrev_jacrev":
+            return jax.jacrev(jax.jacrev(loss, argnums), argnums)
+        # third order: grad of the sum of a hessian-vector product
+        return jax.grad(lambda x, w, b: jnp.sum(jax.hessian(loss, 1)(x, w, b) ** 2), argnums)
+
+    got = jax.jit(derivative(ops.linear))(x, w, b)
+    want = derivative(_reference_linear)(x, w, b)
+    for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-11, atol=1e-12)
+
+
+def test_ops_mul_constant_higher_derivatives_match_autodiff(x64):
+    x = rand(5, (3, 2), np.float64)
+    for f in (jax.hessian, lambda g: jax.jacfwd(jax.jacrev(g))):
+        got = f(lambda x: jnp.sum(jnp.sin(ops.mul_constant(x, -1.5))))(x)
+        want = f(lambda x: jnp.sum(jnp.sin(-1.5 * x)))(x)
+        np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-14)
+    third = jax.grad(jax.grad(jax.grad(lambda x: jnp.sin(ops.mul_constant(x, 2.0)))))(0.3)
+    np.testing.assert_allclose(third, -8 * np.cos(0.6), rtol=1e-13)
 
 
 def test_ops_refuse_bad_input(x64):
@@ -543,22 +576,133 @@ def test_cuda_source_compiles_with_nvcc_and_runs_on_the_gpu(tmp_path):
     np.testing.assert_array_equal(np.asarray(y), np.arange(5.0) + 1)
 
 
-# Second order through a C++ backward is refused by JAX (no derivative rule for an FFI call),
-# the kernels take float32 and float64 only, and jax.export refuses custom calls that are not
-# on its stable list: those checks are skipped, every other one must pass.
-CPP_OPCHECK_SKIPS = ("gradgradcheck", "low_precision", "export", "export_symbolic")
-
-
 @pytest.mark.parametrize("op", ["linear", "mul_constant"])
 def test_ops_pass_opcheck(op):
+    """As a user calls it, with no check skipped: all pass but bfloat16, which the
+    kernels have no handler for, a SKIP with the op's own reason."""
     rng = np.random.default_rng(0)
     if op == "linear":
         f = ops.linear
         args = (rng.standard_normal((4, 3)), rng.standard_normal((2, 3)), rng.standard_normal(2))
     else:
         f, args = (lambda x: ops.mul_constant(x, 2.5)), (rng.standard_normal((2, 3)),)
-    report = jaxext.opcheck(f, args, skip=CPP_OPCHECK_SKIPS)
+    report = jaxext.opcheck(f, args)
     statuses = {r.name: r.status for r in report.results}
-    assert set(statuses.values()) == {"PASS"}, str(report)
-    # The checks that matter most here ran: the C++ backward, forward mode, vmap, jit reuse.
-    assert {"gradcheck", "jvp", "jvp_vjp", "vmap", "jit_reuse"} <= set(statuses)
+    assert report.skipped == ("low_precision",), str(report)
+    assert "does not take bfloat16" in report["low_precision"].detail
+    assert "float32 within 16 eps" in report["low_precision"].detail
+    # The C++ kernels ran in checking mode, were exported, and differentiated twice.
+    for name in ("unwritten_outputs", "gradgradcheck", "export", "export_symbolic", "vmap"):
+        assert statuses[name] == "PASS", str(report)
+    assert "jaxext_linear" in report["unwritten_outputs"].detail or op == "mul_constant"
+
+
+# -- checking mode: kernels that leave results unwritten -------------------------------
+
+BUGGY_SOURCE = """
+// Writes only the first half of its result: the second half is whatever memory held.
+ffi::Error HalfWritten(ffi::Buffer<ffi::F64> x, ffi::ResultBuffer<ffi::F64> y) {
+  for (size_t i = 0; i < x.element_count() / 2; ++i) y->typed_data()[i] = 3 * x.typed_data()[i];
+  return ffi::Error::Success();
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(half_written, HalfWritten,
+    ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F64>>().Ret<ffi::Buffer<ffi::F64>>());
+
+// Correct: y = 3 x.
+ffi::Error Triple(ffi::Buffer<ffi::F64> x, ffi::ResultBuffer<ffi::F64> y) {
+  if (x.element_count() != y->element_count())
+    return ffi::Error::InvalidArgument("triple: result size differs from x");
+  for (size_t i = 0; i < x.element_count(); ++i) y->typed_data()[i] = 3 * x.typed_data()[i];
+  return ffi::Error::Success();
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(triple, Triple,
+    ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F64>>().Ret<ffi::Buffer<ffi::F64>>());
+
+// Integer result, element 0 never written.
+ffi::Error Positions(ffi::Buffer<ffi::F64> x, ffi::ResultBuffer<ffi::S32> y) {
+  for (size_t i = 1; i < y->element_count(); ++i) y->typed_data()[i] = static_cast<int32_t>(i);
+  return ffi::Error::Success();
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(positions, Positions,
+    ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F64>>().Ret<ffi::Buffer<ffi::S32>>());
+"""
+
+
+@pytest.fixture(scope="module")
+def buggy_ext(build_dir):
+    return cpp_extension.load_inline("buggy_ext", BUGGY_SOURCE, build_directory=build_dir)
+
+
+def test_checking_mode_fills_results_before_the_kernel(buggy_ext, x64):
+    x = jnp.arange(6.0)
+    half = jax.jit(lambda x: buggy_ext.half_written(x, result_shape_dtypes=x))
+    positions = jax.jit(
+        lambda x: buggy_ext.positions(x, result_shape_dtypes=jax.ShapeDtypeStruct((4,), jnp.int32))
+    )
+    with cpp_extension.checking():
+        y = np.asarray(half(x))  # the same jitted function: the mode acts at run time
+        p = np.asarray(positions(x))
+    np.testing.assert_array_equal(y[:3], 3 * np.arange(3.0))
+    assert np.isnan(y[3:]).all()
+    np.testing.assert_array_equal(p, [np.iinfo(np.int32).min, 1, 2, 3])
+    # A correct kernel is unaffected; aliased results (they hold an input) are not filled.
+    with cpp_extension.checking():
+        np.testing.assert_array_equal(
+            buggy_ext.triple(x, result_shape_dtypes=x), 3 * np.arange(6.0)
+        )
+        aliased = jax.jit(
+            lambda x: buggy_ext.half_written(x, result_shape_dtypes=x, input_output_aliases={0: 0})
+        )(jnp.arange(6.0))
+        np.testing.assert_array_equal(aliased, [0, 3, 6, 3, 4, 5])
+
+
+def test_opcheck_fails_a_kernel_that_leaves_its_output_unwritten(buggy_ext):
+    def op(x):
+        return buggy_ext.half_written(x, result_shape_dtypes=x)
+
+    report = jaxext.opcheck(op, (np.ones((2, 3)),), raise_exception=False)
+    assert report["unwritten_outputs"].status == "FAIL"
+    detail = report["unwritten_outputs"].detail
+    assert detail.startswith("output: 3 of 6 elements were never written")
+    assert "half_written" in detail and "NaN" in detail
+    with pytest.raises(jaxext.OpcheckError, match="output: 3 of 6 elements"):
+        jaxext.opcheck(op, (np.ones((2, 3)),), checks=["unwritten_outputs"])
+    # An integer output: the sentinel, by output.
+    report = jaxext.opcheck(
+        lambda x: (
+            buggy_ext.triple(x, result_shape_dtypes=x),
+            buggy_ext.positions(x, result_shape_dtypes=jax.ShapeDtypeStruct((5,), jnp.int32)),
+        ),
+        (np.ones(5),),
+        checks=["unwritten_outputs"],
+        raise_exception=False,
+    )
+    detail = report["unwritten_outputs"].detail
+    assert detail.startswith("output[1]: 1 of 5 elements were never written"), detail
+    assert "the sentinel" in detail and "element (0,)" in detail
+
+
+def test_opcheck_names_the_gradient_an_unwritten_backward_spoils(buggy_ext):
+    @jaxext.custom_vjp
+    def triple(x):
+        return buggy_ext.triple(x, result_shape_dtypes=x)
+
+    triple.defvjp(
+        lambda x: (triple(x), None),
+        lambda _, g: (buggy_ext.half_written(g, result_shape_dtypes=g),),  # the bug
+        jvp=lambda _, t: buggy_ext.triple(t[0], result_shape_dtypes=t[0]),
+    )
+    report = jaxext.opcheck(
+        triple, (np.ones(4),), checks=["unwritten_outputs", "gradcheck"], raise_exception=False
+    )
+    assert report.failed == ("unwritten_outputs", "gradcheck")
+    assert report["unwritten_outputs"].detail.startswith("gradient of input 0: 2 of 4 elements")
+    # The correct kernel alone passes; an op without C++ kernels skips the check.
+    good = jaxext.opcheck(
+        lambda x: buggy_ext.triple(x, result_shape_dtypes=x),
+        (np.ones(4),),
+        checks=["unwritten_outputs"],
+    )
+    assert good["unwritten_outputs"].status == "PASS"
+    plain = jaxext.opcheck(jnp.sin, (np.ones(4),), checks=["unwritten_outputs"])
+    assert plain.skipped == ("unwritten_outputs",)

@@ -18,6 +18,7 @@ from ._load import load as load
 from ._load import load_inline as load_inline
 from ._module import Extension as Extension
 from ._module import FfiFunction as FfiFunction
+from ._native import checking as checking
 
 __all__ = [
     "CompileError",
@@ -26,6 +27,7 @@ __all__ = [
     "ExtensionError",
     "FfiFunction",
     "MissingHandlerError",
+    "checking",
     "load",
     "load_inline",
 ]

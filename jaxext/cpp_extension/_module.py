@@ -47,7 +47,8 @@ class FfiFunction:
                 the handler broadcasts), ``"broadcast_all"`` (every argument is
                 broadcast to the batch) or ``None`` (``vmap`` raises).
             has_side_effect: keep the call even if its results are unused.
-            input_output_aliases: ``{input index: output index}`` buffers to reuse.
+            input_output_aliases: ``{input index: output index}`` buffers to reuse
+                (such results are not filled in checking mode: they hold an input).
             **attributes: the handler's attributes, by name. A Python ``float`` is
                 sent as float64 and an ``int`` as int64; use NumPy scalars
                 (``np.float32(2)``) for other widths.
@@ -56,8 +57,10 @@ class FfiFunction:
             What ``jax.ffi.ffi_call`` returns: an array, or a list of arrays when
             ``result_shape_dtypes`` is a sequence.
         """
+        # The raw handler, not its checking trampoline, where results alias inputs.
+        target = f"{self.target_name}.raw" if input_output_aliases else self.target_name
         call = jax.ffi.ffi_call(
-            self.target_name,
+            target,
             result_shape_dtypes,
             vmap_method=vmap_method,
             has_side_effect=has_side_effect,
@@ -94,6 +97,24 @@ class Extension:
     @property
     def functions(self) -> tuple[str, ...]:
         return tuple(self._functions)
+
+    @property
+    def disabled_safety_checks(self) -> list[jax.export.DisabledSafetyCheck]:
+        """What ``jax.export.export(..., disabled_checks=...)`` needs to export calls of
+        these handlers.
+
+        ``jax.export`` refuses custom calls that are not on its list of targets with
+        compatibility guarantees; these ``DisabledSafetyCheck.custom_call`` entries
+        allow this extension's. The process that runs the deserialized program must
+        load the same extension (same sources and flags: the FFI target names are the
+        same) before calling it.
+        """
+        targets = [f.target_name for f in self._functions.values()]
+        return [
+            jax.export.DisabledSafetyCheck.custom_call(name)
+            for target in targets
+            for name in (target, f"{target}.raw")
+        ]
 
     def __getattr__(self, attr: str) -> FfiFunction:
         functions = self.__dict__.get("_functions", {})
