@@ -160,7 +160,7 @@ if sys.argv[2] == "load":
     ops.extension()  # registers the kernels' FFI targets, as the exporting process did
 exported = jax.export.deserialize(open(sys.argv[1], "rb").read())
 args = np.load(sys.argv[1] + ".npz")
-out = exported.call(*(args[f"a{i}"] for i in range(len(args.files))))
+out = exported.call(*(args[f"arr_{i}"] for i in range(len(args.files))))
 np.savez(sys.argv[1] + ".out.npz", *jax.tree.leaves(out))
 """
 
