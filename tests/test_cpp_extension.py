@@ -139,6 +139,19 @@ def test_changed_source_rebuilds_and_both_builds_stay_callable(scale_ext, build_
     np.testing.assert_array_equal(_scale(scale_ext, x, 2.0), 2.0 * np.arange(3.0))
 
 
+def test_the_same_extension_from_another_build_directory(scale_ext, build_dir, tmp_path):
+    """Same sources, another build (here: a copy of the cache elsewhere): the handlers
+    registered by the first load are returned, under the same FFI target names."""
+    import shutil
+
+    shutil.copytree(build_dir / "scale_ext", tmp_path / "scale_ext")
+    again = cpp_extension.load_inline("scale_ext", SCALE_SOURCE, build_directory=tmp_path)
+    assert not again.built and again.path.is_relative_to(tmp_path)
+    assert again.scale.target_name == scale_ext.scale.target_name
+    x = jnp.arange(3.0)
+    np.testing.assert_array_equal(_scale(again, x, 3.0), 3.0 * np.arange(3.0))
+
+
 def test_two_extensions_with_the_same_function_names(scale_ext, build_dir):
     other_source = SCALE_SOURCE.replace("factor * x.typed_data()[i]", "factor - x.typed_data()[i]")
     other = cpp_extension.load_inline("other_ext", other_source, build_directory=build_dir)
@@ -210,6 +223,24 @@ def test_missing_handler_symbol_is_named(scale_ext, build_dir):
         cpp_extension.load_inline(
             "scale_ext", SCALE_SOURCE, functions=["scale", "scale_v2"], build_directory=build_dir
         )
+
+
+def test_undefined_symbol_is_an_extension_error_naming_it_and_the_flag(tmp_path):
+    source = """
+    extern "C" double jaxext_test_not_linked(double);  // declared, defined nowhere
+    ffi::Error Call(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
+      for (size_t i = 0; i < x.element_count(); ++i)
+        y->typed_data()[i] = static_cast<float>(jaxext_test_not_linked(x.typed_data()[i]));
+      return ffi::Error::Success();
+    }
+    XLA_FFI_DEFINE_HANDLER_SYMBOL(call, Call,
+        ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
+    """
+    with pytest.raises(cpp_extension.ExtensionError) as info:
+        cpp_extension.load_inline("unlinked_ext", source, build_directory=tmp_path)
+    message = str(info.value)
+    assert "undefined symbol jaxext_test_not_linked" in message
+    assert "extra_ldflags=['-lm']" in message
 
 
 def test_missing_compiler_says_what_to_install(monkeypatch, tmp_path):
@@ -484,6 +515,32 @@ def test_ops_refuse_bad_input(x64):
         ops.linear(x, w, jnp.ones(3, jnp.float32))
     with pytest.raises(TypeError, match="`constant` must be a Python or NumPy real scalar"):
         ops.mul_constant(x, jnp.array(2.0))
+
+
+def test_ops_kernels_refuse_buffers_that_do_not_fit(x64):
+    """Called directly with shapes that do not fit, the kernels return an error rather
+    than read or write out of bounds."""
+    ext = ops.extension()
+    x, w, b = _linear_inputs((4,), (3, 2), np.float64)
+    out = jax.ShapeDtypeStruct((4, 2), np.float64)
+    for args, shape in [
+        ((x, w[:, :2], b), out),  # weight's in_features differ from x's
+        ((x, w, b[:1]), out),  # bias too short
+        ((x, w, b), jax.ShapeDtypeStruct((4, 5), np.float64)),  # result too wide
+        ((x[:3], w, b), out),  # fewer rows than the result
+    ]:
+        with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match="expected x"):
+            jax.block_until_ready(ext.jaxext_linear_forward(*args, result_shape_dtypes=shape))
+    g = rand(1, (4, 2), np.float64)
+    good = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, w, b)]
+    for k, bad in [(1, (2, 4)), (2, (3,))]:
+        shapes = list(good)
+        shapes[k] = jax.ShapeDtypeStruct(bad, np.float64)
+        with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match="expected x"):
+            jax.block_until_ready(ext.jaxext_linear_backward(x, w, g, result_shape_dtypes=shapes))
+    with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match="result must match"):
+        y = jax.ShapeDtypeStruct((5,), np.float64)
+        jax.block_until_ready(ext.jaxext_mul_constant(x[0], result_shape_dtypes=y, constant=2.0))
 
 
 def test_ops_are_built_through_the_public_load():

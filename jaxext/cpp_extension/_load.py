@@ -103,6 +103,8 @@ def load(
         ... #include "xla/ffi/api/ffi.h"
         ... namespace ffi = xla::ffi;
         ... ffi::Error Negate(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
+        ...   if (y->element_count() != x.element_count())
+        ...     return ffi::Error::InvalidArgument("negate: result size differs from x");
         ...   for (size_t i = 0; i < x.element_count(); ++i)
         ...     y->typed_data()[i] = -x.typed_data()[i];
         ...   return ffi::Error::Success();
@@ -191,6 +193,8 @@ def load_inline(
         ...     "square_ext",
         ...     '''
         ...     ffi::Error Square(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
+        ...       if (y->element_count() != x.element_count())
+        ...         return ffi::Error::InvalidArgument("square: result size differs from x");
         ...       for (size_t i = 0; i < x.element_count(); ++i)
         ...         y->typed_data()[i] = x.typed_data()[i] * x.typed_data()[i];
         ...       return ffi::Error::Success();
