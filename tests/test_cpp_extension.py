@@ -763,3 +763,90 @@ def test_opcheck_names_the_gradient_an_unwritten_backward_spoils(buggy_ext):
     assert good["unwritten_outputs"].status == "PASS"
     plain = jaxext.opcheck(jnp.sin, (np.ones(4),), checks=["unwritten_outputs"])
     assert plain.skipped == ("unwritten_outputs",)
+
+
+# -- ahead-of-time builds, headers in the key, builds for another jaxlib ----------------
+
+AOT_SOURCE = """
+#include "xla/ffi/api/ffi.h"
+#include "factor.h"
+namespace ffi = xla::ffi;
+ffi::Error Times(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
+  if (y->element_count() != x.element_count())
+    return ffi::Error::InvalidArgument("times: result size differs from x");
+  for (size_t i = 0; i < x.element_count(); ++i) y->typed_data()[i] = FACTOR * x.typed_data()[i];
+  return ffi::Error::Success();
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(times, Times,
+    ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
+"""
+
+
+def _times(ext, x):
+    return np.asarray(ext.times(x, result_shape_dtypes=x))
+
+
+def test_ahead_of_time_build_used_without_a_compiler(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    package = tmp_path / "mypkg" / "csrc"
+    package.mkdir(parents=True)
+    source = package / "kernel.cc"
+    source.write_text(AOT_SOURCE)
+    (package / "factor.h").write_text("#define FACTOR 2.0f\n")
+    cache = tmp_path / "cache"
+    # The command, as a package's build would run it: the library goes next to the source.
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxext.cpp_extension", "build", "aot_ext", str(source)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in package.iterdir()) == [
+        "aot_ext.json",
+        "aot_ext.so",
+        "factor.h",
+        "kernel.cc",
+    ]
+    x = jnp.arange(4.0)
+
+    # No compiler at all: CXX points nowhere and the PATH holds none.
+    with monkeypatch.context() as m:
+        m.setenv("CXX", str(tmp_path / "no-such-compiler"))
+        m.setenv("PATH", str(tmp_path / "empty"))
+        ext = cpp_extension.load("aot_ext", [source], build_directory=cache)
+        assert not ext.built and ext.path == package / "aot_ext.so"
+        np.testing.assert_array_equal(_times(ext, x), 2 * np.arange(4.0))
+        assert not cache.exists()  # nothing compiled, nothing cached
+        # The header is part of the key: edited, the prebuilt library no longer fits.
+        (package / "factor.h").write_text("#define FACTOR 3.0f\n")
+        with pytest.raises(cpp_extension.CompilerNotFoundError, match="prebuilt 'aot_ext'"):
+            cpp_extension.load("aot_ext", [source], build_directory=cache)
+    # With a compiler, the edited header gives a new build with the new behaviour.
+    ext3 = cpp_extension.load("aot_ext", [source], build_directory=cache)
+    assert ext3.built and ext3.path.is_relative_to(cache)
+    np.testing.assert_array_equal(_times(ext3, x), 3 * np.arange(4.0))
+    np.testing.assert_array_equal(_times(ext, x), 2 * np.arange(4.0))  # the first still works
+
+    # The same library, as if built against another jaxlib (its recorded version
+    # changed in the binary, same length): refused, naming both versions.
+    import jaxlib
+
+    other = "".join("9" if c.isdigit() else c for c in jaxlib.__version__)
+    assert other != jaxlib.__version__
+    copy = tmp_path / "other"
+    copy.mkdir()
+    (package / "factor.h").write_text("#define FACTOR 2.0f\n")
+    data = (package / "aot_ext.so").read_bytes()
+    marker = f"jaxlib={jaxlib.__version__};".encode()
+    assert data.count(marker) == 1
+    (copy / "aot_ext.so").write_bytes(data.replace(marker, f"jaxlib={other};".encode()))
+    (copy / "aot_ext.json").write_text((package / "aot_ext.json").read_text())
+    with pytest.raises(cpp_extension.ExtensionError) as info:
+        cpp_extension.load("aot_ext", [source], prebuilt_directory=copy, build_directory=cache)
+    message = str(info.value)
+    assert f"built against jaxlib {other}" in message
+    assert f"jaxlib {jaxlib.__version__}" in message and "XLA FFI API" in message

@@ -10,6 +10,7 @@ caches the build, registers each handler as an FFI target and returns an
 ``jaxext.cpp_extension.ops`` does for jaxext's own ops.
 """
 
+from ._aot import build as build
 from ._errors import CompileError as CompileError
 from ._errors import CompilerNotFoundError as CompilerNotFoundError
 from ._errors import ExtensionError as ExtensionError
@@ -27,6 +28,7 @@ __all__ = [
     "ExtensionError",
     "FfiFunction",
     "MissingHandlerError",
+    "build",
     "checking",
     "load",
     "load_inline",
