@@ -69,9 +69,11 @@ def compile_plan(
         prelude = directory / "jaxext_prelude.h"
         prelude.write_text(PRELUDE)
     paths = [directory / s if plan.inline_files else Path(s) for s in plan.sources]
+    if not plan.cuda:  # build info and checking trampolines: CPU builds (not tried with nvcc)
+        paths.append(CHECKING_SOURCE)
     command = compile_command(
         compiler,
-        [*paths, CHECKING_SOURCE],
+        paths,
         output,
         include_dirs=[Path(jax.ffi.include_dir()), *plan.includes],
         extra_cflags=[*build_flags(), *plan.cflags],
