@@ -850,3 +850,12 @@ def test_ahead_of_time_build_used_without_a_compiler(tmp_path, monkeypatch):
     message = str(info.value)
     assert f"built against jaxlib {other}" in message
     assert f"jaxlib {jaxlib.__version__}" in message and "XLA FFI API" in message
+
+
+def test_build_command_reports_bad_input(tmp_path, capsys):
+    from jaxext.cpp_extension.__main__ import main
+
+    assert main(["build", "aot_ext", str(tmp_path / "nope.cc")]) == 1
+    assert "nope.cc' does not exist" in capsys.readouterr().err
+    assert main(["build", "bad-name", str(tmp_path / "nope.cc")]) == 1
+    assert "`name` must be a C identifier" in capsys.readouterr().err
