@@ -146,3 +146,78 @@ def test_export_nnx_linear_train_step(serialize):
         assert_close_to_float64(value, ref_value, n=16 * batch)
         for name in ("kernel", "bias"):
             assert_close_to_float64(grads[name], ref_grads[name], n=16 * batch)
+
+
+# -- programs with jaxext's C++ kernels (jaxext.cpp_extension) ------------------------------
+
+_CHILD = """
+import sys
+import jax
+import numpy as np
+from jaxext.cpp_extension import ops
+
+if sys.argv[2] == "load":
+    ops.extension()  # registers the kernels' FFI targets, as the exporting process did
+exported = jax.export.deserialize(open(sys.argv[1], "rb").read())
+args = np.load(sys.argv[1] + ".npz")
+out = exported.call(*(args[f"arr_{i}"] for i in range(len(args.files))))
+np.savez(sys.argv[1] + ".out.npz", *jax.tree.leaves(out))
+"""
+
+
+def _cpp_model(x, w1, b1, w2):
+    from jaxext.cpp_extension import ops
+
+    return ops.mul_constant(ops.linear(jnp.tanh(ops.linear(x, w1, b1)), w2), 0.5)
+
+
+def test_export_of_cpp_kernels_needs_the_documented_option():
+    pytest.importorskip("flatbuffers")
+    from jaxext.cpp_extension import ops
+
+    args = (rand(0, (5, 16)), *_params())
+    with pytest.raises(ValueError, match="Cannot serialize code with custom calls"):
+        export.export(jax.jit(_cpp_model))(*args)
+    exported = export.export(
+        jax.jit(_cpp_model), disabled_checks=ops.extension().disabled_safety_checks
+    )(*args)
+    _assert_same(_roundtrip(exported).call(*args), jax.jit(_cpp_model)(*args))
+
+
+@pytest.mark.parametrize("fn", ["forward", "grad"])
+def test_exported_cpp_kernels_run_in_a_fresh_process(fn, tmp_path):
+    """Serialized here; deserialized and called by a new Python that loads the extension."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("flatbuffers")
+    from jaxext.cpp_extension import ops
+
+    program = jax.jit(
+        _cpp_model if fn == "forward" else jax.grad(_loss(_cpp_model), argnums=(0, 1, 2, 3))
+    )
+    args = (rand(0, (5, 16)), *_params())
+    checks = ops.extension().disabled_safety_checks
+    blob = tmp_path / "program.bin"
+    blob.write_bytes(export.export(program, disabled_checks=checks)(*args).serialize())
+    np.savez(str(blob) + ".npz", *args)
+
+    def child(mode):
+        return subprocess.run(
+            [sys.executable, "-c", _CHILD, str(blob), mode],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+
+    done = child("load")
+    assert done.returncode == 0, done.stderr[-3000:]
+    with np.load(str(blob) + ".out.npz") as out:
+        got = [out[f"arr_{i}"] for i in range(len(out.files))]
+    _assert_same(got, jax.tree.leaves(program(*args)))  # the same program, the same bits
+    ref = REF_FORWARD if fn == "forward" else jax.grad(_loss(_plain_model), argnums=(0, 1, 2, 3))
+    _assert_matches_reference(got, ref, args)
+    # Without the extension loaded, the call fails, naming the kernel's target.
+    done = child("skip")
+    assert done.returncode != 0 and "jaxext_linear_forward" in done.stderr

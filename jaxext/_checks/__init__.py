@@ -9,6 +9,8 @@ One idea per module; data flows down this list:
 * ``_report``: ``GradcheckError`` and its message; ``OpcheckReport``, ``OpcheckError``.
 * ``_gradcheck``: the ``gradcheck`` / ``gradgradcheck`` entry points.
 * ``_op``: the op under test, as a function of its float array leaves.
+* ``_kernels``: the hook into ``jaxext.cpp_extension`` (its kernels in an op,
+  checking mode, exporting their calls).
 * ``_battery``: the checks of ``opcheck``, one function each.
 * ``_opcheck``: the ``opcheck`` entry point.
 """

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._gradcheck import Settings, check_gradients
+from ._kernels import disabled_safety_checks, kernel_targets, unchecked
 from ._op import CheckFailed, OpUnderTest, assert_trees_close, float_output_leaves
 
 __all__ = ["CHECKS", "TIGHT", "Skip"]
@@ -66,6 +67,75 @@ def _gradient_settings(settings: Settings, modes: tuple[str, ...]) -> Settings:
         eps=settings.eps, atol=settings.atol, rtol=settings.rtol, nondet_tol=settings.nondet_tol,
         fast_mode=None, modes=modes, num_directions=settings.num_directions, seed=settings.seed,
     )  # fmt: skip
+
+
+# -- 0. C++ kernels that leave results unwritten ----------------------------------------------
+
+
+def unwritten_outputs(op: OpUnderTest, settings: Settings) -> str:
+    """The op's output, gradients and JVP, computed with the C++ kernels' result buffers
+    filled with NaN (checking mode) and without: an element that is NaN (an integer that
+    differs) only in checking mode was never written by a kernel."""
+    rng = np.random.default_rng(settings.seed + 11)
+    primals, u, v = op.primals, op.cotangent(rng), op.tangents(rng)
+    computations: dict[str, tuple[Callable, list[str]]] = {}
+
+    def add(what: str, fn: Callable) -> None:
+        try:
+            targets = kernel_targets(fn, *primals)
+        except Exception:  # noqa: BLE001 -- a computation the op lacks (e.g. no gradient)
+            return
+        if targets:
+            computations[what] = (jax.jit(fn), targets)
+
+    add("output", op.call)
+    add("gradient", lambda *p: _vjp(op.call, p, u))
+    if op.forward_error is None:
+        add("JVP", lambda *p: jax.jvp(op.call, p, v)[1])
+    if not computations:
+        raise Skip(
+            "the op calls no C++ kernel of jaxext.cpp_extension (checking mode fills those "
+            "kernels' result buffers)"
+        )
+    names = sorted({t.rsplit(".", 1)[-1] for _, ts in computations.values() for t in ts})
+    for what, (fn, targets) in computations.items():
+        with unchecked():
+            plain = jax.device_get(fn(*primals))
+        checked = jax.device_get(fn(*primals))  # opcheck runs its checks in checking mode
+        if what == "gradient":
+            names_and_trees = [
+                (f"gradient of {label}", a, b)
+                for label, a, b in zip(op.labels, checked, plain, strict=True)
+            ]
+        else:
+            names_and_trees = [("output" if what == "output" else "JVP output", checked, plain)]
+        for name, a, b in names_and_trees:
+            _assert_written(a, b, name, targets)
+    return f"every element of the results written by the kernel(s) {', '.join(names)}"
+
+
+def _assert_written(checked: Any, plain: Any, what: str, targets: list[str]) -> None:
+    flat_checked = jax.tree_util.tree_flatten_with_path(checked)[0]
+    flat_plain = jax.tree_util.tree_leaves(plain)
+    for (path, a), b in zip(flat_checked, flat_plain, strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.dtype == jax.dtypes.float0 or a.size == 0:
+            continue
+        if jnp.issubdtype(a.dtype, jnp.inexact):
+            bad = np.isnan(a) & ~np.isnan(b)
+            fill = "NaN"
+        else:
+            bad = a != b
+            fill = "the sentinel"
+        if bad.any():
+            first = tuple(int(i) for i in np.argwhere(bad)[0])
+            kernels = ", ".join(t.rsplit(".", 1)[-1] for t in targets)
+            raise CheckFailed(
+                f"{what}{jax.tree_util.keystr(path)}: {int(bad.sum())} of {a.size} elements "
+                f"were never written by a C++ kernel ({kernels}): they hold {fill}, the fill "
+                f"of checking mode, e.g. element {first} (without checking mode it was "
+                f"{b[first]!r}, whatever memory held)."
+            )
 
 
 # -- 1. forward rule, gradients, second order ------------------------------------------------
@@ -435,7 +505,10 @@ def _require_serializer() -> None:
 
 
 def _round_trip(fn: Callable, specs: list) -> Callable:
-    exported = jax.export.export(jax.jit(fn))(*specs)
+    # The C++ kernels of jaxext.cpp_extension are custom calls without JAX's
+    # compatibility guarantees: exporting them needs this opt-in (and the extension
+    # loaded where the export is run).
+    exported = jax.export.export(jax.jit(fn), disabled_checks=disabled_safety_checks())(*specs)
     return jax.export.deserialize(exported.serialize()).call
 
 
@@ -494,9 +567,14 @@ def low_precision(op: OpUnderTest, settings: Settings) -> str:
     primals, u = op.primals, op.cotangent(rng)
     reference = jax.jit(op.call)(*primals)
     reference_grads = jax.jit(lambda *p: _vjp(op.call, p, u))(*primals)
+    refused, checked = {}, []
     for dtype in (jnp.float32, jnp.bfloat16):
         rtol = 16 * float(jnp.finfo(dtype).eps)
         low = [jnp.asarray(p, dtype) for p in primals]
+        reason = _refusal(op, low, dtype)
+        if reason is not None:
+            refused[jnp.dtype(dtype).name] = reason
+            continue
         u_low = jax.tree_util.tree_map(
             lambda leaf, dtype=dtype: (
                 leaf.astype(dtype) if jnp.issubdtype(leaf.dtype, jnp.inexact) else leaf
@@ -509,10 +587,29 @@ def low_precision(op: OpUnderTest, settings: Settings) -> str:
         grads = jax.jit(lambda *p, u_low=u_low: _vjp(op.call, p, u_low))(*low)
         for label, a, e in zip(op.labels, grads, reference_grads, strict=True):
             assert_trees_close(a, e, what=f"{name} gradient of {label} vs float64", rtol=rtol)
+        checked.append(name)
+    if refused:
+        ran = f"{' and '.join(checked)} within 16 eps of float64; " if checked else ""
+        raise Skip(
+            ran + "; ".join(f"the op does not take {name} ({why})" for name, why in refused.items())
+        )
     return "float32 and bfloat16 run; outputs and gradients within 16 eps of float64"
 
 
+def _refusal(op: OpUnderTest, low: list, dtype: Any) -> str | None:
+    """The op's own refusal of ``dtype``: a ``TypeError`` naming it, raised while tracing
+    (before anything runs), as an op whose kernels have no handler for it should raise."""
+    try:
+        jax.eval_shape(op.call, *low)
+    except TypeError as err:
+        message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        if jnp.dtype(dtype).name in message:
+            return f"TypeError: {message}"
+    return None
+
+
 CHECKS: dict[str, Callable[[OpUnderTest, Settings], str]] = {
+    "unwritten_outputs": unwritten_outputs,
     "forward_rule": forward_rule,
     "grad_dtypes": grad_dtypes,
     "zero_cotangent": zero_cotangent,

@@ -15,6 +15,7 @@ from typing import Any
 
 from ._battery import CHECKS, Skip
 from ._gradcheck import Settings
+from ._kernels import checking_mode
 from ._op import CheckFailed, OpUnderTest
 from ._precision import float64_numerics
 from ._problem import private_copies
@@ -44,6 +45,13 @@ def opcheck(
     VJP op can get wrong. All run in float64 on ``args`` (keep them small: a
     few elements per dimension), in this order:
 
+    * ``unwritten_outputs``: for an op that calls C++ kernels of
+      :mod:`jaxext.cpp_extension`, its output, gradients and JVP computed in
+      checking mode (:func:`jaxext.cpp_extension.checking`: the kernels' result
+      buffers filled with NaN, integers with a sentinel, before they run) hold no
+      NaN that the same computation without it does not: an element a kernel
+      never writes fails, naming the output. SKIP for an op without such kernels.
+      All the other checks run in checking mode too.
     * ``forward_rule``: the primal outputs of ``jax.vjp`` (and ``jax.jvp``)
       equal the op's output: a ``custom_vjp`` forward rule computes the op.
     * ``grad_dtypes``: each gradient has its input's dtype and shape, for
@@ -69,9 +77,14 @@ def opcheck(
     * ``export``: a ``jax.export`` round trip (serialize, deserialize, call)
       gives the same values and gradients; ``export_symbolic`` exports with a
       symbolic leading dimension on the first input of two or more dimensions
-      (SKIP when the op does not trace with one).
+      (SKIP when the op does not trace with one). Calls of C++ kernels of
+      :mod:`jaxext.cpp_extension` are exported with
+      ``jax.export.DisabledSafetyCheck.custom_call`` for their targets.
     * ``low_precision``: float32 and bfloat16 inputs run, and outputs and
-      gradients stay within ``16 * eps(dtype)`` (normwise) of float64.
+      gradients stay within ``16 * eps(dtype)`` (normwise) of float64. A dtype
+      the op refuses while tracing, with a ``TypeError`` naming it (as an op
+      whose kernels have no handler for that dtype should), makes this a SKIP
+      with the op's message.
 
     Comparisons of two programs computing the same math in float64 (jit and
     eager, vmap and a loop ...) allow a normwise relative error of 1e-9.
@@ -147,7 +160,8 @@ def _selected(checks: Sequence[str] | None, skip: Sequence[str]) -> list[str]:
 def _run(name: str, op: OpUnderTest, settings: Settings) -> CheckResult:
     start = time.perf_counter()
     try:
-        with warnings.catch_warnings():
+        # C++ kernels run in checking mode: results they leave unwritten are NaN.
+        with warnings.catch_warnings(), checking_mode():
             warnings.simplefilter("ignore", UserWarning)  # upcasts and the like: not findings
             detail, status = CHECKS[name](op, settings), "PASS"
     except Skip as reason:

@@ -10,6 +10,7 @@ caches the build, registers each handler as an FFI target and returns an
 ``jaxext.cpp_extension.ops`` does for jaxext's own ops.
 """
 
+from ._aot import build as build
 from ._errors import CompileError as CompileError
 from ._errors import CompilerNotFoundError as CompilerNotFoundError
 from ._errors import ExtensionError as ExtensionError
@@ -18,6 +19,7 @@ from ._load import load as load
 from ._load import load_inline as load_inline
 from ._module import Extension as Extension
 from ._module import FfiFunction as FfiFunction
+from ._native import checking as checking
 
 __all__ = [
     "CompileError",
@@ -26,6 +28,8 @@ __all__ = [
     "ExtensionError",
     "FfiFunction",
     "MissingHandlerError",
+    "build",
+    "checking",
     "load",
     "load_inline",
 ]

@@ -1,9 +1,10 @@
 """Where builds are kept, what makes two builds the same, and building each at most once.
 
 A build lives in ``<root>/<name>/<key>/``, where ``<key>`` hashes everything that
-goes into the library: the sources' names and contents, the compiler command and
-its ``--version`` output, the flags, the jaxlib version (its FFI headers) and the
-platform. The directory holds ``<name>.so``, ``build.log`` and, for
+goes into the library: the sources' names and contents, the headers they include
+(found by following ``#include`` lines, see ``included_headers``), the compiler
+command and its ``--version`` output, the flags, the jaxlib version (its FFI
+headers) and the platform. The directory holds ``<name>.so``, ``build.log`` and, for
 :func:`~jaxext.cpp_extension.load_inline`, the sources written out.
 
 Two processes (or threads) building the same extension at once take turns on a
@@ -17,15 +18,16 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import re
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-__all__ = ["ENV_VAR", "build_once", "cache_key", "cache_root"]
+__all__ = ["ENV_VAR", "build_once", "cache_key", "cache_root", "included_headers"]
 
 ENV_VAR = "JAXEXT_EXTENSIONS_DIR"
 # Bump when the build layout or command changes meaning.
-_FORMAT = "jaxext-cpp-extension-1"
+_FORMAT = "jaxext-cpp-extension-2"
 
 
 def cache_root(build_directory: str | os.PathLike | None) -> Path:
@@ -95,3 +97,41 @@ def _locked(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*([<"])([^">]+)[">]', re.MULTILINE)
+
+
+def included_headers(
+    sources: Sequence[tuple[Path | None, str]], include_dirs: Sequence[Path]
+) -> list[tuple[str, bytes]]:
+    """The headers the sources include, found by name, for the cache key.
+
+    Follows ``#include "..."`` (relative to the including file, then ``include_dirs``)
+    and ``#include <...>`` (in ``include_dirs`` only) recursively, without
+    preprocessing: an include inside ``#if 0`` counts too, which only makes the key
+    stricter. Headers found nowhere (the system's, jaxlib's) are not followed.
+
+    Args:
+        sources: ``(path or None, text)`` of each source (``None``: no directory of
+            its own, as for ``load_inline``).
+        include_dirs: the ``-I`` directories, in order.
+
+    Returns:
+        ``(name as included, contents)`` of each header, in the order first found.
+    """
+    found: dict[Path, tuple[str, bytes]] = {}
+    stack = [(path, text) for path, text in reversed(sources)]
+    while stack:
+        path, text = stack.pop()
+        for kind, name in _INCLUDE.findall(text):
+            bases = ([path.parent] if kind == '"' and path is not None else []) + list(include_dirs)
+            for base in bases:
+                candidate = (base / name).resolve()
+                if candidate.is_file():
+                    if candidate not in found:
+                        data = candidate.read_bytes()
+                        found[candidate] = (name, data)
+                        stack.append((candidate, data.decode(errors="replace")))
+                    break
+    return list(found.values())

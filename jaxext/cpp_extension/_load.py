@@ -10,10 +10,14 @@ from pathlib import Path
 import jax
 import jaxlib
 
-from ._cache import build_once, cache_key, cache_root
-from ._compiler import compile_command, compile_library, find_compiler
+from ._build import BuildPlan, compile_plan
+from ._cache import build_once, cache_key, cache_root, included_headers
+from ._compiler import find_compiler
+from ._errors import CompilerNotFoundError
 from ._module import Extension
 from ._partition import check_rule
+from ._native import CHECKING_SOURCE
+from ._prebuilt import find_prebuilt
 from ._registry import register_handlers
 
 __all__ = ["load", "load_inline"]
@@ -23,8 +27,6 @@ _CPP_SUFFIXES = (".cc", ".cpp", ".cxx", ".c++", ".C")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _HANDLER = re.compile(r"XLA_FFI_DEFINE_HANDLER_SYMBOL\s*\(\s*([A-Za-z_][A-Za-z0-9_]*)")
 _COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.DOTALL)
-# What load_inline puts before the sources (through -include, so their line numbers stay).
-_PRELUDE = '#include "xla/ffi/api/ffi.h"\nnamespace ffi = xla::ffi;\n'
 
 
 def load(
@@ -39,16 +41,22 @@ def load(
     platform: str | None = None,
     partition: Mapping[str, str | None] | None = None,
     verbose: bool = False,
+    prebuilt_directory: PathLike | None = None,
 ) -> Extension:
     """Compiles C++ (or CUDA) source files of XLA FFI handlers and registers them with JAX.
 
     The sources are compiled with ``$CXX`` (else ``c++``; ``nvcc`` when a source is
     ``.cu``) as ``-std=c++17 -O3 -fPIC -shared`` against the XLA FFI headers that
     ship with jaxlib (``jax.ffi.include_dir()``), once: the library is cached under
-    a hash of the sources, flags, jaxlib version and compiler, and later calls, in
-    this process or another, load it from there. Headers the sources include are
-    not part of that hash: pass them as ``sources`` too, or change a flag, to
-    rebuild after editing one.
+    a hash of the sources, the headers they include (found by following their
+    ``#include`` lines in the sources' directories and ``extra_include_paths``),
+    flags, jaxlib version and compiler, and later calls, in this process or
+    another, load it from there.
+
+    A library built ahead of time with ``python -m jaxext.cpp_extension build``
+    (see :func:`jaxext.cpp_extension.build`) is used instead, without a compiler,
+    when it is found, for the same name, sources, headers and flags, in
+    ``prebuilt_directory`` or in the directory of the first source.
 
     Args:
         name: the extension's name, a C identifier; FFI targets are registered
@@ -73,6 +81,8 @@ def load(
             ``FfiFunction.__call__``,
             which can also override it per call.
         verbose: print the compiler command and output.
+        prebuilt_directory: a directory to look in first for a library built ahead
+            of time (the directory of the first source is always looked in).
 
     Returns:
         An :class:`jaxext.cpp_extension.Extension` whose attributes are the handlers, each called as
@@ -89,6 +99,9 @@ def load(
         CompileError: if compilation fails (the message lists the compiler's
             ``file:line`` errors; ``.output`` holds everything it printed).
         MissingHandlerError: if a symbol in ``functions`` is not in the library.
+        ExtensionError: if the library cannot be loaded: an undefined symbol (the
+            message names it and the ``extra_ldflags`` to pass), or a prebuilt library
+            built against another jaxlib (the message names both versions).
 
     Example:
         >>> import tempfile
@@ -100,6 +113,8 @@ def load(
         ... #include "xla/ffi/api/ffi.h"
         ... namespace ffi = xla::ffi;
         ... ffi::Error Negate(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
+        ...   if (y->element_count() != x.element_count())
+        ...     return ffi::Error::InvalidArgument("negate: result size differs from x");
         ...   for (size_t i = 0; i < x.element_count(); ++i)
         ...     y->typed_data()[i] = -x.typed_data()[i];
         ...   return ffi::Error::Success();
@@ -128,7 +143,15 @@ def load(
         platform=platform,
         partition=partition,
         verbose=verbose,
+        prebuilt=_prebuilt_directories(prebuilt_directory, paths),
     )
+
+
+def _prebuilt_directories(directory: PathLike | None, paths: Sequence[Path]) -> list[Path]:
+    if directory is not None and not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"`prebuilt_directory` must be a path; got {type(directory).__name__}.")
+    found = [] if directory is None else [Path(directory).expanduser().resolve()]
+    return list(dict.fromkeys([*found, paths[0].parent]))
 
 
 def load_inline(
@@ -183,6 +206,8 @@ def load_inline(
         ...     "square_ext",
         ...     '''
         ...     ffi::Error Square(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
+        ...       if (y->element_count() != x.element_count())
+        ...         return ffi::Error::InvalidArgument("square: result size differs from x");
         ...       for (size_t i = 0; i < x.element_count(); ++i)
         ...         y->typed_data()[i] = x.typed_data()[i] * x.typed_data()[i];
         ...       return ffi::Error::Success();
@@ -232,56 +257,94 @@ def _load(
     platform: str | None,
     partition: Mapping[str, str | None] | None,
     verbose: bool,
+    prebuilt: Sequence[Path] = (),
 ) -> Extension:
     """Builds (once) and registers; ``inline_files`` are written into the build directory."""
-    extra_cflags = _strings(extra_cflags, "extra_cflags")
-    extra_ldflags = _strings(extra_ldflags, "extra_ldflags")
+    plan = _plan(
+        name, sources, texts, inline_files, extra_cflags, extra_ldflags, extra_include_paths,
+        platform,
+    )  # fmt: skip
+    symbols = _functions(functions, texts)
+    rules = _partition_rules(partition, symbols)
+    library, stale = find_prebuilt(plan, prebuilt)
+    built = False
+    if library is not None:
+        if verbose:
+            print(f"[jaxext.cpp_extension] {name!r}: using the prebuilt {library}", flush=True)
+    else:
+        library, built = _build_cached(plan, build_directory, verbose, stale)
+    targets = register_handlers(name, library, plan.prefix, symbols, plan.platform)
+    return Extension(name, library, built, plan.platform, targets, rules)
+
+
+def _plan(
+    name: str,
+    sources: Sequence[Path | str],
+    texts: Sequence[str],
+    inline_files: dict[str, str],
+    extra_cflags: object,
+    extra_ldflags: object,
+    extra_include_paths: object,
+    platform: str | None,
+) -> BuildPlan:
+    """What to compile, checked, with the compiler-independent source key."""
+    cflags = _strings(extra_cflags, "extra_cflags")
+    ldflags = _strings(extra_ldflags, "extra_ldflags")
     includes = [Path(p).expanduser().resolve() for p in _paths(extra_include_paths)]
     cuda = any(str(s).endswith(".cu") for s in sources)
     platform = _platform(platform, cuda)
-    symbols = _functions(functions, texts)
-    rules = _partition_rules(partition, symbols)
-    compiler = find_compiler(cuda)
+    own = [(None if inline_files else Path(s), t) for s, t in zip(sources, texts, strict=True)]
+    headers = included_headers(own, includes)
     key = cache_key(
         [
             name,
             platform,
+            repr(cflags),
+            repr(ldflags),
+            repr(sorted(inline_files)),
+            *(part for s, t in zip(sources, texts, strict=True) for part in (Path(s).name, t)),
+            *(part for header in headers for part in header),
+            CHECKING_SOURCE.read_bytes(),
+        ]
+    )
+    return BuildPlan(
+        name=name, sources=tuple(sources), inline_files=dict(inline_files), cflags=tuple(cflags),
+        ldflags=tuple(ldflags), includes=tuple(includes), platform=platform, cuda=cuda,
+        source_key=key,
+    )  # fmt: skip
+
+
+def _build_cached(
+    plan: BuildPlan, build_directory: PathLike | None, verbose: bool, stale: list[Path]
+) -> tuple[Path, bool]:
+    try:
+        compiler = find_compiler(plan.cuda)
+    except CompilerNotFoundError as err:
+        if stale:
+            raise CompilerNotFoundError(
+                f"{err} (A prebuilt {plan.name!r} was found, but for other sources or flags: "
+                f"{', '.join(map(str, stale))}; rebuild it with `python -m "
+                "jaxext.cpp_extension build`.)"
+            ) from None
+        raise
+    key = cache_key(
+        [
+            plan.source_key,
             compiler.identity,
             jaxlib.__version__,
             jax.ffi.include_dir(),
-            repr(extra_cflags),
-            repr(extra_ldflags),
-            repr([str(p) for p in includes]),
-            repr(sorted(inline_files)),
-            *(part for s, t in zip(sources, texts, strict=True) for part in (Path(s).name, t)),
+            repr([str(p) for p in plan.includes]),
         ]
     )
-    directory = cache_root(build_directory) / name / key
-
-    def build(output: Path) -> None:
-        prelude = None
-        for file_name, text in inline_files.items():
-            (directory / file_name).write_text(text)
-        if inline_files:
-            prelude = directory / "jaxext_prelude.h"
-            prelude.write_text(_PRELUDE)
-        paths = [directory / s if inline_files else Path(s) for s in sources]
-        command = compile_command(
-            compiler,
-            paths,
-            output,
-            include_dirs=[Path(jax.ffi.include_dir()), *includes],
-            extra_cflags=extra_cflags,
-            extra_ldflags=extra_ldflags,
-            preinclude=prelude,
-        )
-        compile_library(name, command, directory / "build.log", verbose)
-
-    library, built = build_once(directory, f"{name}.so", build)
+    directory = cache_root(build_directory) / plan.name / key
+    library, built = build_once(
+        directory,
+        f"{plan.name}.so",
+        lambda output: compile_plan(plan, compiler, directory, output, verbose),
+    )
     if verbose and not built:
-        print(f"[jaxext.cpp_extension] {name!r}: using the cached build {library}", flush=True)
-    targets = register_handlers(name, library, f"{name}_{key}", symbols, platform)
-    return Extension(name, library, built, platform, targets, rules)
+        print(f"[jaxext.cpp_extension] {plan.name!r}: using the cached build {library}", flush=True)
+    return library, built
 
 
 def _partition_rules(

@@ -68,7 +68,8 @@ class FfiFunction:
                 the handler broadcasts), ``"broadcast_all"`` (every argument is
                 broadcast to the batch) or ``None`` (``vmap`` raises).
             has_side_effect: keep the call even if its results are unused.
-            input_output_aliases: ``{input index: output index}`` buffers to reuse.
+            input_output_aliases: ``{input index: output index}`` buffers to reuse
+                (such results are not filled in checking mode: they hold an input).
             partition: how the kernel splits over a device mesh; default: the
                 function's ``partition`` attribute (``None`` unless ``load`` set one).
 
@@ -111,9 +112,12 @@ class FfiFunction:
         """
         rule = self.partition if partition is _OWN_RULE else check_rule(partition)
 
+        # The raw handler, not its checking trampoline, where results alias inputs.
+        target = f"{self.target_name}.raw" if input_output_aliases else self.target_name
+
         def make_call(results: Any) -> Any:
             call = jax.ffi.ffi_call(
-                self.target_name,
+                target,
                 results,
                 vmap_method=vmap_method,
                 has_side_effect=has_side_effect,
@@ -166,6 +170,24 @@ class Extension:
     @property
     def functions(self) -> tuple[str, ...]:
         return tuple(self._functions)
+
+    @property
+    def disabled_safety_checks(self) -> list[jax.export.DisabledSafetyCheck]:
+        """What ``jax.export.export(..., disabled_checks=...)`` needs to export calls of
+        these handlers.
+
+        ``jax.export`` refuses custom calls that are not on its list of targets with
+        compatibility guarantees; these ``DisabledSafetyCheck.custom_call`` entries
+        allow this extension's. The process that runs the deserialized program must
+        load the same extension (same sources and flags: the FFI target names are the
+        same) before calling it.
+        """
+        targets = [f.target_name for f in self._functions.values()]
+        return [
+            jax.export.DisabledSafetyCheck.custom_call(name)
+            for target in targets
+            for name in (target, f"{target}.raw")
+        ]
 
     def __getattr__(self, attr: str) -> FfiFunction:
         functions = self.__dict__.get("_functions", {})

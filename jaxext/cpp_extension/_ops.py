@@ -13,8 +13,11 @@ This module is also the template for your own kernels. It is in four steps:
 4. attach the C++ backward with :class:`jaxext.custom_vjp`, and a ``jvp=`` rule
    made of the C++ forward (both ops are linear in each input), because JAX can
    neither differentiate nor transpose an FFI call: ``grad`` runs the C++
-   backward, ``jvp``/``jacfwd`` the ``jvp`` rule. Second derivatives would need
-   the derivatives of those kernels, which nothing gives: they raise.
+   backward, ``jvp``/``jacfwd`` the ``jvp`` rule. The C++ backward is itself a
+   ``custom_vjp`` op whose rules call the C++ forward again, and every rule calls
+   these ops rather than a bare FFI call, so derivatives of every order work.
+4. refuse, with a ``TypeError`` while tracing, the dtypes the kernels have no
+   handler for: ``jaxext.opcheck`` reports such a dtype as a SKIP with that message.
 """
 
 from __future__ import annotations
@@ -188,6 +191,12 @@ def _call_linear_backward(x, weight, g):
 
 
 # -- the custom VJPs -------------------------------------------------------------------
+#
+# Every rule, the forward rules included, is made of these ops themselves (never of a
+# bare FFI call, which an outer jvp could not differentiate), so each
+# derivative is again differentiable: grad of grad, hessian, jacfwd of jacrev ... work
+# to any order. Both ops are linear in each input, so their derivatives are calls of
+# the same kernels with other arguments.
 
 
 @functools.partial(custom_vjp, nondiff_argnums=(1,))
@@ -196,19 +205,24 @@ def _mul_constant(x, constant):
 
 
 def _mul_constant_fwd(x, constant):
-    return _call_mul_constant(x, constant), None
+    return _mul_constant(x, constant), None
 
 
 def _mul_constant_bwd(constant, _, g):
-    return (_call_mul_constant(g, constant),)
+    return (_mul_constant(g, constant),)
 
 
 def _mul_constant_jvp(constant, _, tangents):
     (x_dot,) = tangents
-    return _call_mul_constant(x_dot, constant)
+    return _mul_constant(x_dot, constant)
 
 
 _mul_constant.defvjp(_mul_constant_fwd, _mul_constant_bwd, jvp=_mul_constant_jvp)
+
+
+def _matmul_t(a, b):
+    """``a @ b.T`` (no bias) through the C++ forward: ``_linear(a, b, 0)``."""
+    return _linear(a, b, jnp.zeros(b.shape[:1], a.dtype))
 
 
 @custom_vjp
@@ -217,13 +231,12 @@ def _linear(x, weight, bias):
 
 
 def _linear_fwd(x, weight, bias):
-    return _call_linear_forward(x, weight, bias), (x, weight)
+    return _linear(x, weight, bias), (x, weight)
 
 
 def _linear_bwd(residuals, g):
     x, weight = residuals
-    grad_x, grad_weight, grad_bias = _call_linear_backward(x, weight, g)
-    return grad_x, grad_weight, grad_bias
+    return _linear_backward(x, weight, g)  # the C++ backward, itself differentiable
 
 
 def _linear_jvp(residuals, tangents):
@@ -231,10 +244,42 @@ def _linear_jvp(residuals, tangents):
     # dy = dx @ w^T + x @ dw^T + db, two calls of the C++ forward.
     x, weight = residuals
     x_dot, weight_dot, bias_dot = tangents
-    zeros = jnp.zeros(weight.shape[:1], weight.dtype)
-    return _call_linear_forward(x_dot, weight, bias_dot) + _call_linear_forward(
-        x, weight_dot, zeros
-    )
+    return _linear(x_dot, weight, bias_dot) + _matmul_t(x, weight_dot)
 
 
 _linear.defvjp(_linear_fwd, _linear_bwd, jvp=_linear_jvp)
+
+
+@custom_vjp
+def _linear_backward(x, weight, g):
+    """``(g @ w, g^T @ x, sum of g's rows)``: linear's gradients, by the C++ backward."""
+    return tuple(_call_linear_backward(x, weight, g))
+
+
+def _linear_backward_fwd(x, weight, g):
+    return _linear_backward(x, weight, g), (x, weight, g)
+
+
+def _linear_backward_bwd(residuals, cotangents):
+    # The outputs are bilinear in (g, weight) and (g, x): with cotangents (cx, cw, cb),
+    # x gets g @ cw, weight gets g^T @ cx, g gets cx @ w^T + x @ cw^T + cb.
+    x, weight, g = residuals
+    cx, cw, cb = cotangents
+    return (
+        _matmul_t(g, cw.T),
+        _matmul_t(g.T, cx.T),
+        _linear(cx, weight, cb) + _matmul_t(x, cw),
+    )
+
+
+def _linear_backward_jvp(residuals, tangents):
+    x, weight, g = residuals
+    x_dot, weight_dot, g_dot = tangents
+    return (
+        _matmul_t(g_dot, weight.T) + _matmul_t(g, weight_dot.T),
+        _matmul_t(g_dot.T, x.T) + _matmul_t(g.T, x_dot.T),
+        jnp.sum(g_dot, axis=0),
+    )
+
+
+_linear_backward.defvjp(_linear_backward_fwd, _linear_backward_bwd, jvp=_linear_backward_jvp)

@@ -3,7 +3,9 @@
 // jaxext/cpp_extension/_ops.py, which attaches the backward with jaxext.custom_vjp.
 //
 // Every handler accepts float32 and float64 (chosen at run time from the buffer's
-// dtype) and returns an ffi::Error for anything else. mul_constant splits large
+// dtype) and returns an ffi::Error for anything else, and checks that the buffers'
+// shapes fit together before touching them (an ffi::Error, never an out-of-bounds
+// read or write, for a call with the wrong shapes). mul_constant splits large
 // arrays, and linear large products (by blocks of rows), over XLA's intra-op thread
 // pool.
 //
@@ -323,11 +325,14 @@ ffi::Error LinearForwardTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyB
   auto xd = x.dimensions();
   const int64_t in = xd.size() < 2 ? 0 : xd[xd.size() - 1];
   Batch batch(yd, 2);
-  auto sx = batch.strides(xd, 2), sw = batch.strides(w.dimensions(), 2),
-       sb = batch.strides(bias.dimensions(), 1);
-  if (sx.empty() || sw.empty() || sb.empty() || xd[xd.size() - 2] != rows) {
+  auto wd = w.dimensions(), bd = bias.dimensions();
+  auto sx = batch.strides(xd, 2), sw = batch.strides(wd, 2), sb = batch.strides(bd, 1);
+  // Every operand's core dims must fit y's (B, O): the loops below trust them.
+  if (sx.empty() || sw.empty() || sb.empty() || xd[xd.size() - 2] != rows ||
+      wd[wd.size() - 2] != out || wd[wd.size() - 1] != in || bd[bd.size() - 1] != out) {
     return ffi::Error::InvalidArgument(
-        "jaxext_linear_forward: expected x (..., B, I), w (..., O, I), bias (..., O)");
+        "jaxext_linear_forward: expected x (..., B, I), w (..., O, I), bias (..., O) for "
+        "y (..., B, O)");
   }
   Scratch<T> scratch{pool, {}};
   const int64_t n = batch.size();
@@ -361,14 +366,22 @@ ffi::Error LinearBackwardTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::Any
   const int64_t rows = gxd[gxd.size() - 2], in = gxd[gxd.size() - 1];
   const int64_t out = gwd[gwd.size() - 2];
   Batch batch(gxd, 2);
-  auto sx = batch.strides(x.dimensions(), 2), sw = batch.strides(w.dimensions(), 2),
-       sg = batch.strides(g.dimensions(), 2);
-  if (sx.empty() || sw.empty() || sg.empty()) {
+  auto xd = x.dimensions(), wd = w.dimensions(), gd = g.dimensions(), gbd = gb.dimensions();
+  auto sx = batch.strides(xd, 2), sw = batch.strides(wd, 2), sg = batch.strides(gd, 2);
+  const int64_t n = batch.size();
+  // Every operand's core dims must fit, and the results hold the full batch: the loops
+  // below trust them.
+  if (sx.empty() || sw.empty() || sg.empty() || xd[xd.size() - 2] != rows ||
+      xd[xd.size() - 1] != in || wd[wd.size() - 2] != out || wd[wd.size() - 1] != in ||
+      gd[gd.size() - 2] != rows || gd[gd.size() - 1] != out || gbd.size() < 1 ||
+      gbd[gbd.size() - 1] != out || gwd[gwd.size() - 1] != in ||
+      static_cast<int64_t>(gw.element_count()) != n * out * in ||
+      static_cast<int64_t>(gb.element_count()) != n * out) {
     return ffi::Error::InvalidArgument(
-        "jaxext_linear_backward: expected x (..., B, I), w (..., O, I), g (..., B, O)");
+        "jaxext_linear_backward: expected x (..., B, I), w (..., O, I), g (..., B, O) and "
+        "results (..., B, I), (..., O, I), (..., O)");
   }
   Scratch<T> scratch{pool, {}};
-  const int64_t n = batch.size();
   for (int64_t k = 0; k < n; ++k) {
     LinearBackwardKernel(x.typed_data<T>() + batch.offset(k, sx),
                          w.typed_data<T>() + batch.offset(k, sw),
@@ -383,7 +396,8 @@ ffi::Error LinearBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBu
                               ffi::Result<ffi::AnyBuffer> gx, ffi::Result<ffi::AnyBuffer> gw,
                               ffi::Result<ffi::AnyBuffer> gb) {
   const ffi::DataType t = x.element_type();
-  if (w.element_type() != t || g.element_type() != t) {
+  if (w.element_type() != t || g.element_type() != t || gx->element_type() != t ||
+      gw->element_type() != t || gb->element_type() != t) {
     return ffi::Error::InvalidArgument("jaxext_linear_backward: operands must share one dtype");
   }
   if (t == ffi::DataType::F32) return LinearBackwardTyped<float>(pool, x, w, g, *gx, *gw, *gb);
