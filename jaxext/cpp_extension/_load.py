@@ -15,8 +15,8 @@ from ._cache import build_once, cache_key, cache_root, included_headers
 from ._compiler import find_compiler
 from ._errors import CompilerNotFoundError
 from ._module import Extension
-from ._partition import check_rule
 from ._native import CHECKING_SOURCE
+from ._partition import check_rule
 from ._prebuilt import find_prebuilt
 from ._registry import register_handlers
 
