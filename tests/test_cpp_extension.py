@@ -519,7 +519,8 @@ def test_ops_refuse_bad_input(x64):
 
 def test_ops_kernels_refuse_buffers_that_do_not_fit(x64):
     """Called directly with shapes that do not fit, the kernels return an error rather
-    than read or write out of bounds."""
+    than read or write out of bounds. (``partition=None``: the handlers' partition rules
+    would refuse some of these shapes in Python first; the kernels' own checks are tested.)"""
     ext = ops.extension()
     x, w, b = _linear_inputs((4,), (3, 2), np.float64)
     out = jax.ShapeDtypeStruct((4, 2), np.float64)
@@ -530,17 +531,23 @@ def test_ops_kernels_refuse_buffers_that_do_not_fit(x64):
         ((x[:3], w, b), out),  # fewer rows than the result
     ]:
         with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match="expected x"):
-            jax.block_until_ready(ext.jaxext_linear_forward(*args, result_shape_dtypes=shape))
+            jax.block_until_ready(
+                ext.jaxext_linear_forward(*args, result_shape_dtypes=shape, partition=None)
+            )
     g = rand(1, (4, 2), np.float64)
     good = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, w, b)]
     for k, bad in [(1, (2, 4)), (2, (3,))]:
         shapes = list(good)
         shapes[k] = jax.ShapeDtypeStruct(bad, np.float64)
         with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match="expected x"):
-            jax.block_until_ready(ext.jaxext_linear_backward(x, w, g, result_shape_dtypes=shapes))
+            jax.block_until_ready(
+                ext.jaxext_linear_backward(x, w, g, result_shape_dtypes=shapes, partition=None)
+            )
     with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match="result must match"):
         y = jax.ShapeDtypeStruct((5,), np.float64)
-        jax.block_until_ready(ext.jaxext_mul_constant(x[0], result_shape_dtypes=y, constant=2.0))
+        jax.block_until_ready(
+            ext.jaxext_mul_constant(x[0], result_shape_dtypes=y, constant=2.0, partition=None)
+        )
 
 
 def test_ops_are_built_through_the_public_load():
