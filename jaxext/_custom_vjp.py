@@ -126,6 +126,10 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         self.forward_mode_hint: str | None = None
         self.no_derivatives_message: str | None = None
         self.vmap_rule: Callable[..., tuple[Any, Any]] | None = None
+        # Whether forward mode may dry-run bwd/jvp at trace time to hoist the tracers they
+        # close over (_Linear.hoist). jaxext.Function turns it off: its rules re-run the
+        # user's forward, which a port may count on running once per differentiation.
+        self.hoist_closures = True
 
     def _signature(self) -> inspect.Signature | None:
         if not hasattr(self, "_cached_signature"):
@@ -506,7 +510,8 @@ class _Op:
             out_float=out_float,
         )
         t_in = [t for t, q in zip(t_leaves, perturbed, strict=True) if q]
-        if t_in and any(isinstance(v, jax.core.Tracer) for v in [*in_leaves, *res_arrays]):
+        staged = any(isinstance(v, jax.core.Tracer) for v in [*in_leaves, *res_arrays])
+        if t_in and staged and self.spec.hoist_closures:
             res_arrays = [*res_arrays, *lin.hoist(res_arrays)]  # staged: see _Linear.hoist
         float_tangents = iter(tangent_p.bind(*res_arrays, *t_in, lin=lin) if t_in else [])
         out_tangents = []

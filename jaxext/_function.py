@@ -519,6 +519,7 @@ def _lower(cls: type[Function], args: tuple[Any, ...], diff_positions: tuple[int
             "forward stored with `ctx.save_for_forward(...)`"
         )
         rule.no_derivatives_message = once
+        rule.hoist_closures = False  # forward runs once per differentiation, as in torch
         rule.defvjp(fwd, bwd, symbolic_zeros=True, jvp=jvp if _overrides(cls, "jvp") else None)
         return rule
 
