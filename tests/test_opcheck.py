@@ -70,6 +70,29 @@ def linen_dense_op():
     return apply, (jax.tree_util.tree_map(np.asarray, params), f64(1, (4, 3)))
 
 
+@jax.custom_vjp
+def sorted_scale(x, w):
+    """A custom_vjp op that indexes ``x`` with a permutation computed from ``w``."""
+    return x[jnp.argsort(w[:, 0])] * w
+
+
+def _sorted_scale_bwd(res, g):
+    x, w = res
+    perm = jnp.argsort(w[:, 0])
+    return jnp.zeros_like(x).at[perm].set(g * w), g * x[perm]
+
+
+sorted_scale.defvjp(lambda x, w: (sorted_scale(x, w), (x, w)), _sorted_scale_bwd)
+
+
+def embedding(table, ids):
+    return jnp.tanh(table[ids])
+
+
+def at_update(x):
+    return x.at[0].set(x[1] * 2.0).at[1:].add(x[0] ** 2)
+
+
 CORRECT_OPS = {
     # name -> (function returning (op, args), checks expected to SKIP)
     "jaxext.linear": (lambda: (jaxext.linear, (f64(0, (4, 3)), f64(1, (2, 3)), f64(2, (2,)))), ()),
@@ -95,6 +118,14 @@ CORRECT_OPS = {
     # output (a NumPy scalar cotangent), and an integer output beside a float one
     # (a float0 cotangent leaf).
     "scalar_output": (lambda: (lambda x, y: jnp.sum(x * y) ** 2, (f64(0, (3,)), f64(1, (3,)))), ()),
+    # Ops written for JAX arrays: the float inputs reach them as JAX arrays (as in a
+    # user's code), never as NumPy arrays closed over.
+    "permutation_index": (
+        lambda: (sorted_scale, (f64(0, (3, 2)), f64(1, (3, 2)))),
+        ("jvp", "jvp_vjp"),
+    ),
+    "embedding": (lambda: (embedding, (f64(0, (3, 4)), jnp.array([1, 0, 1, 2]))), ()),
+    "at_update": (lambda: (at_update, (jnp.asarray(f64(0, (3,))),)), ()),
     "integer_output": (
         lambda: (lambda x: (jnp.argmax(x, -1), jnp.max(x, -1)), (f64(0, (3, 4)),)),
         (),

@@ -225,12 +225,13 @@ def _batched_argument(arg: Any, rng: np.random.Generator) -> Any:
     def stack(leaf):
         if not isinstance(leaf, (jax.Array, np.ndarray)):
             return leaf
-        leaf = np.asarray(leaf)
+        # A JAX array stays a JAX array (the op sees what a user's code passes).
+        xp = jnp if isinstance(leaf, jax.Array) else np
         if jnp.issubdtype(leaf.dtype, jnp.floating):
-            return np.stack(
+            return xp.stack(
                 [leaf * (1 + 0.1 * rng.standard_normal(leaf.shape)) for _ in range(_BATCH)]
             )
-        return np.stack([leaf] * _BATCH)
+        return xp.stack([leaf] * _BATCH)
 
     return jax.tree_util.tree_map(stack, arg)
 
@@ -357,7 +358,7 @@ def grad_dtypes(op: OpUnderTest, settings: Settings) -> str:
     for dtype in (np.float64, np.float32):
         leaves = [leaf for _, leaf in flat]
         for p in op.positions:
-            leaves[p] = np.asarray(leaves[p], dtype)
+            leaves[p] = jnp.asarray(leaves[p], dtype)
         primals = [leaves[p] for p in arrays]
 
         def fn(*values, leaves=leaves):

@@ -37,7 +37,8 @@ class OpUnderTest:
     Attributes:
         func: the op.
         args: its positional arguments, float array leaves converted to float64
-            NumPy arrays.
+            JAX arrays (what a user's code receives: ``x.at[...]``, ``table[ids]``
+            with traced ``ids`` and the like work); other leaves as given.
         positions: leaf positions (in ``args``' flattening) of the float arrays.
         labels: how messages name those leaves, e.g. ``"input 1['w']"``.
         forward_error: why ``jax.jvp`` cannot differentiate the op (the
@@ -57,7 +58,7 @@ class OpUnderTest:
         for position, (path, leaf) in enumerate(flat):
             label = f"input {path[0].idx}{jax.tree_util.keystr(path[1:])}"
             if float_dtype(leaf, label) is not None:
-                leaf = np.asarray(leaf, dtype=np.float64)
+                leaf = jnp.asarray(leaf, dtype=jnp.float64)
                 positions.append(position)
                 labels.append(label)
             leaves.append(leaf)
@@ -73,7 +74,7 @@ class OpUnderTest:
     # -- calling -------------------------------------------------------------------------
 
     @property
-    def primals(self) -> list[np.ndarray]:
+    def primals(self) -> list[jax.Array]:
         leaves = jax.tree_util.tree_leaves(self.args)
         return [leaves[p] for p in self.positions]
 
