@@ -93,6 +93,15 @@ def at_update(x):
     return x.at[0].set(x[1] * 2.0).at[1:].add(x[0] ** 2)
 
 
+def mixed_precision_sin(x):
+    """float32 output for a bfloat16 input (float64 for float64)."""
+    return jnp.sin(x.astype(jnp.promote_types(x.dtype, jnp.float32)))
+
+
+def phases(seed, shape):
+    return np.random.default_rng(seed).uniform(100.0, 200.0, shape)
+
+
 CORRECT_OPS = {
     # name -> (function returning (op, args), checks expected to SKIP)
     "jaxext.linear": (lambda: (jaxext.linear, (f64(0, (4, 3)), f64(1, (2, 3)), f64(2, (2,)))), ()),
@@ -126,6 +135,10 @@ CORRECT_OPS = {
     ),
     "embedding": (lambda: (embedding, (f64(0, (3, 4)), jnp.array([1, 0, 1, 2]))), ()),
     "at_update": (lambda: (at_update, (jnp.asarray(f64(0, (3,))),)), ()),
+    # low_precision: a float32 output for a bfloat16 input; an input whose rounding to
+    # bfloat16 alone moves sin by far more than 16 eps.
+    "mixed_precision": (lambda: (mixed_precision_sin, (f64(0, (4, 3)),)), ()),
+    "sin_large_phases": (lambda: (jnp.sin, (phases(0, (4, 3)),)), ()),
     "integer_output": (
         lambda: (lambda x: (jnp.argmax(x, -1), jnp.max(x, -1)), (f64(0, (3, 4)),)),
         (),
@@ -142,6 +155,17 @@ def test_correct_ops_pass(name):
     assert set(report.skipped) <= set(expected_skips) | {"export_symbolic"}
     assert set(expected_skips) <= set(report.skipped)
     assert len(report.results) == len(CHECK_NAMES)
+
+
+def test_a_dtype_without_a_kernel_is_a_skip_with_the_reason():
+    # jnp.linalg.solve has no bfloat16 kernel on CPU: what the op cannot do, not a bug.
+    if jax.default_backend() != "cpu":
+        pytest.skip("bfloat16 solve has a kernel on this backend")
+    a, b = f64(0, (3, 3)) + 3 * np.eye(3), f64(1, (3,))
+    report = jaxext.opcheck(jnp.linalg.solve, (a, b), checks=["low_precision"])
+    assert report.skipped == ("low_precision",), str(report)
+    detail = report["low_precision"].detail
+    assert "float32 checked" in detail and "bfloat16" in detail and "no kernel" in detail
 
 
 def test_plain_custom_vjp_skips_forward_mode_with_the_reason():

@@ -71,7 +71,11 @@ def opcheck(
       symbolic leading dimension on the first input of two or more dimensions
       (SKIP when the op does not trace with one).
     * ``low_precision``: float32 and bfloat16 inputs run, and outputs and
-      gradients stay within ``16 * eps(dtype)`` (normwise) of float64.
+      gradients stay within ``16 * eps(dtype)`` (normwise) of float64 computed
+      at the same rounded inputs (rounding the inputs is not the op's error;
+      the cotangent takes each output's dtype, so a float32 output for a
+      bfloat16 input is fine). A dtype the op has no kernel for (it raises
+      ``NotImplementedError``) is a SKIP naming it.
 
     Comparisons of two programs computing the same math in float64 (jit and
     eager, vmap and a loop ...) allow a normwise relative error of 1e-9.
