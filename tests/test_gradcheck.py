@@ -403,6 +403,37 @@ LARGE_MAGNITUDES = {
 }  # fmt: skip
 
 
+def normalize(x):
+    return x / jnp.linalg.norm(x)
+
+
+def normalize_with_backward(scale):
+    """``normalize`` with a hand-written backward, ``scale`` times the true one."""
+
+    @jax.custom_vjp
+    def op(x):
+        return normalize(x)
+
+    def op_bwd(x, g):
+        n = jnp.linalg.norm(x)
+        return (scale * (g / n - x * jnp.dot(x, g) / n**3),)
+
+    op.defvjp(lambda x: (normalize(x), x), op_bwd)
+    return op
+
+
+@pytest.mark.parametrize("norm", [2e-5, 1e-9])
+def test_small_inputs_pass_with_the_default_eps(norm):
+    """The step follows the input's scale: a step of 1e-6 would move x by 5% or more."""
+    x = np.random.default_rng(0).standard_normal(4)
+    x *= norm / np.linalg.norm(x)
+    assert jaxext.gradcheck(normalize, (x,), check_forward_ad=True)
+    assert jaxext.gradgradcheck(normalize, (x,))
+    assert jaxext.gradcheck(normalize_with_backward(1.0), (x,))
+    with pytest.raises(jaxext.GradcheckError, match="Jacobian mismatch"):
+        jaxext.gradcheck(normalize_with_backward(1.01), (x,))
+
+
 def uniform(seed, bounds, shape):
     return np.random.default_rng(seed).uniform(*bounds, shape)
 

@@ -139,6 +139,8 @@ CORRECT_OPS = {
     # bfloat16 alone moves sin by far more than 16 eps.
     "mixed_precision": (lambda: (mixed_precision_sin, (f64(0, (4, 3)),)), ()),
     "sin_large_phases": (lambda: (jnp.sin, (phases(0, (4, 3)),)), ()),
+    # Inputs of scale 2e-5: the finite-difference step must follow them.
+    "normalize_tiny": (lambda: (lambda x: x / jnp.linalg.norm(x), (2e-5 * f64(0, (4,)),)), ()),
     "integer_output": (
         lambda: (lambda x: (jnp.argmax(x, -1), jnp.max(x, -1)), (f64(0, (3, 4)),)),
         (),

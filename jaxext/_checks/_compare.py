@@ -224,7 +224,7 @@ def full_mismatches(
     out_slices: Sequence[slice],
     in_slices: Sequence[slice],
     *,
-    eps: float,
+    eps: float | np.ndarray,
     atol: float,
     rtol: float,
     modes: Sequence[str],
@@ -274,7 +274,7 @@ def directional_mismatches(
     out_slices: Sequence[slice],
     in_slices: Sequence[slice],
     *,
-    eps: float,
+    eps: float | Sequence[float],
     atol: float,
     rtol: float,
     mode: str,
@@ -283,6 +283,7 @@ def directional_mismatches(
 ) -> list[Mismatch]:
     """``u . J v`` per (output block, input block) pair and random direction.
 
+    ``eps`` is the step, one for all input blocks or one per block.
     For direction ``d``, each input block ``j`` gets its own random unit vector
     ``v`` and each output block ``i`` its own random unit vector ``u``; the
     numerical value is ``u . (f(x0 + eps v) - f(x0 - eps v)) / (2 eps)`` with
@@ -290,6 +291,7 @@ def directional_mismatches(
     (``mode="rev"``) or ``u . jvp(v)[block i]`` (``mode="fwd"``).
     """
     rng = np.random.default_rng(seed)
+    block_eps = np.broadcast_to(np.asarray(eps, np.float64), (len(in_slices),))
     shape = (num_directions, len(out_slices), len(in_slices))
     numerical, automatic, allowed = np.zeros(shape), np.zeros(shape), np.zeros(shape)
     for d in range(num_directions):
@@ -298,7 +300,7 @@ def directional_mismatches(
         for j, in_block in enumerate(in_slices):
             v_j = np.zeros(jac.n)
             v_j[in_block] = v[in_block]
-            diff, step = jac.difference(v_j, eps)
+            diff, step = jac.difference(v_j, float(block_eps[j]))
             tangent = jac.jvp(v_j)[1] if mode == "fwd" else None
             for i, out_block in enumerate(out_slices):
                 numerical[d, i, j] = u[out_block] @ diff[out_block] / step

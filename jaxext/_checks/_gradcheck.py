@@ -35,6 +35,7 @@ from ._report import dtype_error, gradcheck_error
 
 __all__ = [
     "FULL_MAX_ENTRIES",
+    "STEP_SCALE",
     "GradcheckError",
     "Settings",
     "check_gradients",
@@ -45,6 +46,9 @@ __all__ = [
 # The full (entrywise) method covers Jacobians up to this many entries (1.3e8).
 FULL_MAX_ENTRIES = 2**27
 _BATCH = 3  # cotangents in the batched-gradient check
+_TINY = 2.0**-100  # smallest input scale the finite-difference step follows
+# Inputs whose entries are all below this in magnitude get a step scaled to them.
+STEP_SCALE = 0.01
 
 
 def gradcheck(
@@ -74,7 +78,7 @@ def gradcheck(
     returns something else than the function. Then, per (output leaf, input
     leaf) pair, every compared entry must satisfy
     ``|analytical - numerical| <= atol + rtol * |numerical| + noise``, where
-    ``noise = 4 * 2.2e-16 * |f(x)| / (2 * eps)`` is the rounding noise of the
+    ``noise = 4 * 2.2e-16 * |f(x)| / (2 * h)`` is the rounding noise of the
     finite difference (about 1e-9 for outputs of order one; it keeps outputs
     of 1e6 from failing a correct function):
 
@@ -108,7 +112,11 @@ def gradcheck(
             array or a pytree of arrays.
         inputs: tuple (or list) of positional arguments, each an array or a
             pytree of arrays; anything else is taken as the single argument.
-        eps: finite-difference step (> 0).
+        eps: finite-difference step (> 0). It follows the scale of an input
+            leaf whose entries are all below 0.01: the step is then
+            ``h = eps * max |x| / 0.01`` (a relative step of 1e-4 at the default),
+            so that a correct function of inputs of scale ``1e-5`` is not failed
+            by truncation error; other leaves get ``h = eps``.
         atol: absolute tolerance (>= 0).
         rtol: relative tolerance (>= 0).
         raise_exception: raise ``GradcheckError`` on failure (``True``) or
@@ -432,14 +440,18 @@ def _check(
         if found:
             return error("primal", mode, None, found)
     method = _method(settings.fast_mode, jac.n, jac.m)
+    block_eps = step_sizes(jac.x0_host, in_slices, settings.eps)
     if method == "full":
+        eps = np.concatenate(
+            [np.full(s.stop - s.start, e) for s, e in zip(in_slices, block_eps, strict=True)]
+        )
         results = full_mismatches(
-            jac, y_call, out_slices, in_slices, eps=settings.eps, modes=settings.modes, **tolerances
+            jac, y_call, out_slices, in_slices, eps=eps, modes=settings.modes, **tolerances
         )
     else:
         results = {
             mode: directional_mismatches(
-                jac, y_call, out_slices, in_slices, eps=settings.eps, mode=mode,
+                jac, y_call, out_slices, in_slices, eps=block_eps, mode=mode,
                 num_directions=settings.num_directions, seed=settings.seed, **tolerances,
             )
             for mode in settings.modes
@@ -470,6 +482,26 @@ def _check(
         if found:
             return error("batched_grad", "rev", None, found)
     return None
+
+
+def step_sizes(x0: np.ndarray, in_slices: Sequence[slice], eps: float) -> np.ndarray:
+    """The finite-difference step of each input block: ``eps * min(1, max |x| / 0.01)``.
+
+    A step follows the scale of its input when that is below ``STEP_SCALE`` (0.01):
+    normalising vectors of norm 2e-5 with a step of 1e-6 would move them by 5% and
+    fail a correct function on truncation error alone. Such an input is moved by
+    at most ``eps / STEP_SCALE`` of its largest entry (1e-4 at the default ``eps``).
+    Larger inputs (and all-zero ones) keep ``eps`` itself, as in PyTorch: a smaller
+    step would only magnify the rounding of a function computed in float32. The
+    floor ``_TINY`` keeps the step a normal float64.
+    """
+    steps = np.full(len(in_slices), float(eps))
+    for j, block in enumerate(in_slices):
+        values = x0[block]
+        scale = float(np.max(np.abs(values))) if values.size else 0.0
+        if 0.0 < scale < STEP_SCALE:
+            steps[j] = eps * max(scale, _TINY) / STEP_SCALE
+    return steps
 
 
 def _ad_primal(jac: FlatJacobians, mode: str) -> np.ndarray:

@@ -87,7 +87,8 @@ def opcheck(
             array leaves are the differentiable inputs.
         checks: names of the checks to run (default: all, ``CHECK_NAMES``).
         skip: names of checks not to run.
-        eps: finite-difference step of the gradient checks.
+        eps: finite-difference step of the gradient checks (scaled down for
+            inputs below 0.01, as in ``jaxext.gradcheck``).
         atol: absolute tolerance of the gradient checks.
         rtol: relative tolerance of the gradient checks.
         nondet_tol: how far two runs of the backward may differ.
