@@ -98,6 +98,33 @@ def mixed_precision_sin(x):
     return jnp.sin(x.astype(jnp.promote_types(x.dtype, jnp.float32)))
 
 
+@jax.custom_vjp
+def fixed_point_sqrt(a):
+    """sqrt(a) as the fixed point of z = (z + a / z) / 2, with JAX's documented
+    fixed-point backward: the adjoint equation solved by a ``while_loop`` (dynamic
+    trip count), which reverse mode cannot differentiate again."""
+    return jnp.sqrt(a)
+
+
+def _fixed_point_bwd(res, g):
+    a, z = res
+    dfdz, dfda = 0.5 * (1 - a / z**2), 0.5 / z
+
+    def body(state):
+        u, _, k = state
+        return g + u * dfdz, u, k + 1
+
+    def not_converged(state):
+        u, previous, k = state
+        return (k < 50) & jnp.any(jnp.abs(u - previous) > 1e-14 * jnp.abs(u))
+
+    u, _, _ = jax.lax.while_loop(not_converged, body, body((g, g + 1.0, 0)))
+    return (u * dfda,)
+
+
+fixed_point_sqrt.defvjp(lambda a: (jnp.sqrt(a), (a, jnp.sqrt(a))), _fixed_point_bwd)
+
+
 def phases(seed, shape):
     return np.random.default_rng(seed).uniform(100.0, 200.0, shape)
 
@@ -141,6 +168,16 @@ CORRECT_OPS = {
     "sin_large_phases": (lambda: (jnp.sin, (phases(0, (4, 3)),)), ()),
     # Inputs of scale 2e-5: the finite-difference step must follow them.
     "normalize_tiny": (lambda: (lambda x: x / jnp.linalg.norm(x), (2e-5 * f64(0, (4,)),)), ()),
+    # What an op cannot do is a SKIP: a backward that is not differentiable twice; an
+    # empty batch, which jax.export's symbolic dimensions (>= 1) cannot express.
+    "fixed_point_backward": (
+        lambda: (fixed_point_sqrt, (1.0 + np.abs(f64(0, (3, 2))),)),
+        ("gradgradcheck", "jvp", "jvp_vjp"),
+    ),
+    "linear_empty_batch": (
+        lambda: (jaxext.linear, (np.zeros((0, 3)), f64(1, (2, 3)), f64(2, (2,)))),
+        ("export_symbolic",),
+    ),
     "integer_output": (
         lambda: (lambda x: (jnp.argmax(x, -1), jnp.max(x, -1)), (f64(0, (3, 4)),)),
         (),
@@ -168,6 +205,34 @@ def test_a_dtype_without_a_kernel_is_a_skip_with_the_reason():
     assert report.skipped == ("low_precision",), str(report)
     detail = report["low_precision"].detail
     assert "float32 checked" in detail and "bfloat16" in detail and "no kernel" in detail
+
+
+@pytest.mark.parametrize(
+    ("name", "check", "reason"),
+    [
+        ("fixed_point_backward", "gradgradcheck", "the backward runs but cannot be differentiated"),
+        ("linear_empty_batch", "export_symbolic", "input 0 has an empty leading dimension"),
+    ],
+)
+def test_what_an_op_cannot_do_is_a_skip_with_the_reason(name, check, reason):
+    op, args = CORRECT_OPS[name][0]()
+    report = jaxext.opcheck(op, args, checks=[check])
+    assert report.skipped == (check,), str(report)
+    assert reason in report[check].detail
+
+
+def test_a_backward_that_fails_to_run_is_not_skipped_by_gradgradcheck():
+    @jax.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    def bwd(x, g):
+        raise ValueError("the backward is broken")
+
+    op.defvjp(lambda x: (jnp.sin(x), x), bwd)
+    report = jaxext.opcheck(op, (f64(0, (3,)),), checks=["gradgradcheck"], raise_exception=False)
+    assert report.failed == ("gradgradcheck",)
+    assert "the backward is broken" in report["gradgradcheck"].detail
 
 
 def test_plain_custom_vjp_skips_forward_mode_with_the_reason():

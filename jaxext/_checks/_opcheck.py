@@ -53,7 +53,10 @@ def opcheck(
       using only one of several outputs (the others symbolic zeros) works.
     * ``reentrancy``: the backward run twice agrees within ``nondet_tol``.
     * ``gradcheck`` / ``gradgradcheck``: first and second derivatives against
-      finite differences, entry by entry (``jaxext.gradcheck``).
+      finite differences, entry by entry (``jaxext.gradcheck``). A backward
+      that runs but cannot be differentiated (``once_differentiable``, a
+      ``while_loop`` with a dynamic trip count ...) is a SKIP of
+      ``gradgradcheck`` with the error.
     * ``jvp``: forward mode against finite differences; ``jvp_vjp``: ``u . (J v)``
       from ``jax.jvp`` equals ``(J^T u) . v`` from ``jax.vjp``. Both SKIP for an
       op without forward mode (a plain ``jax.custom_vjp``; use
@@ -69,7 +72,8 @@ def opcheck(
     * ``export``: a ``jax.export`` round trip (serialize, deserialize, call)
       gives the same values and gradients; ``export_symbolic`` exports with a
       symbolic leading dimension on the first input of two or more dimensions
-      (SKIP when the op does not trace with one).
+      (SKIP when the op does not trace with one, or when that dimension is 0:
+      ``jax.export``'s symbolic dimensions are at least 1).
     * ``low_precision``: float32 and bfloat16 inputs run, and outputs and
       gradients stay within ``16 * eps(dtype)`` (normwise) of float64 computed
       at the same rounded inputs (rounding the inputs is not the op's error;
