@@ -829,3 +829,28 @@ def test_nan_outside_the_domain_is_reported_as_a_nan_not_a_primal_mismatch():
     assert "output element (1,)" in str(err) and "numerical:  nan" in str(err)
     assert "the function is NaN" in str(err)
     assert jaxext.gradcheck(jnp.log, (np.array([2.0, 1.0, 3.0]),))
+
+
+def test_a_backward_not_linear_in_its_cotangent_fails():
+    """One-hot +1 cotangents cannot see |g| for g; the random cotangent does."""
+
+    @jax.custom_vjp
+    def op(x):
+        return jnp.sin(x) * x.sum()
+
+    def bwd(x, g):
+        g = jnp.abs(g)  # the bug
+        return (g * jnp.cos(x) * x.sum() + jnp.sum(g * jnp.sin(x)),)
+
+    op.defvjp(lambda x: (op(x), x), bwd)
+    x = f64(0, (5,))
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(op, (x,))
+    err = info.value
+    assert err.kind == "random_cotangent" and err.input_index == 0, str(err)
+    assert "not linear in its cotangent" in str(err)
+    # The same backward with g in place of |g| passes: the check is the linearity.
+    op.defvjp(
+        lambda x: (op(x), x), lambda x, g: (g * jnp.cos(x) * x.sum() + jnp.sum(g * jnp.sin(x)),)
+    )
+    assert jaxext.gradcheck(op, (x,))

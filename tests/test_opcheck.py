@@ -391,6 +391,22 @@ def wrong_backward_value():
     return op, (f64(0, (4, 3)), f64(1, (2, 3)))
 
 
+def backward_not_linear_in_cotangent():
+    """bwd uses |g|: right for every one-hot +1 cotangent, wrong for most others."""
+
+    @jax.custom_vjp
+    def op(x, w):
+        return jnp.tanh(x @ w.T)
+
+    def bwd(res, g):
+        x, w, y = res
+        g = jnp.abs(g) * (1 - y**2)
+        return g @ w, g.T @ x
+
+    op.defvjp(lambda x, w: (op(x, w), (x, w, op(x, w))), bwd)
+    return op, (f64(0, (4, 3)), f64(1, (2, 3)))
+
+
 BUGGY_OPS = {
     # name -> (builder, the check that must reject it)
     "residual_layout": (residual_layout_bug, "jit_reuse"),
@@ -402,6 +418,7 @@ BUGGY_OPS = {
     "nondeterministic_backward": (nondeterministic_backward, "reentrancy"),
     "wrong_gradient_dtype": (wrong_gradient_dtype, "grad_dtypes"),
     "wrong_backward_value": (wrong_backward_value, "gradcheck"),
+    "backward_not_linear_in_cotangent": (backward_not_linear_in_cotangent, "gradcheck"),
 }
 
 

@@ -229,16 +229,28 @@ def full_mismatches(
     rtol: float,
     modes: Sequence[str],
     tile_bytes: int = TILE_BYTES,
+    cotangent: np.ndarray | None = None,
 ) -> dict[str, list[Mismatch]]:
     """Entrywise comparison of the full Jacobians, per mode (``"rev"``, ``"fwd"``).
 
+    With a ``cotangent`` ``u`` (reverse mode), the rows of the numerical Jacobian are
+    also summed into ``u^T J`` as they stream by, and compared with the VJP of ``u``
+    itself: one-hot cotangents cannot tell a backward linear in its cotangent from one
+    that is not (``|g|`` in place of ``g``). The allowance is the sum of the entries'
+    allowances weighted by ``|u|``, so a backward that passes entry by entry and is
+    linear always passes.
+
     Returns:
-        For each mode, the failing block pairs in output-major order.
+        For each mode, the failing block pairs in output-major order; with a
+        ``cotangent``, also ``"rev_cotangent"``: the input blocks whose VJP of it differs.
     """
     n, m = jac.n, jac.m
     tallies = {mode: _Tally(out_slices, in_slices) for mode in modes}
     if n == 0 or m == 0:
         return {mode: [] for mode in modes}
+    linear = None
+    if cotangent is not None and "rev" in modes:
+        linear = (np.asarray(cotangent, np.float64), np.zeros(n), np.zeros(n))
     noise = NOISE_ULPS * _EPS64 * np.abs(y0)
     steps = np.empty(n)
     tile = _Tile(0)
@@ -252,13 +264,41 @@ def full_mismatches(
         if "rev" in modes:
             tile.add(start, numerical)
             if tile.nbytes >= tile_bytes or cols.stop == n:
-                _stream_rows(jac, tile, steps, noise, atol, rtol, tallies["rev"])
+                _stream_rows(jac, tile, steps, noise, atol, rtol, tallies["rev"], linear)
                 tile = _Tile(cols.stop)
-    return {mode: tally.mismatches() for mode, tally in tallies.items()}
+    results = {mode: tally.mismatches() for mode, tally in tallies.items()}
+    if linear is not None:
+        u, expected, allowed = linear
+        actual = jac.vjp(u)[1]
+        results["rev_cotangent"] = _within(expected, actual, allowed, in_slices)
+    return results
 
 
-def _stream_rows(jac, tile: _Tile, steps, noise, atol, rtol, tally: _Tally) -> None:
-    """Compares the columns held in ``tile`` with VJP rows, a chunk of rows at a time."""
+def _within(expected, actual, allowed, slices: Sequence[slice]) -> list[Mismatch]:
+    """Input blocks where ``|actual - expected| > allowed`` (entrywise allowances)."""
+    found = []
+    error = np.abs(actual - expected)
+    with np.errstate(invalid="ignore"):
+        bad = ~(error <= allowed)
+    for index, block in enumerate(slices):
+        b = bad[block]
+        if not b.any():
+            continue
+        excess = np.where(b, np.nan_to_num(error[block] - allowed[block], nan=np.inf), -np.inf)
+        worst = int(np.argmax(excess))
+        e, a, tol = expected[block], actual[block], allowed[block]
+        found.append(
+            Mismatch(
+                None, index, None, worst, None, float(e[worst]), float(a[worst]),
+                float(tol[worst]), int(b.sum()), int(b.size),
+            )
+        )  # fmt: skip
+    return found
+
+
+def _stream_rows(jac, tile: _Tile, steps, noise, atol, rtol, tally: _Tally, linear) -> None:
+    """Compares the columns held in ``tile`` with VJP rows, a chunk of rows at a time;
+    with ``linear = (u, sum, allowance)``, adds ``u^T`` times the rows to ``sum``."""
     col0, col1 = tile.start, tile.stop
     for start in range(0, jac.m, jac.row_chunk):
         stop = min(jac.m, start + jac.row_chunk)
@@ -266,6 +306,11 @@ def _stream_rows(jac, tile: _Tile, steps, noise, atol, rtol, tally: _Tally) -> N
         numerical = tile.rows(start, stop)
         allowed = _allowed(numerical, atol, rtol, noise[start:stop, None] / steps[None, col0:col1])
         tally.add(start, col0, numerical, automatic, allowed)
+        if linear is not None:
+            u, total, allowance = linear
+            weights = u[start:stop]
+            total[col0:col1] += weights @ numerical
+            allowance[col0:col1] += np.abs(weights) @ allowed
 
 
 def directional_mismatches(

@@ -86,7 +86,10 @@ def gradcheck(
       10,000 inputs by 10,000 outputs): the numerical Jacobian, one central
       difference per input element, against the analytical one built from one
       VJP per output element with a basis cotangent (so a backward that
-      ignores its cotangent fails too). Both are computed and compared in
+      ignores its cotangent fails too); then the VJP of one random
+      cotangent ``u`` against ``u^T J`` from the numerical Jacobian (so a
+      backward not linear in its cotangent, ``|g|`` for ``g``, fails too:
+      ``kind="random_cotangent"``). Both are computed and compared in
       chunks: memory stays bounded (well under 1 GB) whatever the size. An
       output that an input does not touch differences to exactly zero.
     * Directional method (``fast_mode=True``, or larger problems, with a
@@ -445,9 +448,13 @@ def _check(
         eps = np.concatenate(
             [np.full(s.stop - s.start, e) for s, e in zip(in_slices, block_eps, strict=True)]
         )
+        # A random cotangent too: one-hot ones cannot tell a backward linear in its
+        # cotangent from one that is not (|g| for g).
+        cotangent = np.random.default_rng(settings.seed + 1).standard_normal(jac.m)
         results = full_mismatches(
-            jac, y_call, out_slices, in_slices, eps=eps, modes=settings.modes, **tolerances
-        )
+            jac, y_call, out_slices, in_slices, eps=eps, modes=settings.modes,
+            cotangent=cotangent, **tolerances,
+        )  # fmt: skip
     else:
         results = {
             mode: directional_mismatches(
@@ -459,6 +466,8 @@ def _check(
     for mode in settings.modes:
         if results[mode]:
             return error("jacobian", mode, method, results[mode])
+    if results.get("rev_cotangent"):
+        return error("random_cotangent", "rev", None, results["rev_cotangent"])
     if "rev" not in settings.modes:
         return None
     rng = np.random.default_rng(settings.seed)
