@@ -201,10 +201,12 @@ def test_a_dtype_without_a_kernel_is_a_skip_with_the_reason():
     if jax.default_backend() != "cpu":
         pytest.skip("bfloat16 solve has a kernel on this backend")
     a, b = f64(0, (3, 3)) + 3 * np.eye(3), f64(1, (3,))
-    report = jaxext.opcheck(jnp.linalg.solve, (a, b), checks=["low_precision"])
-    assert report.skipped == ("low_precision",), str(report)
+    report = jaxext.opcheck(jnp.linalg.solve, (a, b), checks=["grad_dtypes", "low_precision"])
+    assert report.skipped == ("grad_dtypes", "low_precision"), str(report)
     detail = report["low_precision"].detail
     assert "float32 checked" in detail and "bfloat16" in detail and "no kernel" in detail
+    detail = report["grad_dtypes"].detail
+    assert "float64, float32 checked" in detail and "bfloat16" in detail and "no kernel" in detail
 
 
 @pytest.mark.parametrize(
@@ -382,6 +384,22 @@ def wrong_gradient_dtype():
     return op, (f64(0, (4, 3)), f64(1, (2, 3)))
 
 
+def float32_gradient_for_bfloat16():
+    """A backward that computes in at least float32 and forgets to cast back: right for
+    float64 and float32 inputs, a float32 gradient for a bfloat16 one."""
+
+    @jax.custom_vjp
+    def op(x):
+        return x * x
+
+    def bwd(x, g):
+        wide = jnp.promote_types(x.dtype, jnp.float32)
+        return (2 * x.astype(wide) * g.astype(wide),)
+
+    op.defvjp(lambda x: (op(x), x), bwd)
+    return op, (f64(0, (4, 3)),)
+
+
 def wrong_backward_value():
     @jax.custom_vjp
     def op(x, w):
@@ -417,6 +435,7 @@ BUGGY_OPS = {
     "eager_and_jit_differ": (eager_and_jit_differ, "jit"),
     "nondeterministic_backward": (nondeterministic_backward, "reentrancy"),
     "wrong_gradient_dtype": (wrong_gradient_dtype, "grad_dtypes"),
+    "float32_gradient_for_bfloat16": (float32_gradient_for_bfloat16, "grad_dtypes"),
     "wrong_backward_value": (wrong_backward_value, "gradcheck"),
     "backward_not_linear_in_cotangent": (backward_not_linear_in_cotangent, "gradcheck"),
 }
