@@ -854,3 +854,31 @@ def test_a_backward_not_linear_in_its_cotangent_fails():
         lambda x: (op(x), x), lambda x, g: (g * jnp.cos(x) * x.sum() + jnp.sum(g * jnp.sin(x)),)
     )
     assert jaxext.gradcheck(op, (x,))
+
+
+def l2_penalty(lam, factor):
+    """``lam * sum(w**2)`` with a hand-written backward ``factor`` times the true one."""
+
+    @jax.custom_vjp
+    def penalty(w):
+        return lam * jnp.sum(w**2)
+
+    penalty.defvjp(lambda w: (penalty(w), w), lambda w, g: (factor * 2 * lam * g * w,))
+    return penalty
+
+
+@pytest.mark.parametrize("lam", [1e-6, 1e-9])
+def test_a_gradient_off_by_2x_is_caught_however_small_its_entries(lam):
+    w = f64(0, (3, 4))  # gradient entries 2 * lam * w: all far below atol = 1e-5
+    with pytest.raises(jaxext.GradcheckError, match="Jacobian mismatch") as info:
+        jaxext.gradcheck(l2_penalty(lam, 2.0), (w,))
+    assert info.value.num_mismatched == info.value.num_checked == w.size
+    np.testing.assert_allclose(info.value.analytical, 2 * info.value.numerical, rtol=1e-6)
+    assert jaxext.gradcheck(l2_penalty(lam, 1.0), (w,))
+    assert jaxext.gradcheck(lambda w: lam * jnp.sum(w**2), (w,), check_forward_ad=True)
+    # Forward mode too (a jaxext.custom_vjp's JVP is its transposed backward).
+    op = jaxext.custom_vjp(lambda w: lam * jnp.sum(w**2))
+    op.defvjp(lambda w: (op(w), w), lambda w, g: (4 * lam * g * w,))
+    with pytest.raises(jaxext.GradcheckError, match="Jacobian mismatch") as info:
+        jaxext.gradcheck(op, (w,), modes="fwd")
+    assert info.value.mode == "fwd"

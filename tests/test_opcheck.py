@@ -425,6 +425,17 @@ def backward_not_linear_in_cotangent():
     return op, (f64(0, (4, 3)), f64(1, (2, 3)))
 
 
+def small_gradient_off_by_2x():
+    """An L2 penalty (lambda = 1e-6) whose backward is 2x off: every entry below atol."""
+
+    @jax.custom_vjp
+    def op(w):
+        return 1e-6 * jnp.sum(w**2)
+
+    op.defvjp(lambda w: (op(w), w), lambda w, g: ((4e-6 * g * w).astype(w.dtype),))
+    return op, (f64(0, (3, 4)),)
+
+
 BUGGY_OPS = {
     # name -> (builder, the check that must reject it)
     "residual_layout": (residual_layout_bug, "jit_reuse"),
@@ -438,6 +449,7 @@ BUGGY_OPS = {
     "float32_gradient_for_bfloat16": (float32_gradient_for_bfloat16, "grad_dtypes"),
     "wrong_backward_value": (wrong_backward_value, "gradcheck"),
     "backward_not_linear_in_cotangent": (backward_not_linear_in_cotangent, "gradcheck"),
+    "small_gradient_off_by_2x": (small_gradient_off_by_2x, "gradcheck"),
 }
 
 

@@ -80,7 +80,11 @@ def gradcheck(
     ``|analytical - numerical| <= atol + rtol * |numerical| + noise``, where
     ``noise = 4 * 2.2e-16 * |f(x)| / (2 * h)`` is the rounding noise of the
     finite difference (about 1e-9 for outputs of order one; it keeps outputs
-    of 1e6 from failing a correct function):
+    of 1e6 from failing a correct function). For an (output, input) pair whose
+    numerical derivatives are all below 1 in magnitude (full method), ``atol``
+    is multiplied by the largest of them: a gradient whose entries are all below
+    ``atol`` (an L2 penalty of ``1e-6``) is still held to ``rtol`` against its own
+    size, so an error of 2x is caught.
 
     * Full method (up to ``FULL_MAX_ENTRIES`` = 2**27 Jacobian entries, e.g.
       10,000 inputs by 10,000 outputs): the numerical Jacobian, one central

@@ -211,7 +211,10 @@ def gradcheck_error(
     lines += [
         f"  abs error: {abs_error:.3e}, rel error: {rel_error:.3e}; allowed: {worst.allowed:.3e}"
         + (
-            f" (atol + rtol * |{reference}| + finite-difference noise)"
+            f" (atol, times the pair's largest |{reference}| where that is below 1, "
+            f"+ rtol * |{reference}| + finite-difference noise)"
+            if kind == "jacobian" and method == "full"
+            else f" (atol + rtol * |{reference}| + finite-difference noise)"
             if kind == "jacobian"
             else ""
         ),
