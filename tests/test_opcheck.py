@@ -147,7 +147,7 @@ CORRECT_OPS = {
     "Function": (lambda: (LinearFunction.apply, (f64(0, (4, 3)), f64(1, (2, 3)))), ()),
     "plain_custom_vjp": (
         lambda: (plain_vjp_linear, (f64(0, (4, 3)), f64(1, (2, 3)))),
-        ("jvp", "jvp_vjp"),
+        ("jvp", "jvp_vjp", "rev_over_fwd", "fwd_over_fwd"),
     ),
     "plain_custom_jvp": (lambda: (plain_jvp_softplus, (f64(0, (4, 3)),)), ()),
     # Output shapes the random cotangents and inner products must handle: a scalar
@@ -158,7 +158,7 @@ CORRECT_OPS = {
     # user's code), never as NumPy arrays closed over.
     "permutation_index": (
         lambda: (sorted_scale, (f64(0, (3, 2)), f64(1, (3, 2)))),
-        ("jvp", "jvp_vjp"),
+        ("jvp", "jvp_vjp", "rev_over_fwd", "fwd_over_fwd"),
     ),
     "embedding": (lambda: (embedding, (f64(0, (3, 4)), jnp.array([1, 0, 1, 2]))), ()),
     "at_update": (lambda: (at_update, (jnp.asarray(f64(0, (3,))),)), ()),
@@ -172,7 +172,7 @@ CORRECT_OPS = {
     # empty batch, which jax.export's symbolic dimensions (>= 1) cannot express.
     "fixed_point_backward": (
         lambda: (fixed_point_sqrt, (1.0 + np.abs(f64(0, (3, 2))),)),
-        ("gradgradcheck", "jvp", "jvp_vjp"),
+        ("gradgradcheck", "jvp", "jvp_vjp", "rev_over_fwd", "fwd_over_fwd"),
     ),
     "linear_empty_batch": (
         lambda: (jaxext.linear, (np.zeros((0, 3)), f64(1, (2, 3)), f64(2, (2,)))),
@@ -425,6 +425,23 @@ def backward_not_linear_in_cotangent():
     return op, (f64(0, (4, 3)), f64(1, (2, 3)))
 
 
+def jvp_rule_cut_at_second_order():
+    """A jvp= rule right at first order that cuts the derivative through its residual
+    (stop_gradient on x): jacrev(jacfwd) and jacfwd(jacfwd) are wrong, while every
+    reverse-mode derivative (which goes through the correct bwd) is right."""
+
+    @jaxext.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    op.defvjp(
+        lambda x: (jnp.sin(x), x),
+        lambda x, g: (g * jnp.cos(x),),
+        jvp=lambda x, tangents: jnp.cos(jax.lax.stop_gradient(x)) * tangents[0],
+    )
+    return op, (f64(0, (4, 3)),)
+
+
 def small_gradient_off_by_2x():
     """An L2 penalty (lambda = 1e-6) whose backward is 2x off: every entry below atol."""
 
@@ -450,6 +467,7 @@ BUGGY_OPS = {
     "wrong_backward_value": (wrong_backward_value, "gradcheck"),
     "backward_not_linear_in_cotangent": (backward_not_linear_in_cotangent, "gradcheck"),
     "small_gradient_off_by_2x": (small_gradient_off_by_2x, "gradcheck"),
+    "jvp_rule_cut_at_second_order": (jvp_rule_cut_at_second_order, "rev_over_fwd"),
 }
 
 

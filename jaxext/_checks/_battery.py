@@ -83,10 +83,12 @@ def forward_rule(op: OpUnderTest, settings: Settings) -> str:
     return "the primal outputs of jax.vjp and jax.jvp equal the op's output"
 
 
-def _gradient_check(op: OpUnderTest, settings: Settings, order: int, mode: str) -> None:
+def _gradient_check(
+    op: OpUnderTest, settings: Settings, order: int, mode: str, inner: str = "rev"
+) -> None:
     error = check_gradients(
         op.func, op.args, order=order, settings=_gradient_settings(settings, (mode,)),
-        undefined=False, batched=False, reentrant=False,
+        undefined=False, batched=False, reentrant=False, inner=inner,
     )  # fmt: skip
     if error is not None:
         raise CheckFailed(str(error))
@@ -127,6 +129,31 @@ def gradgradcheck(op: OpUnderTest, settings: Settings) -> str:
         _skip_if_not_differentiable(op, settings, err)
         raise
     return "second derivatives (VJP of the VJP) match central differences"
+
+
+def _second_order(op: OpUnderTest, settings: Settings, outer: str, inner: str) -> None:
+    try:
+        _gradient_check(op, settings, 2, outer, inner)
+    except Exception as err:
+        _skip_if_not_differentiable(op, settings, err)
+        raise
+
+
+def fwd_over_rev(op: OpUnderTest, settings: Settings) -> str:
+    _second_order(op, settings, "fwd", "rev")
+    return "second derivatives (JVP of the VJP) match central differences"
+
+
+def rev_over_fwd(op: OpUnderTest, settings: Settings) -> str:
+    _require_forward_mode(op)
+    _second_order(op, settings, "rev", "fwd")
+    return "second derivatives (VJP of the JVP) match central differences"
+
+
+def fwd_over_fwd(op: OpUnderTest, settings: Settings) -> str:
+    _require_forward_mode(op)
+    _second_order(op, settings, "fwd", "fwd")
+    return "second derivatives (JVP of the JVP) match central differences"
 
 
 # -- 2. forward mode -----------------------------------------------------------------------
@@ -587,6 +614,9 @@ CHECKS: dict[str, Callable[[OpUnderTest, Settings], str]] = {
     "gradgradcheck": gradgradcheck,
     "jvp": jvp,
     "jvp_vjp": jvp_vjp,
+    "fwd_over_rev": fwd_over_rev,
+    "rev_over_fwd": rev_over_fwd,
+    "fwd_over_fwd": fwd_over_fwd,
     "jit": jit,
     "jit_reuse": jit_reuse,
     "vmap": vmap,

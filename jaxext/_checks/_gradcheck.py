@@ -29,7 +29,14 @@ import numpy as np
 from ._compare import Mismatch, directional_mismatches, entry_mismatches, full_mismatches
 from ._jacobians import FlatJacobians
 from ._precision import float64_numerics
-from ._problem import Problem, first_order, float_dtype, private_copies, second_order
+from ._problem import (
+    Problem,
+    first_order,
+    float_dtype,
+    private_copies,
+    second_order,
+    second_order_forward,
+)
 from ._report import GradcheckError as GradcheckError
 from ._report import dtype_error, gradcheck_error
 
@@ -397,6 +404,7 @@ def check_gradients(
     dtypes: bool = False,
     reentrant: bool = True,
     grad_outputs: Any = None,
+    inner: str = "rev",
 ) -> GradcheckError | None:
     """The checks of ``gradcheck`` (``order=1``) or ``gradgradcheck`` (``order=2``).
 
@@ -410,13 +418,18 @@ def check_gradients(
         dtypes: run the gradient dtype/shape check (order 1).
         reentrant: run the reentrancy check (two runs of the backward).
         grad_outputs: cotangents for ``order=2`` (``None``: random).
+        inner: at ``order=2``, the first derivative differentiated: ``"rev"``
+            (the VJP, as gradgradcheck) or ``"fwd"`` (the JVP, with random
+            tangents); ``settings.modes`` says how it is differentiated.
 
     Returns:
         ``None`` if all pass, else the error describing the first failure.
     """
     with float64_numerics():
         problem, low, low_out = first_order(func, args)
-        if order == 2:
+        if order == 2 and inner == "fwd":
+            problem = second_order_forward(problem, len(args), settings.seed)
+        elif order == 2:
             problem, low_ct = second_order(problem, grad_outputs, len(args), settings.seed)
             low = low + low_ct
         _warn_precision(low, low_out)

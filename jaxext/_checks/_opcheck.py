@@ -58,6 +58,11 @@ def opcheck(
       that runs but cannot be differentiated (``once_differentiable``, a
       ``while_loop`` with a dynamic trip count ...) is a SKIP of
       ``gradgradcheck`` with the error.
+    * ``fwd_over_rev``, ``rev_over_fwd``, ``fwd_over_fwd``: the other three
+      compositions of second derivatives (``jax.jacfwd(jax.jacrev(f))``,
+      ``jax.jacrev(jax.jacfwd(f))`` ...) against finite differences of the VJP
+      or JVP: a ``jvp`` rule can be right at first order and wrong at second.
+      The ``*_over_fwd`` ones SKIP for an op without forward mode.
     * ``jvp``: forward mode against finite differences; ``jvp_vjp``: ``u . (J v)``
       from ``jax.jvp`` equals ``(J^T u) . v`` from ``jax.vjp``. Both SKIP for an
       op without forward mode (a plain ``jax.custom_vjp``; use

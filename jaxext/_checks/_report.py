@@ -220,7 +220,13 @@ def gradcheck_error(
         ),
         f"  mismatched: {worst.count} of {worst.total} {unit}",
     ]
-    if problem.order == 2:
+    if problem.order == 2 and problem.inner == "fwd":
+        lines.append(
+            "  (order 2 here checks the Jacobian of (inputs, tangents) -> JVP of `func`: its "
+            "forward rule differentiated again; tangents count as inputs after the positional "
+            "ones)"
+        )
+    elif problem.order == 2:
         lines.append(
             "  (order 2 checks the Jacobian of (inputs, grad_outputs) -> VJP of `func`; "
             "grad_outputs count as inputs after the positional ones)"
