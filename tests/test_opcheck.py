@@ -485,6 +485,51 @@ def test_buggy_op_rejected_by_the_right_check(name):
     assert report.failed == (check,)
 
 
+def residuals_by_perturbed():
+    """A plain jax.custom_vjp (symbolic_zeros=True) whose fwd saves only what the
+    perturbed inputs' gradients need (None otherwise)."""
+
+    @jax.custom_vjp
+    def op(x, w):
+        return x * w
+
+    def fwd(x, w):
+        saved = (w.value if x.perturbed else None, x.value if w.perturbed else None)
+        return x.value * w.value, saved
+
+    def bwd(saved, g):
+        w, x = saved
+        return (None if w is None else g * w, None if x is None else g * x)
+
+    op.defvjp(fwd, bwd, symbolic_zeros=True)
+    return op
+
+
+def test_jit_reuse_runs_the_pattern_with_constants():
+    """`op(a, c) + op(c, b) + op(a, b) ** 2`, c a constant, with the op jitted once: the
+    verdict of jit_reuse must be what JAX gives for it, against plain autodiff (on JAX
+    0.10 a wrong gradient or an error; the stop_gradient form alone passed)."""
+    op = residuals_by_perturbed()
+    a, b, c = f64(0, (3, 2)), f64(1, (3, 2)), f64(2, (3, 2))
+
+    def pattern(fn):
+        return lambda a, b: jnp.sum(fn(a, c)) + jnp.sum(fn(c, b)) + jnp.sum(fn(a, b) ** 2)
+
+    with jax.enable_x64(True):
+        jitted = jax.jit(op)
+        jitted(a, b)  # an evaluation pass first, as in training
+        expected = jax.grad(pattern(lambda x, w: x * w), (0, 1))(a, b)
+        try:
+            got = jax.grad(pattern(jitted), (0, 1))(a, b)
+            right = all(np.allclose(g, e, rtol=1e-12) for g, e in zip(got, expected, strict=True))
+        except Exception:  # noqa: BLE001 -- JAX failing on the pattern is a wrong result too
+            right = False
+    report = jaxext.opcheck(op, (a, b), checks=["jit_reuse"], raise_exception=False)
+    assert report["jit_reuse"].status == ("PASS" if right else "FAIL"), str(report)
+    if not right:
+        assert "several times in one computation" in report["jit_reuse"].detail
+
+
 def test_buggy_op_diagnostics_name_what_failed():
     op, args = residual_layout_bug()
     report = jaxext.opcheck(op, args, checks=["jit_reuse"], raise_exception=False)

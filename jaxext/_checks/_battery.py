@@ -10,6 +10,7 @@ normwise relative tolerance far above float64 rounding and far below any bug.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -208,7 +209,8 @@ def _subsets(count: int) -> list[tuple[int, ...]]:
 
 def jit_reuse(op: OpUnderTest, settings: Settings) -> str:
     rng = np.random.default_rng(settings.seed + 3)
-    primals, u, u2 = op.primals, op.cotangent(rng), op.cotangent(rng)
+    primals = op.primals
+    u, u2, u3, u4, u5 = (op.cotangent(rng) for _ in range(5))
     subsets = _subsets(len(primals))
     everything = tuple(range(len(primals)))
     shared = jax.jit(_fresh(op))
@@ -217,7 +219,18 @@ def jit_reuse(op: OpUnderTest, settings: Settings) -> str:
         return _vjp(op.with_only(subset, fn), [primals[i] for i in subset], cotangent)
 
     # The reference: every input differentiated at once, in a fresh trace.
-    full = {id(c): jax.jit(lambda c=c: grads(_fresh(op), everything, c))() for c in (u, u2)}
+    fresh_full = jax.jit(lambda c: grads(_fresh(op), everything, c))
+    full = {id(c): fresh_full(c) for c in (u, u2, u3, u4, u5)}
+    square_weight = 2 * float(_inner(u5, jax.jit(_fresh(op))(*primals)))
+
+    def expected_uses(i, first, second):
+        expected = square_weight * np.asarray(full[id(u5)][i])
+        if i in first:
+            expected = expected + np.asarray(full[id(u)][i]) + np.asarray(full[id(u3)][i])
+        if i in second:
+            expected = expected + np.asarray(full[id(u2)][i]) + np.asarray(full[id(u4)][i])
+        return expected
+
     for s in subsets:  # one jitted op, reused across calls with other inputs differentiated
         runs = {
             "eager": lambda s=s: grads(shared, s, u),
@@ -240,31 +253,57 @@ def jit_reuse(op: OpUnderTest, settings: Settings) -> str:
                 assert_trees_close(a, full[id(u)][i], what=what, rtol=TIGHT)
     pairs = [(a, b) for a, b in zip(subsets, subsets[1:] + subsets[:1], strict=True) if a != b]
     for first, second in pairs:
-        # The same jitted op twice in one differentiated computation, with other inputs
-        # differentiated each time: the form in which a residual-layout bug shows.
-        def both(*values, first=first, second=second):
-            outs = []
-            for subset in (first, second):
+        # The same jitted op several times in one differentiated computation, with other
+        # inputs differentiated each time: the form in which a residual-layout bug shows.
+        # The inputs left out are cut by stop_gradient, or constants (not perturbed at
+        # all: `op(a, c) + op(c, b) + op(a, b) ** 2`, c a constant), and one use has
+        # every input differentiated, squared (its cotangent depends on the output).
+        def uses(*values, first=first, second=second, shared=shared):
+            total = jnp.zeros(())
+            for subset, cut, cotangent in (
+                (first, True, u), (second, True, u2), (first, False, u3), (second, False, u4),
+            ):  # fmt: skip
                 kept = [
-                    v if i in subset else jax.lax.stop_gradient(v) for i, v in enumerate(values)
+                    v if i in subset else jax.lax.stop_gradient(v) if cut else primals[i]
+                    for i, v in enumerate(values)
                 ]
-                outs.append(shared(*kept))
-            return _inner(u, outs[0]) + _inner(u2, outs[1])
+                total = total + _inner(cotangent, shared(*kept))
+            return total + _inner(u5, shared(*values)) ** 2
 
-        got = jax.grad(both, argnums=everything)(*primals)
-        for i, label in enumerate(op.labels):
-            expected = np.zeros_like(primals[i])
-            if i in first:
-                expected = expected + np.asarray(full[id(u)][i])
-            if i in second:
-                expected = expected + np.asarray(full[id(u2)][i])
-            what = (
-                f"gradient of {label} with the op used twice in one computation (first "
-                f"differentiating {[op.labels[j] for j in first]}, then "
-                f"{[op.labels[j] for j in second]})"
-            )
-            assert_trees_close(got[i], expected, what=what, rtol=TIGHT)
+        # The jitted op's cache matters: the one used above, already traced for each
+        # subset, and for the first pairs of single inputs a fresh one, first traced in
+        # this computation (cold) or after a plain call (as after an evaluation pass).
+        caches = {"jitted op reused": shared}
+        if len(first) == len(second) == 1 and first[0] + 1 == second[0]:
+            warm = jax.jit(_fresh(op))
+            warm(*primals)
+            caches["fresh jitted op, called once before"] = warm
+            if first == (0,):
+                caches["fresh jitted op"] = jax.jit(_fresh(op))
+        for how, jitted in caches.items():
+            _check_uses(op, uses, jitted, first, second, how, expected_uses)
     return f"{len(subsets)} subsets of differentiated inputs, {len(pairs)} pairs in one computation"
+
+
+def _check_uses(op, uses, jitted, first, second, how, expected_uses) -> None:
+    everything = tuple(range(len(op.primals)))
+    try:
+        got = jax.grad(functools.partial(uses, shared=jitted), argnums=everything)(*op.primals)
+    except Exception as err:  # noqa: BLE001 -- attributed to the pair, then reported
+        raise CheckFailed(
+            f"the op used several times in one computation ({how}; differentiating "
+            f"{[op.labels[j] for j in first]}, then {[op.labels[j] for j in second]}, "
+            f"the others cut by stop_gradient or constants) raised "
+            f"{type(err).__name__}: {err}"
+        ) from err
+    for i, label in enumerate(op.labels):
+        what = (
+            f"gradient of {label} with the op used several times in one computation ({how}; "
+            f"differentiating {[op.labels[j] for j in first]}, then "
+            f"{[op.labels[j] for j in second]}, the others cut by stop_gradient or "
+            "constants, and all of them squared)"
+        )
+        assert_trees_close(got[i], expected_uses(i, first, second), what=what, rtol=TIGHT)
 
 
 # -- 5. vmap -------------------------------------------------------------------------------

@@ -69,8 +69,11 @@ def opcheck(
       ``jaxext.custom_vjp`` to get it).
     * ``jit``: values and gradients under ``jit`` equal eager ones.
     * ``jit_reuse``: one jitted op, differentiated with respect to every subset
-      of its inputs in turn, and used twice in one differentiated computation
-      with different inputs differentiated, gives the gradients of fresh traces.
+      of its inputs in turn, and used several times in one differentiated
+      computation with different inputs differentiated (the others cut by
+      ``stop_gradient`` or constants, as in ``op(a, c) + op(c, b) + op(a, b) ** 2``),
+      gives the gradients of fresh traces; also with a freshly jitted op, first
+      traced in that computation or called once before.
     * ``vmap``: output, gradient and JVP under ``vmap`` over each argument in
       turn equal a Python loop.
     * ``checkpoint``: the same gradients under ``jax.checkpoint`` with the
