@@ -202,11 +202,11 @@ def test_a_dtype_without_a_kernel_is_a_skip_with_the_reason():
         pytest.skip("bfloat16 solve has a kernel on this backend")
     a, b = f64(0, (3, 3)) + 3 * np.eye(3), f64(1, (3,))
     report = jaxext.opcheck(jnp.linalg.solve, (a, b), checks=["grad_dtypes", "low_precision"])
-    assert report.skipped == ("grad_dtypes", "low_precision"), str(report)
+    assert report.skipped == ("low_precision",), str(report)
     detail = report["low_precision"].detail
     assert "float32 checked" in detail and "bfloat16" in detail and "no kernel" in detail
-    detail = report["grad_dtypes"].detail
-    assert "float64, float32 checked" in detail and "bfloat16" in detail and "no kernel" in detail
+    # Dtypes are decided when tracing, which needs no kernel: all three are checked.
+    assert report["grad_dtypes"].status == "PASS"
 
 
 @pytest.mark.parametrize(
@@ -449,7 +449,7 @@ def small_gradient_off_by_2x():
     def op(w):
         return 1e-6 * jnp.sum(w**2)
 
-    op.defvjp(lambda w: (op(w), w), lambda w, g: ((4e-6 * g * w).astype(w.dtype),))
+    op.defvjp(lambda w: (op(w), w), lambda w, g: (4e-6 * g * w,))
     return op, (f64(0, (3, 4)),)
 
 

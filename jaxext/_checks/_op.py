@@ -137,8 +137,9 @@ def _forward_mode_error(op: OpUnderTest) -> str | None:
 
 def _random_like(rng: np.random.Generator, leaf: Any, scale: float) -> Any:
     if jnp.issubdtype(leaf.dtype, jnp.inexact):
-        # np.asarray: for a scalar output, the product is a NumPy scalar, not an array.
-        return np.asarray(scale * rng.standard_normal(leaf.shape), dtype=leaf.dtype)
+        # A JAX array, as a backward receives in a user's code (NumPy arithmetic on a
+        # NumPy cotangent would promote differently: 1.01 * g of bfloat16 is float32).
+        return jnp.asarray(scale * rng.standard_normal(leaf.shape), dtype=leaf.dtype)
     return np.zeros(leaf.shape, jax.dtypes.float0)
 
 
