@@ -84,15 +84,50 @@ def forward_rule(op: OpUnderTest, settings: Settings) -> str:
     return "the primal outputs of jax.vjp and jax.jvp equal the op's output"
 
 
+# The checks that differentiate the same function (the op, its VJP, its JVP) in reverse
+# and in forward mode: when both are selected, one run covers both (one numerical
+# Jacobian, one set of compiled programs), and the second check reads the result.
+_MODE_CHECKS = {
+    (1, "rev"): {"rev": "gradcheck", "fwd": "jvp"},
+    (2, "rev"): {"rev": "gradgradcheck", "fwd": "fwd_over_rev"},
+    (2, "fwd"): {"rev": "rev_over_fwd", "fwd": "fwd_over_fwd"},
+}
+
+
 def _gradient_check(
     op: OpUnderTest, settings: Settings, order: int, mode: str, inner: str = "rev"
 ) -> None:
-    error = check_gradients(
-        op.func, op.args, order=order, settings=_gradient_settings(settings, (mode,)),
+    results = op.cache.setdefault(("gradients", order, inner), {})
+    if mode not in results:
+        names = _MODE_CHECKS[order, inner]
+        both = (
+            names["rev"] in op.cache.get("selected", ())
+            and names["fwd"] in op.cache.get("selected", ())
+            and (op.forward_error is None or (order, inner) == (2, "rev"))
+        )
+        modes = ("rev", "fwd") if both else (mode,)
+        try:
+            error = _run_gradient_check(op, settings, order, modes, inner)
+        except Exception:  # noqa: BLE001 -- one mode may fail to run: each alone, below
+            if len(modes) == 1:
+                raise
+            modes = (mode,)
+            error = _run_gradient_check(op, settings, order, modes, inner)
+        if error is None:
+            results.update(dict.fromkeys(modes))
+        else:
+            results[error.mode] = error
+            if error.mode != mode:  # the other mode failed first: run this one alone
+                results[mode] = _run_gradient_check(op, settings, order, (mode,), inner)
+    if results[mode] is not None:
+        raise CheckFailed(str(results[mode]))
+
+
+def _run_gradient_check(op: OpUnderTest, settings: Settings, order, modes, inner):
+    return check_gradients(
+        op.func, op.args, order=order, settings=_gradient_settings(settings, modes),
         undefined=False, batched=False, reentrant=False, inner=inner,
     )  # fmt: skip
-    if error is not None:
-        raise CheckFailed(str(error))
 
 
 def gradcheck(op: OpUnderTest, settings: Settings) -> str:
@@ -221,7 +256,7 @@ def jit_reuse(op: OpUnderTest, settings: Settings) -> str:
     # The reference: every input differentiated at once, in a fresh trace.
     fresh_full = jax.jit(lambda c: grads(_fresh(op), everything, c))
     full = {id(c): fresh_full(c) for c in (u, u2, u3, u4, u5)}
-    square_weight = 2 * float(_inner(u5, jax.jit(_fresh(op))(*primals)))
+    square_weight = 2 * float(_inner(u5, op.call(*primals)))
 
     def expected_uses(i, first, second):
         expected = square_weight * np.asarray(full[id(u5)][i])
@@ -271,15 +306,13 @@ def jit_reuse(op: OpUnderTest, settings: Settings) -> str:
             return total + _inner(u5, shared(*values)) ** 2
 
         # The jitted op's cache matters: the one used above, already traced for each
-        # subset, and for the first pairs of single inputs a fresh one, first traced in
-        # this computation (cold) or after a plain call (as after an evaluation pass).
+        # subset, and for inputs 0 and 1 a fresh one, called once before (as in an
+        # evaluation pass before training).
         caches = {"jitted op reused": shared}
-        if len(first) == len(second) == 1 and first[0] + 1 == second[0]:
+        if first == (0,) and second == (1,):
             warm = jax.jit(_fresh(op))
             warm(*primals)
             caches["fresh jitted op, called once before"] = warm
-            if first == (0,):
-                caches["fresh jitted op"] = jax.jit(_fresh(op))
         for how, jitted in caches.items():
             _check_uses(op, uses, jitted, first, second, how, expected_uses)
     return f"{len(subsets)} subsets of differentiated inputs, {len(pairs)} pairs in one computation"
@@ -602,19 +635,21 @@ def low_precision(op: OpUnderTest, settings: Settings) -> str:
     rng = np.random.default_rng(settings.seed + 10)
     primals, u = op.primals, op.cotangent(rng)
     checked, unsupported = [], []
+    call = jax.jit(op.call)
+    gradients = jax.jit(lambda p, u: _vjp(op.call, p, u))  # float64 compiles once
     for dtype in (jnp.float32, jnp.bfloat16):
         rtol = 16 * float(jnp.finfo(dtype).eps)
         name = jnp.dtype(dtype).name
         low = [jnp.asarray(p, dtype) for p in primals]
         try:
-            got = jax.jit(op.call)(*low)
+            got = call(*low)
         except NotImplementedError as err:  # no kernel for this dtype: what the op cannot do
             unsupported.append(_no_kernel(err, dtype))
             continue
         # The reference is float64 at the *rounded* inputs: rounding an input of 150 to
         # bfloat16 moves it by 0.5, which is no error of the op's.
         rounded = [jnp.asarray(p, jnp.float64) for p in low]
-        reference = jax.jit(op.call)(*rounded)
+        reference = call(*rounded)
         # The cotangent takes each output's dtype in this run (a float32 output for a
         # bfloat16 input is mixed precision, not an error), rounded alike for the reference.
         u_low = jax.tree_util.tree_map(
@@ -631,8 +666,8 @@ def low_precision(op: OpUnderTest, settings: Settings) -> str:
             u_low,
         )
         assert_trees_close(got, reference, what=f"{name} output vs float64", rtol=rtol)
-        grads = jax.jit(lambda *p, u_low=u_low: _vjp(op.call, p, u_low))(*low)
-        reference_grads = jax.jit(lambda *p, u_ref=u_ref: _vjp(op.call, p, u_ref))(*rounded)
+        grads = gradients(low, u_low)
+        reference_grads = gradients(rounded, u_ref)
         for label, a, e in zip(op.labels, grads, reference_grads, strict=True):
             assert_trees_close(a, e, what=f"{name} gradient of {label} vs float64", rtol=rtol)
         checked.append(name)

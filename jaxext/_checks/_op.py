@@ -43,6 +43,8 @@ class OpUnderTest:
         labels: how messages name those leaves, e.g. ``"input 1['w']"``.
         forward_error: why ``jax.jvp`` cannot differentiate the op (the
             ``TypeError`` a plain ``jax.custom_vjp`` raises), or ``None``.
+        cache: results one check computes for another (``opcheck`` puts the
+            names of the selected checks under ``"selected"``).
     """
 
     func: Callable[..., Any]
@@ -50,6 +52,8 @@ class OpUnderTest:
     positions: tuple[int, ...]
     labels: tuple[str, ...]
     forward_error: str | None = None
+    # results shared between checks (and the names of the checks selected)
+    cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, func: Callable[..., Any], args: tuple) -> OpUnderTest:

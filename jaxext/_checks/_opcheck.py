@@ -72,8 +72,8 @@ def opcheck(
       of its inputs in turn, and used several times in one differentiated
       computation with different inputs differentiated (the others cut by
       ``stop_gradient`` or constants, as in ``op(a, c) + op(c, b) + op(a, b) ** 2``),
-      gives the gradients of fresh traces; also with a freshly jitted op, first
-      traced in that computation or called once before.
+      gives the gradients of fresh traces; also with a freshly jitted op called
+      once before (as in an evaluation pass before training).
     * ``vmap``: output, gradient and JVP under ``vmap`` over each argument in
       turn equal a Python loop.
     * ``checkpoint``: the same gradients under ``jax.checkpoint`` with the
@@ -140,6 +140,7 @@ def opcheck(
         raise TypeError(f"`raise_exception` must be True or False; got {raise_exception!r}.")
     with float64_numerics():
         op = OpUnderTest.build(func, args)
+        op.cache["selected"] = frozenset(selected)
         results = tuple(_run(name, op, settings) for name in selected)
     report = OpcheckReport(getattr(func, "__name__", type(func).__name__), results)
     if report.failed and raise_exception:
