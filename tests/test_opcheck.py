@@ -597,6 +597,21 @@ def test_invalid_options(kwargs, error, name):
         jaxext.opcheck(jaxext.mul_constant, (f64(0, (3,)), 2.0), **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("op", "args", "name"),
+    [
+        (lambda x: x * 2, (f64(0, (3,)) + 1j,), "input 0"),
+        (lambda x, w: {"y": x * w, "z": jnp.exp(1j * x)}, (f64(0, (3,)), f64(1, (3,))), "['z']"),
+    ],
+    ids=["complex_input", "complex_output"],
+)
+def test_complex_inputs_and_outputs_are_refused_naming_them(op, args, name):
+    """Not supported (a documented limitation): a TypeError before any check, not FAILs."""
+    with pytest.raises(TypeError, match=r"complex dtype complex128") as info:
+        jaxext.opcheck(op, args)
+    assert str(info.value).startswith(("input 0", "output 1['z']")) and name in str(info.value)
+
+
 def test_invalid_func_and_args():
     with pytest.raises(TypeError, match="`func`"):
         jaxext.opcheck("linear", (f64(0, (3,)),))

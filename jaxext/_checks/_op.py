@@ -73,6 +73,7 @@ class OpUnderTest:
             )
         new_args = tuple(jax.tree_util.tree_unflatten(treedef, leaves))
         op = cls(func, new_args, tuple(positions), tuple(labels))
+        _refuse_complex_outputs(op)
         return dataclasses.replace(op, forward_error=_forward_mode_error(op))
 
     # -- calling -------------------------------------------------------------------------
@@ -121,6 +122,26 @@ class OpUnderTest:
 
     def tangents(self, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
         return tuple(rng.standard_normal(p.shape) for p in self.primals)
+
+
+def _refuse_complex_outputs(op: OpUnderTest) -> None:
+    """Raises ``TypeError`` naming a complex output leaf, before any check runs.
+
+    An op that fails to trace is left to the checks, which report it as their FAIL.
+    """
+    try:
+        shapes = jax.eval_shape(op.call, *op.primals)
+    except Exception:  # noqa: BLE001 -- reported by each check instead
+        return
+    for position, (path, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(shapes)[0]):
+        if _is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.complexfloating):
+            full = jax.tree_util.keystr(path)
+            shown = "" if full in ("", f"[{position}]") else full
+            raise TypeError(
+                f"output {position}{shown} has complex dtype {leaf.dtype}; opcheck supports "
+                "real floating-point outputs only (return the real and imaginary parts as two "
+                "outputs)."
+            )
 
 
 def _forward_mode_error(op: OpUnderTest) -> str | None:

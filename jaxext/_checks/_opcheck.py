@@ -115,7 +115,9 @@ def opcheck(
     Raises:
         OpcheckError: if a check fails and ``raise_exception`` is true, naming
             each failed check with its diagnostic.
-        TypeError: if ``func`` is not callable or an option has the wrong type.
+        TypeError: if ``func`` is not callable, an option has the wrong type, or
+            an input or output is complex (named in the message; split it into
+            real and imaginary parts).
         ValueError: for an unknown check name, an option out of range, or
             ``args`` without a floating-point array.
 
