@@ -237,6 +237,23 @@ def test_a_backward_that_fails_to_run_is_not_skipped_by_gradgradcheck():
     assert "the backward is broken" in report["gradgradcheck"].detail
 
 
+def test_a_dtype_the_op_refuses_is_not_a_failure():
+    """An op taking float32 and float64 only (as jaxext's C++ kernels): grad_dtypes checks
+    the dtypes it takes and says which it does not; low_precision SKIPs bfloat16."""
+
+    def sin_f32_f64(x):
+        if x.dtype not in (jnp.float32, jnp.float64):
+            raise TypeError(f"`x` must be float32 or float64; got {x.dtype}.")
+        return jnp.sin(x)
+
+    report = jaxext.opcheck(sin_f32_f64, (f64(0, (3,)),), checks=["grad_dtypes", "low_precision"])
+    assert report.statuses == {"grad_dtypes": "PASS", "low_precision": "SKIP"}, str(report)
+    detail = report["grad_dtypes"].detail
+    assert "(float64, float32 inputs; the op does not take bfloat16)" in detail
+    detail = report["low_precision"].detail
+    assert "float32 checked" in detail and "bfloat16: the op does not take it" in detail
+
+
 def test_plain_custom_vjp_skips_forward_mode_with_the_reason():
     report = jaxext.opcheck(plain_vjp_linear, (f64(0, (4, 3)), f64(1, (2, 3))))
     assert report["jvp"].status == report["jvp_vjp"].status == "SKIP"

@@ -475,7 +475,7 @@ def _only_float_leaf(tree: Any, keep: int) -> Any:
 def grad_dtypes(op: OpUnderTest, settings: Settings) -> str:
     flat, treedef = jax.tree_util.tree_flatten_with_path(op.args)
     arrays = [p for p, (_, leaf) in enumerate(flat) if isinstance(leaf, (jax.Array, np.ndarray))]
-    checked, unsupported = [], []
+    checked, unsupported, not_taken = [], [], []
     for dtype in (jnp.float64, jnp.float32, jnp.bfloat16):
         leaves = [leaf for _, leaf in flat]
         for p in op.positions:
@@ -492,6 +492,10 @@ def grad_dtypes(op: OpUnderTest, settings: Settings) -> str:
             out, pullback = jax.vjp(fn, *values)
             return pullback(jax.tree_util.tree_map(_zero_cotangent_like, out))
 
+        refused = None if dtype == jnp.float64 else _refused(fn, primals, dtype)
+        if refused is not None:  # nothing to check: every dtype the op takes is checked
+            not_taken.append(jnp.dtype(dtype).name)
+            continue
         try:  # dtypes and shapes are decided when tracing: no need to compile or run
             grads = jax.eval_shape(gradients, *primals)
         except NotImplementedError as err:  # no kernel for this dtype: what the op cannot do
@@ -512,7 +516,8 @@ def grad_dtypes(op: OpUnderTest, settings: Settings) -> str:
         checked.append(jnp.dtype(dtype).name)
     if unsupported:
         raise Skip(f"{', '.join(checked)} checked; not run: {'; '.join(unsupported)}")
-    return "gradients have their inputs' dtypes and shapes (float64, float32, bfloat16 inputs)"
+    refused = f"; the op does not take {', '.join(not_taken)}" if not_taken else ""
+    return f"gradients have their inputs' dtypes and shapes ({', '.join(checked)} inputs{refused})"
 
 
 def _zero_cotangent_like(leaf: Any) -> Any:
@@ -631,6 +636,17 @@ def _no_kernel(err: Exception, dtype: Any) -> str:
     return f"{jnp.dtype(dtype).name}: the op has no kernel for it ({type(err).__name__}: {first})"
 
 
+def _refused(fn: Callable, values: list, dtype: Any) -> str | None:
+    """Why the op's forward refuses ``dtype`` when traced (a ``TypeError`` naming the
+    dtypes it takes, say), or ``None``: a dtype the op does not accept is not a bug."""
+    try:
+        jax.eval_shape(fn, *values)
+    except Exception as err:  # noqa: BLE001 -- any refusal of the forward to trace
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return f"{jnp.dtype(dtype).name}: the op does not take it ({type(err).__name__}: {first})"
+    return None
+
+
 def low_precision(op: OpUnderTest, settings: Settings) -> str:
     rng = np.random.default_rng(settings.seed + 10)
     primals, u = op.primals, op.cotangent(rng)
@@ -641,6 +657,10 @@ def low_precision(op: OpUnderTest, settings: Settings) -> str:
         rtol = 16 * float(jnp.finfo(dtype).eps)
         name = jnp.dtype(dtype).name
         low = [jnp.asarray(p, dtype) for p in primals]
+        refused = _refused(op.call, low, dtype)
+        if refused is not None:
+            unsupported.append(refused)
+            continue
         try:
             got = call(*low)
         except NotImplementedError as err:  # no kernel for this dtype: what the op cannot do
