@@ -403,6 +403,37 @@ LARGE_MAGNITUDES = {
 }  # fmt: skip
 
 
+def normalize(x):
+    return x / jnp.linalg.norm(x)
+
+
+def normalize_with_backward(scale):
+    """``normalize`` with a hand-written backward, ``scale`` times the true one."""
+
+    @jax.custom_vjp
+    def op(x):
+        return normalize(x)
+
+    def op_bwd(x, g):
+        n = jnp.linalg.norm(x)
+        return (scale * (g / n - x * jnp.dot(x, g) / n**3),)
+
+    op.defvjp(lambda x: (normalize(x), x), op_bwd)
+    return op
+
+
+@pytest.mark.parametrize("norm", [2e-5, 1e-9])
+def test_small_inputs_pass_with_the_default_eps(norm):
+    """The step follows the input's scale: a step of 1e-6 would move x by 5% or more."""
+    x = np.random.default_rng(0).standard_normal(4)
+    x *= norm / np.linalg.norm(x)
+    assert jaxext.gradcheck(normalize, (x,), check_forward_ad=True)
+    assert jaxext.gradgradcheck(normalize, (x,))
+    assert jaxext.gradcheck(normalize_with_backward(1.0), (x,))
+    with pytest.raises(jaxext.GradcheckError, match="Jacobian mismatch"):
+        jaxext.gradcheck(normalize_with_backward(1.01), (x,))
+
+
 def uniform(seed, bounds, shape):
     return np.random.default_rng(seed).uniform(*bounds, shape)
 
@@ -798,3 +829,56 @@ def test_nan_outside_the_domain_is_reported_as_a_nan_not_a_primal_mismatch():
     assert "output element (1,)" in str(err) and "numerical:  nan" in str(err)
     assert "the function is NaN" in str(err)
     assert jaxext.gradcheck(jnp.log, (np.array([2.0, 1.0, 3.0]),))
+
+
+def test_a_backward_not_linear_in_its_cotangent_fails():
+    """One-hot +1 cotangents cannot see |g| for g; the random cotangent does."""
+
+    @jax.custom_vjp
+    def op(x):
+        return jnp.sin(x) * x.sum()
+
+    def bwd(x, g):
+        g = jnp.abs(g)  # the bug
+        return (g * jnp.cos(x) * x.sum() + jnp.sum(g * jnp.sin(x)),)
+
+    op.defvjp(lambda x: (op(x), x), bwd)
+    x = f64(0, (5,))
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(op, (x,))
+    err = info.value
+    assert err.kind == "random_cotangent" and err.input_index == 0, str(err)
+    assert "not linear in its cotangent" in str(err)
+    # The same backward with g in place of |g| passes: the check is the linearity.
+    op.defvjp(
+        lambda x: (op(x), x), lambda x, g: (g * jnp.cos(x) * x.sum() + jnp.sum(g * jnp.sin(x)),)
+    )
+    assert jaxext.gradcheck(op, (x,))
+
+
+def l2_penalty(lam, factor):
+    """``lam * sum(w**2)`` with a hand-written backward ``factor`` times the true one."""
+
+    @jax.custom_vjp
+    def penalty(w):
+        return lam * jnp.sum(w**2)
+
+    penalty.defvjp(lambda w: (penalty(w), w), lambda w, g: (factor * 2 * lam * g * w,))
+    return penalty
+
+
+@pytest.mark.parametrize("lam", [1e-6, 1e-9])
+def test_a_gradient_off_by_2x_is_caught_however_small_its_entries(lam):
+    w = f64(0, (3, 4))  # gradient entries 2 * lam * w: all far below atol = 1e-5
+    with pytest.raises(jaxext.GradcheckError, match="Jacobian mismatch") as info:
+        jaxext.gradcheck(l2_penalty(lam, 2.0), (w,))
+    assert info.value.num_mismatched == info.value.num_checked == w.size
+    np.testing.assert_allclose(info.value.analytical, 2 * info.value.numerical, rtol=1e-6)
+    assert jaxext.gradcheck(l2_penalty(lam, 1.0), (w,))
+    assert jaxext.gradcheck(lambda w: lam * jnp.sum(w**2), (w,), check_forward_ad=True)
+    # Forward mode too (a jaxext.custom_vjp's JVP is its transposed backward).
+    op = jaxext.custom_vjp(lambda w: lam * jnp.sum(w**2))
+    op.defvjp(lambda w: (op(w), w), lambda w, g: (4 * lam * g * w,))
+    with pytest.raises(jaxext.GradcheckError, match="Jacobian mismatch") as info:
+        jaxext.gradcheck(op, (w,), modes="fwd")
+    assert info.value.mode == "fwd"

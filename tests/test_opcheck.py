@@ -70,6 +70,65 @@ def linen_dense_op():
     return apply, (jax.tree_util.tree_map(np.asarray, params), f64(1, (4, 3)))
 
 
+@jax.custom_vjp
+def sorted_scale(x, w):
+    """A custom_vjp op that indexes ``x`` with a permutation computed from ``w``."""
+    return x[jnp.argsort(w[:, 0])] * w
+
+
+def _sorted_scale_bwd(res, g):
+    x, w = res
+    perm = jnp.argsort(w[:, 0])
+    return jnp.zeros_like(x).at[perm].set(g * w), g * x[perm]
+
+
+sorted_scale.defvjp(lambda x, w: (sorted_scale(x, w), (x, w)), _sorted_scale_bwd)
+
+
+def embedding(table, ids):
+    return jnp.tanh(table[ids])
+
+
+def at_update(x):
+    return x.at[0].set(x[1] * 2.0).at[1:].add(x[0] ** 2)
+
+
+def mixed_precision_sin(x):
+    """float32 output for a bfloat16 input (float64 for float64)."""
+    return jnp.sin(x.astype(jnp.promote_types(x.dtype, jnp.float32)))
+
+
+@jax.custom_vjp
+def fixed_point_sqrt(a):
+    """sqrt(a) as the fixed point of z = (z + a / z) / 2, with JAX's documented
+    fixed-point backward: the adjoint equation solved by a ``while_loop`` (dynamic
+    trip count), which reverse mode cannot differentiate again."""
+    return jnp.sqrt(a)
+
+
+def _fixed_point_bwd(res, g):
+    a, z = res
+    dfdz, dfda = 0.5 * (1 - a / z**2), 0.5 / z
+
+    def body(state):
+        u, _, k = state
+        return g + u * dfdz, u, k + 1
+
+    def not_converged(state):
+        u, previous, k = state
+        return (k < 50) & jnp.any(jnp.abs(u - previous) > 1e-14 * jnp.abs(u))
+
+    u, _, _ = jax.lax.while_loop(not_converged, body, body((g, g + 1.0, 0)))
+    return (u * dfda,)
+
+
+fixed_point_sqrt.defvjp(lambda a: (jnp.sqrt(a), (a, jnp.sqrt(a))), _fixed_point_bwd)
+
+
+def phases(seed, shape):
+    return np.random.default_rng(seed).uniform(100.0, 200.0, shape)
+
+
 CORRECT_OPS = {
     # name -> (function returning (op, args), checks expected to SKIP)
     "jaxext.linear": (lambda: (jaxext.linear, (f64(0, (4, 3)), f64(1, (2, 3)), f64(2, (2,)))), ()),
@@ -88,13 +147,37 @@ CORRECT_OPS = {
     "Function": (lambda: (LinearFunction.apply, (f64(0, (4, 3)), f64(1, (2, 3)))), ()),
     "plain_custom_vjp": (
         lambda: (plain_vjp_linear, (f64(0, (4, 3)), f64(1, (2, 3)))),
-        ("jvp", "jvp_vjp"),
+        ("jvp", "jvp_vjp", "rev_over_fwd", "fwd_over_fwd"),
     ),
     "plain_custom_jvp": (lambda: (plain_jvp_softplus, (f64(0, (4, 3)),)), ()),
     # Output shapes the random cotangents and inner products must handle: a scalar
     # output (a NumPy scalar cotangent), and an integer output beside a float one
     # (a float0 cotangent leaf).
     "scalar_output": (lambda: (lambda x, y: jnp.sum(x * y) ** 2, (f64(0, (3,)), f64(1, (3,)))), ()),
+    # Ops written for JAX arrays: the float inputs reach them as JAX arrays (as in a
+    # user's code), never as NumPy arrays closed over.
+    "permutation_index": (
+        lambda: (sorted_scale, (f64(0, (3, 2)), f64(1, (3, 2)))),
+        ("jvp", "jvp_vjp", "rev_over_fwd", "fwd_over_fwd"),
+    ),
+    "embedding": (lambda: (embedding, (f64(0, (3, 4)), jnp.array([1, 0, 1, 2]))), ()),
+    "at_update": (lambda: (at_update, (jnp.asarray(f64(0, (3,))),)), ()),
+    # low_precision: a float32 output for a bfloat16 input; an input whose rounding to
+    # bfloat16 alone moves sin by far more than 16 eps.
+    "mixed_precision": (lambda: (mixed_precision_sin, (f64(0, (4, 3)),)), ()),
+    "sin_large_phases": (lambda: (jnp.sin, (phases(0, (4, 3)),)), ()),
+    # Inputs of scale 2e-5: the finite-difference step must follow them.
+    "normalize_tiny": (lambda: (lambda x: x / jnp.linalg.norm(x), (2e-5 * f64(0, (4,)),)), ()),
+    # What an op cannot do is a SKIP: a backward that is not differentiable twice; an
+    # empty batch, which jax.export's symbolic dimensions (>= 1) cannot express.
+    "fixed_point_backward": (
+        lambda: (fixed_point_sqrt, (1.0 + np.abs(f64(0, (3, 2))),)),
+        ("gradgradcheck", "jvp", "jvp_vjp", "rev_over_fwd", "fwd_over_fwd"),
+    ),
+    "linear_empty_batch": (
+        lambda: (jaxext.linear, (np.zeros((0, 3)), f64(1, (2, 3)), f64(2, (2,)))),
+        ("export_symbolic",),
+    ),
     "integer_output": (
         lambda: (lambda x: (jnp.argmax(x, -1), jnp.max(x, -1)), (f64(0, (3, 4)),)),
         (),
@@ -113,6 +196,64 @@ def test_correct_ops_pass(name):
     assert "unwritten_outputs" in report.skipped
     assert set(expected_skips) <= set(report.skipped)
     assert len(report.results) == len(CHECK_NAMES)
+
+
+def test_a_dtype_without_a_kernel_is_a_skip_with_the_reason():
+    # jnp.linalg.solve has no bfloat16 kernel on CPU: what the op cannot do, not a bug.
+    if jax.default_backend() != "cpu":
+        pytest.skip("bfloat16 solve has a kernel on this backend")
+    a, b = f64(0, (3, 3)) + 3 * np.eye(3), f64(1, (3,))
+    report = jaxext.opcheck(jnp.linalg.solve, (a, b), checks=["grad_dtypes", "low_precision"])
+    assert report.skipped == ("low_precision",), str(report)
+    detail = report["low_precision"].detail
+    assert "float32 checked" in detail and "bfloat16" in detail and "no kernel" in detail
+    # Dtypes are decided when tracing, which needs no kernel: all three are checked.
+    assert report["grad_dtypes"].status == "PASS"
+
+
+@pytest.mark.parametrize(
+    ("name", "check", "reason"),
+    [
+        ("fixed_point_backward", "gradgradcheck", "the backward runs but cannot be differentiated"),
+        ("linear_empty_batch", "export_symbolic", "input 0 has an empty leading dimension"),
+    ],
+)
+def test_what_an_op_cannot_do_is_a_skip_with_the_reason(name, check, reason):
+    op, args = CORRECT_OPS[name][0]()
+    report = jaxext.opcheck(op, args, checks=[check])
+    assert report.skipped == (check,), str(report)
+    assert reason in report[check].detail
+
+
+def test_a_backward_that_fails_to_run_is_not_skipped_by_gradgradcheck():
+    @jax.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    def bwd(x, g):
+        raise ValueError("the backward is broken")
+
+    op.defvjp(lambda x: (jnp.sin(x), x), bwd)
+    report = jaxext.opcheck(op, (f64(0, (3,)),), checks=["gradgradcheck"], raise_exception=False)
+    assert report.failed == ("gradgradcheck",)
+    assert "the backward is broken" in report["gradgradcheck"].detail
+
+
+def test_a_dtype_the_op_refuses_is_not_a_failure():
+    """An op taking float32 and float64 only (as jaxext's C++ kernels): grad_dtypes checks
+    the dtypes it takes and says which it does not; low_precision SKIPs bfloat16."""
+
+    def sin_f32_f64(x):
+        if x.dtype not in (jnp.float32, jnp.float64):
+            raise TypeError(f"`x` must be float32 or float64; got {x.dtype}.")
+        return jnp.sin(x)
+
+    report = jaxext.opcheck(sin_f32_f64, (f64(0, (3,)),), checks=["grad_dtypes", "low_precision"])
+    assert report.statuses == {"grad_dtypes": "PASS", "low_precision": "SKIP"}, str(report)
+    detail = report["grad_dtypes"].detail
+    assert "(float64, float32 inputs; the op does not take bfloat16)" in detail
+    detail = report["low_precision"].detail
+    assert "float32 checked" in detail and "bfloat16: the op does not take it" in detail
 
 
 def test_plain_custom_vjp_skips_forward_mode_with_the_reason():
@@ -262,6 +403,22 @@ def wrong_gradient_dtype():
     return op, (f64(0, (4, 3)), f64(1, (2, 3)))
 
 
+def float32_gradient_for_bfloat16():
+    """A backward that computes in at least float32 and forgets to cast back: right for
+    float64 and float32 inputs, a float32 gradient for a bfloat16 one."""
+
+    @jax.custom_vjp
+    def op(x):
+        return x * x
+
+    def bwd(x, g):
+        wide = jnp.promote_types(x.dtype, jnp.float32)
+        return (2 * x.astype(wide) * g.astype(wide),)
+
+    op.defvjp(lambda x: (op(x), x), bwd)
+    return op, (f64(0, (4, 3)),)
+
+
 def wrong_backward_value():
     @jax.custom_vjp
     def op(x, w):
@@ -269,6 +426,50 @@ def wrong_backward_value():
 
     op.defvjp(lambda x, w: (op(x, w), (x, w)), lambda res, g: (g @ res[1], 1.01 * g.T @ res[0]))
     return op, (f64(0, (4, 3)), f64(1, (2, 3)))
+
+
+def backward_not_linear_in_cotangent():
+    """bwd uses |g|: right for every one-hot +1 cotangent, wrong for most others."""
+
+    @jax.custom_vjp
+    def op(x, w):
+        return jnp.tanh(x @ w.T)
+
+    def bwd(res, g):
+        x, w, y = res
+        g = jnp.abs(g) * (1 - y**2)
+        return g @ w, g.T @ x
+
+    op.defvjp(lambda x, w: (op(x, w), (x, w, op(x, w))), bwd)
+    return op, (f64(0, (4, 3)), f64(1, (2, 3)))
+
+
+def jvp_rule_cut_at_second_order():
+    """A jvp= rule right at first order that cuts the derivative through its residual
+    (stop_gradient on x): jacrev(jacfwd) and jacfwd(jacfwd) are wrong, while every
+    reverse-mode derivative (which goes through the correct bwd) is right."""
+
+    @jaxext.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    op.defvjp(
+        lambda x: (jnp.sin(x), x),
+        lambda x, g: (g * jnp.cos(x),),
+        jvp=lambda x, tangents: jnp.cos(jax.lax.stop_gradient(x)) * tangents[0],
+    )
+    return op, (f64(0, (4, 3)),)
+
+
+def small_gradient_off_by_2x():
+    """An L2 penalty (lambda = 1e-6) whose backward is 2x off: every entry below atol."""
+
+    @jax.custom_vjp
+    def op(w):
+        return 1e-6 * jnp.sum(w**2)
+
+    op.defvjp(lambda w: (op(w), w), lambda w, g: (4e-6 * g * w,))
+    return op, (f64(0, (3, 4)),)
 
 
 BUGGY_OPS = {
@@ -281,7 +482,11 @@ BUGGY_OPS = {
     "eager_and_jit_differ": (eager_and_jit_differ, "jit"),
     "nondeterministic_backward": (nondeterministic_backward, "reentrancy"),
     "wrong_gradient_dtype": (wrong_gradient_dtype, "grad_dtypes"),
+    "float32_gradient_for_bfloat16": (float32_gradient_for_bfloat16, "grad_dtypes"),
     "wrong_backward_value": (wrong_backward_value, "gradcheck"),
+    "backward_not_linear_in_cotangent": (backward_not_linear_in_cotangent, "gradcheck"),
+    "small_gradient_off_by_2x": (small_gradient_off_by_2x, "gradcheck"),
+    "jvp_rule_cut_at_second_order": (jvp_rule_cut_at_second_order, "rev_over_fwd"),
 }
 
 
@@ -297,6 +502,51 @@ def test_buggy_op_rejected_by_the_right_check(name):
     # Run alone, the check still rejects it, and the others can be turned off.
     report = jaxext.opcheck(op, args, checks=[check], raise_exception=False)
     assert report.failed == (check,)
+
+
+def residuals_by_perturbed():
+    """A plain jax.custom_vjp (symbolic_zeros=True) whose fwd saves only what the
+    perturbed inputs' gradients need (None otherwise)."""
+
+    @jax.custom_vjp
+    def op(x, w):
+        return x * w
+
+    def fwd(x, w):
+        saved = (w.value if x.perturbed else None, x.value if w.perturbed else None)
+        return x.value * w.value, saved
+
+    def bwd(saved, g):
+        w, x = saved
+        return (None if w is None else g * w, None if x is None else g * x)
+
+    op.defvjp(fwd, bwd, symbolic_zeros=True)
+    return op
+
+
+def test_jit_reuse_runs_the_pattern_with_constants():
+    """`op(a, c) + op(c, b) + op(a, b) ** 2`, c a constant, with the op jitted once: the
+    verdict of jit_reuse must be what JAX gives for it, against plain autodiff (on JAX
+    0.10 a wrong gradient or an error; the stop_gradient form alone passed)."""
+    op = residuals_by_perturbed()
+    a, b, c = f64(0, (3, 2)), f64(1, (3, 2)), f64(2, (3, 2))
+
+    def pattern(fn):
+        return lambda a, b: jnp.sum(fn(a, c)) + jnp.sum(fn(c, b)) + jnp.sum(fn(a, b) ** 2)
+
+    with jax.enable_x64(True):
+        jitted = jax.jit(op)
+        jitted(a, b)  # an evaluation pass first, as in training
+        expected = jax.grad(pattern(lambda x, w: x * w), (0, 1))(a, b)
+        try:
+            got = jax.grad(pattern(jitted), (0, 1))(a, b)
+            right = all(np.allclose(g, e, rtol=1e-12) for g, e in zip(got, expected, strict=True))
+        except Exception:  # noqa: BLE001 -- JAX failing on the pattern is a wrong result too
+            right = False
+    report = jaxext.opcheck(op, (a, b), checks=["jit_reuse"], raise_exception=False)
+    assert report["jit_reuse"].status == ("PASS" if right else "FAIL"), str(report)
+    if not right:
+        assert "several times in one computation" in report["jit_reuse"].detail
 
 
 def test_buggy_op_diagnostics_name_what_failed():
@@ -364,6 +614,21 @@ def test_nondet_tol_allows_a_nondeterministic_backward():
 def test_invalid_options(kwargs, error, name):
     with pytest.raises(error, match=name):
         jaxext.opcheck(jaxext.mul_constant, (f64(0, (3,)), 2.0), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("op", "args", "name"),
+    [
+        (lambda x: x * 2, (f64(0, (3,)) + 1j,), "input 0"),
+        (lambda x, w: {"y": x * w, "z": jnp.exp(1j * x)}, (f64(0, (3,)), f64(1, (3,))), "['z']"),
+    ],
+    ids=["complex_input", "complex_output"],
+)
+def test_complex_inputs_and_outputs_are_refused_naming_them(op, args, name):
+    """Not supported (a documented limitation): a TypeError before any check, not FAILs."""
+    with pytest.raises(TypeError, match=r"complex dtype complex128") as info:
+        jaxext.opcheck(op, args)
+    assert str(info.value).startswith(("input 0", "output 1['z']")) and name in str(info.value)
 
 
 def test_invalid_func_and_args():

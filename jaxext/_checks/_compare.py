@@ -71,18 +71,36 @@ class Mismatch:
 
 
 class _Tally:
-    """Counts failing entries per block pair and keeps the worst of each."""
+    """Counts failing entries per block pair and keeps the worst of each.
 
-    def __init__(self, out_slices: Sequence[slice], in_slices: Sequence[slice]) -> None:
+    An entry fails when ``|a - n| > atol + rel`` (``rel = rtol |n| + noise``). Per
+    pair, ``atol`` also scales with the pair's largest ``|n|`` when that is below 1
+    (``atol * scale``): a gradient whose entries are all below ``atol`` (an L2 penalty
+    of ``1e-6``) is then still held to ``rtol`` against its own size, and a 2x error is
+    caught. The entries that pass ``atol`` but not ``rel`` are kept (up to
+    ``_KEPT`` per pair) until the pair's scale is known, at the end.
+    """
+
+    _KEPT = 2**16
+
+    def __init__(self, out_slices: Sequence[slice], in_slices: Sequence[slice], atol: float):
+        self.atol = atol
         self.out_starts = np.array([s.start for s in out_slices], dtype=np.int64)
         self.in_starts = np.array([s.start for s in in_slices], dtype=np.int64)
+        self.out_stops = np.array([s.stop for s in out_slices], dtype=np.int64)
+        self.in_stops = np.array([s.stop for s in in_slices], dtype=np.int64)
         self.out_sizes = [s.stop - s.start for s in out_slices]
         self.in_sizes = [s.stop - s.start for s in in_slices]
         self.counts: dict[tuple[int, int], int] = {}
         self.worst: dict[tuple[int, int], tuple] = {}
+        self.scale: dict[tuple[int, int], float] = {}
+        self.excess: dict[tuple[int, int], list[np.ndarray]] = {}
+        self.worst_excess: dict[tuple[int, int], tuple] = {}
 
-    def add(self, row0: int, col0: int, expected, actual, allowed) -> None:
+    def add(self, row0: int, col0: int, expected, actual, relative) -> None:
         error = np.abs(actual - expected)
+        allowed = self.atol + relative
+        self._scale_relative(row0, col0, expected, actual, error, relative)
         with np.errstate(invalid="ignore"):
             bad = ~(error <= allowed)
         if not bad.any():
@@ -109,17 +127,77 @@ class _Tally:
             if (i, j) not in self.worst or candidate[0] > self.worst[i, j][0]:
                 self.worst[i, j] = candidate
 
+    def _scale_relative(self, row0, col0, expected, actual, error, relative) -> None:
+        """Per block pair in this chunk: the largest ``|n|``, and the entries over ``rel``."""
+        rows, cols = expected.shape
+        first_i = np.searchsorted(self.out_starts, row0, side="right") - 1
+        first_j = np.searchsorted(self.in_starts, col0, side="right") - 1
+        for i in range(first_i, len(self.out_starts)):
+            r0, r1 = (
+                max(self.out_starts[i], row0) - row0,
+                min(self.out_stops[i], row0 + rows) - row0,
+            )
+            if r0 >= rows:
+                break
+            if r1 <= r0:
+                continue
+            for j in range(first_j, len(self.in_starts)):
+                c0, c1 = (
+                    max(self.in_starts[j], col0) - col0,
+                    min(self.in_stops[j], col0 + cols) - col0,
+                )
+                if c0 >= cols:
+                    break
+                if c1 <= c0:
+                    continue
+                e = expected[r0:r1, c0:c1]
+                finite = np.isfinite(e)
+                scale = float(np.max(np.abs(e), where=finite, initial=0.0))
+                self.scale[i, j] = max(self.scale.get((i, j), 0.0), scale)
+                with np.errstate(invalid="ignore"):
+                    over = error[r0:r1, c0:c1] - relative[r0:r1, c0:c1]
+                    keep = over > 0  # False for NaN: NaNs fail the entrywise test
+                if not keep.any():
+                    continue
+                values = over[keep]
+                kept = self.excess.setdefault((i, j), [])
+                if sum(v.size for v in kept) < self._KEPT:
+                    kept.append(values)
+                k = np.unravel_index(int(np.argmax(np.where(keep, over, -np.inf))), over.shape)
+                candidate = (
+                    float(over[k]),
+                    int(row0 + r0 + k[0] - self.out_starts[i]),
+                    int(col0 + c0 + k[1] - self.in_starts[j]),
+                    float(e[k]),
+                    float(actual[r0:r1, c0:c1][k]),
+                    float(relative[r0:r1, c0:c1][k]),
+                )
+                if (i, j) not in self.worst_excess or candidate[0] > self.worst_excess[i, j][0]:
+                    self.worst_excess[i, j] = candidate
+
     def mismatches(self) -> list[Mismatch]:
-        found = []
-        for (i, j), count in sorted(self.counts.items()):
+        found = {}
+        for (i, j), count in self.counts.items():
             _, out_element, in_element, expected, actual, allowed = self.worst[i, j]
             total = self.out_sizes[i] * self.in_sizes[j]
-            found.append(
-                Mismatch(
-                    i, j, out_element, in_element, None, expected, actual, allowed, count, total
-                )
+            found[i, j] = Mismatch(
+                i, j, out_element, in_element, None, expected, actual, allowed, count, total
             )
-        return found
+        for (i, j), worst in self.worst_excess.items():
+            scale = self.scale.get((i, j), 0.0)
+            if (i, j) in found or not 0.0 < scale < 1.0:
+                continue
+            atol = self.atol * scale
+            if worst[0] <= atol:
+                continue
+            _, out_element, in_element, expected, actual, relative = worst
+            count = int(sum(int(np.sum(v > atol)) for v in self.excess[i, j]))
+            total = self.out_sizes[i] * self.in_sizes[j]
+            found[i, j] = Mismatch(
+                i, j, out_element, in_element, None, expected, actual, atol + relative, count,
+                total,
+            )  # fmt: skip
+        return [found[key] for key in sorted(found)]
 
 
 def _allowed(expected, atol: float, rtol: float, noise) -> np.ndarray:
@@ -224,21 +302,33 @@ def full_mismatches(
     out_slices: Sequence[slice],
     in_slices: Sequence[slice],
     *,
-    eps: float,
+    eps: float | np.ndarray,
     atol: float,
     rtol: float,
     modes: Sequence[str],
     tile_bytes: int = TILE_BYTES,
+    cotangent: np.ndarray | None = None,
 ) -> dict[str, list[Mismatch]]:
     """Entrywise comparison of the full Jacobians, per mode (``"rev"``, ``"fwd"``).
 
+    With a ``cotangent`` ``u`` (reverse mode), the rows of the numerical Jacobian are
+    also summed into ``u^T J`` as they stream by, and compared with the VJP of ``u``
+    itself: one-hot cotangents cannot tell a backward linear in its cotangent from one
+    that is not (``|g|`` in place of ``g``). The allowance is the sum of the entries'
+    allowances weighted by ``|u|``, so a backward that passes entry by entry and is
+    linear always passes.
+
     Returns:
-        For each mode, the failing block pairs in output-major order.
+        For each mode, the failing block pairs in output-major order; with a
+        ``cotangent``, also ``"rev_cotangent"``: the input blocks whose VJP of it differs.
     """
     n, m = jac.n, jac.m
-    tallies = {mode: _Tally(out_slices, in_slices) for mode in modes}
+    tallies = {mode: _Tally(out_slices, in_slices, atol) for mode in modes}
     if n == 0 or m == 0:
         return {mode: [] for mode in modes}
+    linear = None
+    if cotangent is not None and "rev" in modes:
+        linear = (np.asarray(cotangent, np.float64), np.zeros(n), np.zeros(n))
     noise = NOISE_ULPS * _EPS64 * np.abs(y0)
     steps = np.empty(n)
     tile = _Tile(0)
@@ -247,25 +337,59 @@ def full_mismatches(
         numerical, steps[cols.start : cols.stop] = jac.numerical(cols, eps)
         if "fwd" in modes:
             automatic = jac.forward(cols)[1]
-            allowed = _allowed(numerical, atol, rtol, noise[None, :] / steps[cols, None])
-            tallies["fwd"].add(0, start, numerical.T, automatic.T, allowed.T)
+            relative = _allowed(numerical, 0.0, rtol, noise[None, :] / steps[cols, None])
+            tallies["fwd"].add(0, start, numerical.T, automatic.T, relative.T)
         if "rev" in modes:
             tile.add(start, numerical)
             if tile.nbytes >= tile_bytes or cols.stop == n:
-                _stream_rows(jac, tile, steps, noise, atol, rtol, tallies["rev"])
+                _stream_rows(jac, tile, steps, noise, atol, rtol, tallies["rev"], linear)
                 tile = _Tile(cols.stop)
-    return {mode: tally.mismatches() for mode, tally in tallies.items()}
+    results = {mode: tally.mismatches() for mode, tally in tallies.items()}
+    if linear is not None:
+        u, expected, allowed = linear
+        actual = jac.vjp(u)[1]
+        results["rev_cotangent"] = _within(expected, actual, allowed, in_slices)
+    return results
 
 
-def _stream_rows(jac, tile: _Tile, steps, noise, atol, rtol, tally: _Tally) -> None:
-    """Compares the columns held in ``tile`` with VJP rows, a chunk of rows at a time."""
+def _within(expected, actual, allowed, slices: Sequence[slice]) -> list[Mismatch]:
+    """Input blocks where ``|actual - expected| > allowed`` (entrywise allowances)."""
+    found = []
+    error = np.abs(actual - expected)
+    with np.errstate(invalid="ignore"):
+        bad = ~(error <= allowed)
+    for index, block in enumerate(slices):
+        b = bad[block]
+        if not b.any():
+            continue
+        excess = np.where(b, np.nan_to_num(error[block] - allowed[block], nan=np.inf), -np.inf)
+        worst = int(np.argmax(excess))
+        e, a, tol = expected[block], actual[block], allowed[block]
+        found.append(
+            Mismatch(
+                None, index, None, worst, None, float(e[worst]), float(a[worst]),
+                float(tol[worst]), int(b.sum()), int(b.size),
+            )
+        )  # fmt: skip
+    return found
+
+
+def _stream_rows(jac, tile: _Tile, steps, noise, atol, rtol, tally: _Tally, linear) -> None:
+    """Compares the columns held in ``tile`` with VJP rows, a chunk of rows at a time;
+    with ``linear = (u, sum, allowance)``, adds ``u^T`` times the rows to ``sum``."""
     col0, col1 = tile.start, tile.stop
     for start in range(0, jac.m, jac.row_chunk):
         stop = min(jac.m, start + jac.row_chunk)
         automatic = jac.reverse(range(start, stop))[1][:, col0:col1]
         numerical = tile.rows(start, stop)
-        allowed = _allowed(numerical, atol, rtol, noise[start:stop, None] / steps[None, col0:col1])
-        tally.add(start, col0, numerical, automatic, allowed)
+        relative = _allowed(numerical, 0.0, rtol, noise[start:stop, None] / steps[None, col0:col1])
+        tally.add(start, col0, numerical, automatic, relative)
+        allowed = atol + relative
+        if linear is not None:
+            u, total, allowance = linear
+            weights = u[start:stop]
+            total[col0:col1] += weights @ numerical
+            allowance[col0:col1] += np.abs(weights) @ allowed
 
 
 def directional_mismatches(
@@ -274,7 +398,7 @@ def directional_mismatches(
     out_slices: Sequence[slice],
     in_slices: Sequence[slice],
     *,
-    eps: float,
+    eps: float | Sequence[float],
     atol: float,
     rtol: float,
     mode: str,
@@ -283,6 +407,7 @@ def directional_mismatches(
 ) -> list[Mismatch]:
     """``u . J v`` per (output block, input block) pair and random direction.
 
+    ``eps`` is the step, one for all input blocks or one per block.
     For direction ``d``, each input block ``j`` gets its own random unit vector
     ``v`` and each output block ``i`` its own random unit vector ``u``; the
     numerical value is ``u . (f(x0 + eps v) - f(x0 - eps v)) / (2 eps)`` with
@@ -290,6 +415,7 @@ def directional_mismatches(
     (``mode="rev"``) or ``u . jvp(v)[block i]`` (``mode="fwd"``).
     """
     rng = np.random.default_rng(seed)
+    block_eps = np.broadcast_to(np.asarray(eps, np.float64), (len(in_slices),))
     shape = (num_directions, len(out_slices), len(in_slices))
     numerical, automatic, allowed = np.zeros(shape), np.zeros(shape), np.zeros(shape)
     for d in range(num_directions):
@@ -298,7 +424,7 @@ def directional_mismatches(
         for j, in_block in enumerate(in_slices):
             v_j = np.zeros(jac.n)
             v_j[in_block] = v[in_block]
-            diff, step = jac.difference(v_j, eps)
+            diff, step = jac.difference(v_j, float(block_eps[j]))
             tangent = jac.jvp(v_j)[1] if mode == "fwd" else None
             for i, out_block in enumerate(out_slices):
                 numerical[d, i, j] = u[out_block] @ diff[out_block] / step

@@ -29,12 +29,20 @@ import numpy as np
 from ._compare import Mismatch, directional_mismatches, entry_mismatches, full_mismatches
 from ._jacobians import FlatJacobians
 from ._precision import float64_numerics
-from ._problem import Problem, first_order, float_dtype, private_copies, second_order
+from ._problem import (
+    Problem,
+    first_order,
+    float_dtype,
+    private_copies,
+    second_order,
+    second_order_forward,
+)
 from ._report import GradcheckError as GradcheckError
 from ._report import dtype_error, gradcheck_error
 
 __all__ = [
     "FULL_MAX_ENTRIES",
+    "STEP_SCALE",
     "GradcheckError",
     "Settings",
     "check_gradients",
@@ -45,6 +53,9 @@ __all__ = [
 # The full (entrywise) method covers Jacobians up to this many entries (1.3e8).
 FULL_MAX_ENTRIES = 2**27
 _BATCH = 3  # cotangents in the batched-gradient check
+_TINY = 2.0**-100  # smallest input scale the finite-difference step follows
+# Inputs whose entries are all below this in magnitude get a step scaled to them.
+STEP_SCALE = 0.01
 
 
 def gradcheck(
@@ -74,15 +85,22 @@ def gradcheck(
     returns something else than the function. Then, per (output leaf, input
     leaf) pair, every compared entry must satisfy
     ``|analytical - numerical| <= atol + rtol * |numerical| + noise``, where
-    ``noise = 4 * 2.2e-16 * |f(x)| / (2 * eps)`` is the rounding noise of the
+    ``noise = 4 * 2.2e-16 * |f(x)| / (2 * h)`` is the rounding noise of the
     finite difference (about 1e-9 for outputs of order one; it keeps outputs
-    of 1e6 from failing a correct function):
+    of 1e6 from failing a correct function). For an (output, input) pair whose
+    numerical derivatives are all below 1 in magnitude (full method), ``atol``
+    is multiplied by the largest of them: a gradient whose entries are all below
+    ``atol`` (an L2 penalty of ``1e-6``) is still held to ``rtol`` against its own
+    size, so an error of 2x is caught.
 
     * Full method (up to ``FULL_MAX_ENTRIES`` = 2**27 Jacobian entries, e.g.
       10,000 inputs by 10,000 outputs): the numerical Jacobian, one central
       difference per input element, against the analytical one built from one
       VJP per output element with a basis cotangent (so a backward that
-      ignores its cotangent fails too). Both are computed and compared in
+      ignores its cotangent fails too); then the VJP of one random
+      cotangent ``u`` against ``u^T J`` from the numerical Jacobian (so a
+      backward not linear in its cotangent, ``|g|`` for ``g``, fails too:
+      ``kind="random_cotangent"``). Both are computed and compared in
       chunks: memory stays bounded (well under 1 GB) whatever the size. An
       output that an input does not touch differences to exactly zero.
     * Directional method (``fast_mode=True``, or larger problems, with a
@@ -108,7 +126,11 @@ def gradcheck(
             array or a pytree of arrays.
         inputs: tuple (or list) of positional arguments, each an array or a
             pytree of arrays; anything else is taken as the single argument.
-        eps: finite-difference step (> 0).
+        eps: finite-difference step (> 0). It follows the scale of an input
+            leaf whose entries are all below 0.01: the step is then
+            ``h = eps * max |x| / 0.01`` (a relative step of 1e-4 at the default),
+            so that a correct function of inputs of scale ``1e-5`` is not failed
+            by truncation error; other leaves get ``h = eps``.
         atol: absolute tolerance (>= 0).
         rtol: relative tolerance (>= 0).
         raise_exception: raise ``GradcheckError`` on failure (``True``) or
@@ -382,6 +404,7 @@ def check_gradients(
     dtypes: bool = False,
     reentrant: bool = True,
     grad_outputs: Any = None,
+    inner: str = "rev",
 ) -> GradcheckError | None:
     """The checks of ``gradcheck`` (``order=1``) or ``gradgradcheck`` (``order=2``).
 
@@ -395,13 +418,18 @@ def check_gradients(
         dtypes: run the gradient dtype/shape check (order 1).
         reentrant: run the reentrancy check (two runs of the backward).
         grad_outputs: cotangents for ``order=2`` (``None``: random).
+        inner: at ``order=2``, the first derivative differentiated: ``"rev"``
+            (the VJP, as gradgradcheck) or ``"fwd"`` (the JVP, with random
+            tangents); ``settings.modes`` says how it is differentiated.
 
     Returns:
         ``None`` if all pass, else the error describing the first failure.
     """
     with float64_numerics():
         problem, low, low_out = first_order(func, args)
-        if order == 2:
+        if order == 2 and inner == "fwd":
+            problem = second_order_forward(problem, len(args), settings.seed)
+        elif order == 2:
             problem, low_ct = second_order(problem, grad_outputs, len(args), settings.seed)
             low = low + low_ct
         _warn_precision(low, low_out)
@@ -432,14 +460,22 @@ def _check(
         if found:
             return error("primal", mode, None, found)
     method = _method(settings.fast_mode, jac.n, jac.m)
+    block_eps = step_sizes(jac.x0_host, in_slices, settings.eps)
     if method == "full":
-        results = full_mismatches(
-            jac, y_call, out_slices, in_slices, eps=settings.eps, modes=settings.modes, **tolerances
+        eps = np.concatenate(
+            [np.full(s.stop - s.start, e) for s, e in zip(in_slices, block_eps, strict=True)]
         )
+        # A random cotangent too: one-hot ones cannot tell a backward linear in its
+        # cotangent from one that is not (|g| for g).
+        cotangent = np.random.default_rng(settings.seed + 1).standard_normal(jac.m)
+        results = full_mismatches(
+            jac, y_call, out_slices, in_slices, eps=eps, modes=settings.modes,
+            cotangent=cotangent, **tolerances,
+        )  # fmt: skip
     else:
         results = {
             mode: directional_mismatches(
-                jac, y_call, out_slices, in_slices, eps=settings.eps, mode=mode,
+                jac, y_call, out_slices, in_slices, eps=block_eps, mode=mode,
                 num_directions=settings.num_directions, seed=settings.seed, **tolerances,
             )
             for mode in settings.modes
@@ -447,6 +483,8 @@ def _check(
     for mode in settings.modes:
         if results[mode]:
             return error("jacobian", mode, method, results[mode])
+    if results.get("rev_cotangent"):
+        return error("random_cotangent", "rev", None, results["rev_cotangent"])
     if "rev" not in settings.modes:
         return None
     rng = np.random.default_rng(settings.seed)
@@ -470,6 +508,26 @@ def _check(
         if found:
             return error("batched_grad", "rev", None, found)
     return None
+
+
+def step_sizes(x0: np.ndarray, in_slices: Sequence[slice], eps: float) -> np.ndarray:
+    """The finite-difference step of each input block: ``eps * min(1, max |x| / 0.01)``.
+
+    A step follows the scale of its input when that is below ``STEP_SCALE`` (0.01):
+    normalising vectors of norm 2e-5 with a step of 1e-6 would move them by 5% and
+    fail a correct function on truncation error alone. Such an input is moved by
+    at most ``eps / STEP_SCALE`` of its largest entry (1e-4 at the default ``eps``).
+    Larger inputs (and all-zero ones) keep ``eps`` itself, as in PyTorch: a smaller
+    step would only magnify the rounding of a function computed in float32. The
+    floor ``_TINY`` keeps the step a normal float64.
+    """
+    steps = np.full(len(in_slices), float(eps))
+    for j, block in enumerate(in_slices):
+        values = x0[block]
+        scale = float(np.max(np.abs(values))) if values.size else 0.0
+        if 0.0 < scale < STEP_SCALE:
+            steps[j] = eps * max(scale, _TINY) / STEP_SCALE
+    return steps
 
 
 def _ad_primal(jac: FlatJacobians, mode: str) -> np.ndarray:

@@ -120,8 +120,12 @@ class FlatJacobians:
         ks = np.zeros(self.col_chunk, dtype=np.int64)
         return np.asarray(self._perturbed(self.x0, ks, self.x0_host[ks]))[0]
 
-    def numerical(self, cols: Sequence[int] | range, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    def numerical(
+        self, cols: Sequence[int] | range, eps: float | np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Central differences for the input elements ``cols`` (at most ``col_chunk``).
+
+        ``eps`` is the step, one for all inputs or one per input element (shape ``(n,)``).
 
         Returns:
             ``(block, steps)``: the ``(len(cols), m)`` block of the *transposed*
@@ -130,6 +134,7 @@ class FlatJacobians:
             column, ``(x_k + eps) - (x_k - eps)``.
         """
         ks, count = _padded(cols, self.col_chunk)
+        eps = np.broadcast_to(np.asarray(eps, np.float64), (self.n,))[ks]
         plus = self.x0_host[ks] + eps
         minus = self.x0_host[ks] - eps
         steps = plus - minus

@@ -37,11 +37,14 @@ class OpUnderTest:
     Attributes:
         func: the op.
         args: its positional arguments, float array leaves converted to float64
-            NumPy arrays.
+            JAX arrays (what a user's code receives: ``x.at[...]``, ``table[ids]``
+            with traced ``ids`` and the like work); other leaves as given.
         positions: leaf positions (in ``args``' flattening) of the float arrays.
         labels: how messages name those leaves, e.g. ``"input 1['w']"``.
         forward_error: why ``jax.jvp`` cannot differentiate the op (the
             ``TypeError`` a plain ``jax.custom_vjp`` raises), or ``None``.
+        cache: results one check computes for another (``opcheck`` puts the
+            names of the selected checks under ``"selected"``).
     """
 
     func: Callable[..., Any]
@@ -49,6 +52,8 @@ class OpUnderTest:
     positions: tuple[int, ...]
     labels: tuple[str, ...]
     forward_error: str | None = None
+    # results shared between checks (and the names of the checks selected)
+    cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, func: Callable[..., Any], args: tuple) -> OpUnderTest:
@@ -57,7 +62,7 @@ class OpUnderTest:
         for position, (path, leaf) in enumerate(flat):
             label = f"input {path[0].idx}{jax.tree_util.keystr(path[1:])}"
             if float_dtype(leaf, label) is not None:
-                leaf = np.asarray(leaf, dtype=np.float64)
+                leaf = jnp.asarray(leaf, dtype=jnp.float64)
                 positions.append(position)
                 labels.append(label)
             leaves.append(leaf)
@@ -68,12 +73,13 @@ class OpUnderTest:
             )
         new_args = tuple(jax.tree_util.tree_unflatten(treedef, leaves))
         op = cls(func, new_args, tuple(positions), tuple(labels))
+        _refuse_complex_outputs(op)
         return dataclasses.replace(op, forward_error=_forward_mode_error(op))
 
     # -- calling -------------------------------------------------------------------------
 
     @property
-    def primals(self) -> list[np.ndarray]:
+    def primals(self) -> list[jax.Array]:
         leaves = jax.tree_util.tree_leaves(self.args)
         return [leaves[p] for p in self.positions]
 
@@ -118,6 +124,26 @@ class OpUnderTest:
         return tuple(rng.standard_normal(p.shape) for p in self.primals)
 
 
+def _refuse_complex_outputs(op: OpUnderTest) -> None:
+    """Raises ``TypeError`` naming a complex output leaf, before any check runs.
+
+    An op that fails to trace is left to the checks, which report it as their FAIL.
+    """
+    try:
+        shapes = jax.eval_shape(op.call, *op.primals)
+    except Exception:  # noqa: BLE001 -- reported by each check instead
+        return
+    for position, (path, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(shapes)[0]):
+        if _is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.complexfloating):
+            full = jax.tree_util.keystr(path)
+            shown = "" if full in ("", f"[{position}]") else full
+            raise TypeError(
+                f"output {position}{shown} has complex dtype {leaf.dtype}; opcheck supports "
+                "real floating-point outputs only (return the real and imaginary parts as two "
+                "outputs)."
+            )
+
+
 def _forward_mode_error(op: OpUnderTest) -> str | None:
     """Why ``jax.jvp`` cannot differentiate the op, or ``None``.
 
@@ -136,8 +162,9 @@ def _forward_mode_error(op: OpUnderTest) -> str | None:
 
 def _random_like(rng: np.random.Generator, leaf: Any, scale: float) -> Any:
     if jnp.issubdtype(leaf.dtype, jnp.inexact):
-        # np.asarray: for a scalar output, the product is a NumPy scalar, not an array.
-        return np.asarray(scale * rng.standard_normal(leaf.shape), dtype=leaf.dtype)
+        # A JAX array, as a backward receives in a user's code (NumPy arithmetic on a
+        # NumPy cotangent would promote differently: 1.01 * g of bfloat16 is float32).
+        return jnp.asarray(scale * rng.standard_normal(leaf.shape), dtype=leaf.dtype)
     return np.zeros(leaf.shape, jax.dtypes.float0)
 
 

@@ -55,21 +55,33 @@ def opcheck(
     * ``forward_rule``: the primal outputs of ``jax.vjp`` (and ``jax.jvp``)
       equal the op's output: a ``custom_vjp`` forward rule computes the op.
     * ``grad_dtypes``: each gradient has its input's dtype and shape, for
-      float64 and float32 inputs (``float0`` for integer inputs); JAX itself
-      accepts a float32 gradient for a float64 input without a word.
+      float64, float32 and bfloat16 inputs (``float0`` for integer inputs); JAX
+      itself accepts a float32 gradient for a float64 input without a word. A
+      dtype the op has no kernel for is a SKIP naming it.
     * ``zero_cotangent``: a zero cotangent gives exactly zero gradients, and
       using only one of several outputs (the others symbolic zeros) works.
     * ``reentrancy``: the backward run twice agrees within ``nondet_tol``.
     * ``gradcheck`` / ``gradgradcheck``: first and second derivatives against
-      finite differences, entry by entry (``jaxext.gradcheck``).
+      finite differences, entry by entry (``jaxext.gradcheck``). A backward
+      that runs but cannot be differentiated (``once_differentiable``, a
+      ``while_loop`` with a dynamic trip count ...) is a SKIP of
+      ``gradgradcheck`` with the error.
+    * ``fwd_over_rev``, ``rev_over_fwd``, ``fwd_over_fwd``: the other three
+      compositions of second derivatives (``jax.jacfwd(jax.jacrev(f))``,
+      ``jax.jacrev(jax.jacfwd(f))`` ...) against finite differences of the VJP
+      or JVP: a ``jvp`` rule can be right at first order and wrong at second.
+      The ``*_over_fwd`` ones SKIP for an op without forward mode.
     * ``jvp``: forward mode against finite differences; ``jvp_vjp``: ``u . (J v)``
       from ``jax.jvp`` equals ``(J^T u) . v`` from ``jax.vjp``. Both SKIP for an
       op without forward mode (a plain ``jax.custom_vjp``; use
       ``jaxext.custom_vjp`` to get it).
     * ``jit``: values and gradients under ``jit`` equal eager ones.
     * ``jit_reuse``: one jitted op, differentiated with respect to every subset
-      of its inputs in turn, and used twice in one differentiated computation
-      with different inputs differentiated, gives the gradients of fresh traces.
+      of its inputs in turn, and used several times in one differentiated
+      computation with different inputs differentiated (the others cut by
+      ``stop_gradient`` or constants, as in ``op(a, c) + op(c, b) + op(a, b) ** 2``),
+      gives the gradients of fresh traces; also with a freshly jitted op called
+      once before (as in an evaluation pass before training).
     * ``vmap``: output, gradient and JVP under ``vmap`` over each argument in
       turn equal a Python loop.
     * ``checkpoint``: the same gradients under ``jax.checkpoint`` with the
@@ -77,13 +89,17 @@ def opcheck(
     * ``export``: a ``jax.export`` round trip (serialize, deserialize, call)
       gives the same values and gradients; ``export_symbolic`` exports with a
       symbolic leading dimension on the first input of two or more dimensions
-      (SKIP when the op does not trace with one). Calls of C++ kernels of
+      (SKIP when the op does not trace with one, or when that dimension is 0:
+      ``jax.export``'s symbolic dimensions are at least 1). Calls of C++ kernels of
       :mod:`jaxext.cpp_extension` are exported with
       ``jax.export.DisabledSafetyCheck.custom_call`` for their targets.
     * ``low_precision``: float32 and bfloat16 inputs run, and outputs and
-      gradients stay within ``16 * eps(dtype)`` (normwise) of float64. A dtype
-      the op refuses while tracing, with a ``TypeError`` naming it (as an op
-      whose kernels have no handler for that dtype should), makes this a SKIP
+      gradients stay within ``16 * eps(dtype)`` (normwise) of float64 computed
+      at the same rounded inputs (rounding the inputs is not the op's error;
+      the cotangent takes each output's dtype, so a float32 output for a
+      bfloat16 input is fine). A dtype the op refuses while tracing, with a
+      ``TypeError`` naming it (as an op whose kernels have no handler for that
+      dtype should), or has no kernel for (``NotImplementedError``), is a SKIP
       with the op's message.
 
     Comparisons of two programs computing the same math in float64 (jit and
@@ -96,7 +112,8 @@ def opcheck(
             array leaves are the differentiable inputs.
         checks: names of the checks to run (default: all, ``CHECK_NAMES``).
         skip: names of checks not to run.
-        eps: finite-difference step of the gradient checks.
+        eps: finite-difference step of the gradient checks (scaled down for
+            inputs below 0.01, as in ``jaxext.gradcheck``).
         atol: absolute tolerance of the gradient checks.
         rtol: relative tolerance of the gradient checks.
         nondet_tol: how far two runs of the backward may differ.
@@ -110,7 +127,9 @@ def opcheck(
     Raises:
         OpcheckError: if a check fails and ``raise_exception`` is true, naming
             each failed check with its diagnostic.
-        TypeError: if ``func`` is not callable or an option has the wrong type.
+        TypeError: if ``func`` is not callable, an option has the wrong type, or
+            an input or output is complex (named in the message; split it into
+            real and imaginary parts).
         ValueError: for an unknown check name, an option out of range, or
             ``args`` without a floating-point array.
 
@@ -135,6 +154,7 @@ def opcheck(
         raise TypeError(f"`raise_exception` must be True or False; got {raise_exception!r}.")
     with float64_numerics():
         op = OpUnderTest.build(func, args)
+        op.cache["selected"] = frozenset(selected)
         results = tuple(_run(name, op, settings) for name in selected)
     report = OpcheckReport(getattr(func, "__name__", type(func).__name__), results)
     if report.failed and raise_exception:

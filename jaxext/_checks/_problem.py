@@ -20,7 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Problem", "Segment", "first_order", "float_dtype", "second_order"]
+__all__ = [
+    "Problem",
+    "Segment",
+    "first_order",
+    "float_dtype",
+    "second_order",
+    "second_order_forward",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +63,7 @@ class Problem:
     order: int
     out_treedef: Any = None  # structure of func's output (first order only)
     out_positions: tuple[int, ...] = ()  # leaf position of each output segment
+    inner: str = "rev"  # order 2: the first derivative differentiated, VJP or JVP
 
 
 def private_copies(args: tuple) -> tuple:
@@ -245,3 +253,41 @@ def second_order(
 
     z0 = jnp.concatenate([first.x0, jnp.asarray(np.concatenate([c.ravel() for c in cotangents]))])
     return Problem(g, z0, vjp, first.inputs + ct_inputs, gradients, order=2), low
+
+
+def second_order_forward(first: Problem, num_args: int, seed: int) -> Problem:
+    """The problem ``(x, t) -> jvp(first.f, x)(t)``, inputs ``x`` then ``t``.
+
+    ``t`` holds standard-normal tangents from ``seed``, one block per input block;
+    they count as inputs after the positional ones. Differentiating this problem in
+    reverse or forward mode checks reverse-over-forward or forward-over-forward
+    second derivatives: what a forward rule (a ``jvp`` rule, or forward mode derived
+    from a backward) gets wrong at second order only.
+    """
+    rng = np.random.default_rng(seed)
+    tangents = [rng.standard_normal(segment.shape) for segment in first.inputs]
+    n_x = first.x0.shape[0]
+    t_inputs = tuple(
+        Segment(
+            num_args + s.index,
+            s.path,
+            s.shape,
+            n_x + s.offset,
+            f"input {num_args + s.index} (tangent for {s.label})",
+        )
+        for s in first.inputs
+    )
+    outputs = tuple(
+        Segment(s.index, s.path, s.shape, s.offset, f"{s.label} (its JVP)") for s in first.outputs
+    )
+
+    def g(z):
+        return jax.jvp(first.f, (z[:n_x],), (z[n_x:],))[1]
+
+    def vjp(z):
+        y, vjp_fn = jax.vjp(g, z)
+        return y, lambda u: vjp_fn(u)[0]
+
+    t0 = np.concatenate([t.ravel() for t in tangents]) if tangents else np.zeros(0)
+    z0 = jnp.concatenate([first.x0, jnp.asarray(t0)])
+    return Problem(g, z0, vjp, first.inputs + t_inputs, outputs, order=2, inner="fwd")

@@ -35,7 +35,9 @@ class GradcheckError(AssertionError):
             nonzero gradient), ``"nondeterministic"`` (two runs of the backward
             differ), ``"batched_grad"`` (``vmap`` of the VJP differs from a
             loop), ``"grad_dtype"`` (a gradient's dtype or shape differs from
-            its input's).
+            its input's), ``"random_cotangent"`` (the VJP of a random cotangent
+            differs from its product with the numerical Jacobian: a backward
+            not linear in its cotangent).
         order: 1 for ``gradcheck``, 2 for ``gradgradcheck``.
         mode: ``"rev"`` or ``"fwd"``.
         method: ``"full"`` (entrywise Jacobians) or ``"directional"``; ``None``
@@ -94,6 +96,7 @@ _KIND_TITLES = {
     "undefined_grad": "Nonzero gradient for a zero cotangent",
     "nondeterministic": "Nondeterministic backward",
     "batched_grad": "Batched gradient mismatch",
+    "random_cotangent": "Gradient mismatch for a random cotangent",
 }
 _KIND_EXPLANATIONS = {
     "undefined_grad": "the VJP with an all-zero cotangent must give exactly zero gradients "
@@ -102,6 +105,9 @@ _KIND_EXPLANATIONS = {
     "`nondet_tol` (PyTorch's reentrancy check)",
     "batched_grad": "jax.vmap of the VJP over a batch of cotangents differs from one VJP per "
     "cotangent (PyTorch's check_batched_grad)",
+    "random_cotangent": "the VJP of a random cotangent u differs from u^T J with the numerical "
+    "Jacobian J, which the VJPs of one-hot cotangents matched: the backward is not linear in "
+    "its cotangent (|g|, g**2, a branch on g ...)",
 }
 
 
@@ -198,19 +204,29 @@ def gradcheck_error(
             "undefined_grad": ("expected", "gradient"),
             "nondeterministic": ("first run", "second run"),
             "batched_grad": ("one at a time", "under vmap"),
+            "random_cotangent": ("u^T J (numerical)", "VJP of u"),
         }[kind]
         lines += [f"  {names[0]}: {num:.10g}", f"  {names[1]}: {auto:.10g}"]
         unit, reference = "gradient elements", names[0]
     lines += [
         f"  abs error: {abs_error:.3e}, rel error: {rel_error:.3e}; allowed: {worst.allowed:.3e}"
         + (
-            f" (atol + rtol * |{reference}| + finite-difference noise)"
+            f" (atol, times the pair's largest |{reference}| where that is below 1, "
+            f"+ rtol * |{reference}| + finite-difference noise)"
+            if kind == "jacobian" and method == "full"
+            else f" (atol + rtol * |{reference}| + finite-difference noise)"
             if kind == "jacobian"
             else ""
         ),
         f"  mismatched: {worst.count} of {worst.total} {unit}",
     ]
-    if problem.order == 2:
+    if problem.order == 2 and problem.inner == "fwd":
+        lines.append(
+            "  (order 2 here checks the Jacobian of (inputs, tangents) -> JVP of `func`: its "
+            "forward rule differentiated again; tangents count as inputs after the positional "
+            "ones)"
+        )
+    elif problem.order == 2:
         lines.append(
             "  (order 2 checks the Jacobian of (inputs, grad_outputs) -> VJP of `func`; "
             "grad_outputs count as inputs after the positional ones)"
