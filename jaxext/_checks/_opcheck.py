@@ -67,10 +67,13 @@ def opcheck(
       ``while_loop`` with a dynamic trip count ...) is a SKIP of
       ``gradgradcheck`` with the error.
     * ``fwd_over_rev``, ``rev_over_fwd``, ``fwd_over_fwd``: the other three
-      compositions of second derivatives (``jax.jacfwd(jax.jacrev(f))``,
-      ``jax.jacrev(jax.jacfwd(f))`` ...) against finite differences of the VJP
-      or JVP: a ``jvp`` rule can be right at first order and wrong at second.
-      The ``*_over_fwd`` ones SKIP for an op without forward mode.
+      compositions of second derivatives. ``fwd_over_rev``
+      (``jax.jacfwd(jax.jacrev(f))``): the VJP's JVPs against its finite
+      differences, entry by entry. ``rev_over_fwd`` (``jax.jacrev(jax.jacfwd(f))``)
+      and ``fwd_over_fwd``: ``u . D2f[t, s]`` for random ``u, t, s`` equals that of
+      reverse over reverse (which ``gradgradcheck`` checks), a ``jvp`` rule can
+      be right at first order and wrong at second; they SKIP for an op without
+      forward mode.
     * ``jvp``: forward mode against finite differences; ``jvp_vjp``: ``u . (J v)``
       from ``jax.jvp`` equals ``(J^T u) . v`` from ``jax.vjp``. Both SKIP for an
       op without forward mode (a plain ``jax.custom_vjp``; use
