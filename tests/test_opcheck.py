@@ -206,8 +206,10 @@ def test_a_dtype_without_a_kernel_is_a_skip_with_the_reason():
     report = jaxext.opcheck(jnp.linalg.solve, (a, b), checks=["grad_dtypes", "low_precision"])
     assert report.skipped == ("low_precision",), str(report)
     detail = report["low_precision"].detail
-    assert "float32 checked" in detail and "bfloat16" in detail and "no kernel" in detail
-    # Dtypes are decided when tracing, which needs no kernel: all three are checked.
+    assert "float32 checked" in detail and "bfloat16" in detail
+    # JAX 0.10 fails when the bfloat16 program runs (no kernel), newer JAX refuses the dtype
+    # while tracing (a TypeError naming it): either way the reason is the op's, not a bug.
+    assert "no kernel" in detail or "does not take it" in detail, detail
     assert report["grad_dtypes"].status == "PASS"
 
 
