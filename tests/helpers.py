@@ -245,3 +245,29 @@ class OnceCube(jaxext.Function):
     def backward(ctx, grad_output):
         (x,) = ctx.saved_tensors
         return grad_output * 3 * x**2
+
+
+def run_json_worker(worker, out, what):
+    """Runs ``python worker out`` on the CPU backend from the repository root and returns
+    the JSON it wrote to ``out`` (multi-device checks run in such a subprocess, which sets
+    its device count before importing JAX)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo_root = Path(worker).resolve().parent.parent
+    env = dict(os.environ)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo_root), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run(
+        [sys.executable, str(worker), str(out)],
+        env=env,
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"{what} worker failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(Path(out).read_text())

@@ -9,17 +9,13 @@ rule parser's errors are checked in this process (no mesh needed).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import rounding_tolerance
+from helpers import rounding_tolerance, run_json_worker
 
 from jaxext import cpp_extension
 from jaxext.cpp_extension import ops
@@ -43,19 +39,7 @@ TOL = rounding_tolerance(np.float32, n=128)
 @pytest.fixture(scope="module")
 def worker_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("cpp_sharding") / "results.json"
-    env = dict(os.environ)
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), str(out)],
-        env=env,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, f"cpp sharding worker failed:\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(out.read_text())
+    return run_json_worker(WORKER, out, "cpp sharding")
 
 
 def _check(results, name):

@@ -10,15 +10,11 @@ collective counts.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import rounding_tolerance
+from helpers import rounding_tolerance, run_json_worker
 
 WORKER = Path(__file__).with_name("_sharding_worker.py")
 REPO_ROOT = WORKER.parent.parent
@@ -66,19 +62,7 @@ FORWARD_CASES = [  # forward mode of jaxext.linear on sharded arrays, no shard_m
 def worker_results(tmp_path_factory):
     pytest.importorskip("flax")
     out = tmp_path_factory.mktemp("sharding") / "results.json"
-    env = dict(os.environ)
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), str(out)],
-        env=env,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, f"sharding worker failed:\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(out.read_text())
+    return run_json_worker(WORKER, out, "sharding")
 
 
 def _check(results, name):
