@@ -22,14 +22,19 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 
 import contextlib  # noqa: E402
-import json  # noqa: E402
-import re  # noqa: E402
 import sys  # noqa: E402
-import traceback  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _worker_util import (  # noqa: E402  (tests/, the script's directory)
+    collective_counts,
+    max_abs,
+    max_abs_diff,
+    rand,
+    run_checks,
+    specs,
+)
 from helpers import in_float64  # noqa: E402  (tests/, the script's directory)
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -37,39 +42,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from jaxext import cpp_extension  # noqa: E402
 from jaxext.cpp_extension import ops  # noqa: E402
 
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 BATCH, N_IN, N_OUT = 16, 6, 4
 CONSTANT = 2.5
-
-
-def collective_counts(fn, *args):
-    """Counts each collective op in the compiled (post-SPMD-partitioning) HLO."""
-    text = jax.jit(fn).lower(*args).compile().as_text()
-    return {c: len(re.findall(rf"\b{c}(?:-start)?\(", text)) for c in COLLECTIVES}
-
-
-def max_abs_diff(a, b):
-    return max(
-        float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    )
-
-
-def max_abs(tree):
-    return max(float(np.max(np.abs(np.asarray(leaf)))) for leaf in jax.tree.leaves(tree))
-
-
-def specs(tree):
-    """Per-leaf partition specs padded to the array rank (``P()`` == ``P(None,)``)."""
-    out = []
-    for leaf in jax.tree.leaves(tree):
-        spec = tuple(getattr(leaf.sharding, "spec", ()))
-        out.append(str(spec + (None,) * (leaf.ndim - len(spec))))
-    return out
-
-
-def rand(seed, shape):
-    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
 # The ops measured: (the op, its plain-jnp reference, number of parameters: x and
@@ -204,16 +178,5 @@ CHECKS.update(
 )
 
 
-def main(path):
-    results = {"device_count": jax.device_count(), "checks": {}}
-    for name, fn in CHECKS.items():
-        try:
-            results["checks"][name] = fn()
-        except Exception:  # recorded, reported by the test that reads it
-            results["checks"][name] = {"error": traceback.format_exc()}
-    with open(path, "w") as f:
-        json.dump(results, f, indent=1)
-
-
 if __name__ == "__main__":
-    main(sys.argv[1])
+    run_checks(CHECKS, sys.argv[1])

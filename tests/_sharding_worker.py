@@ -21,14 +21,19 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 
-import json  # noqa: E402
-import re  # noqa: E402
 import sys  # noqa: E402
-import traceback  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _worker_util import (  # noqa: E402  (tests/, the script's directory)
+    collective_counts,
+    max_abs,
+    max_abs_diff,
+    rand,
+    run_checks,
+    specs,
+)
 from flax import linen, nnx  # noqa: E402
 from helpers import in_float64  # noqa: E402  (tests/, the script's directory)
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
@@ -38,38 +43,11 @@ import jaxext  # noqa: E402
 import jaxext.linen  # noqa: E402
 import jaxext.nnx  # noqa: E402
 
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 AXES = ("data", "model")
 
 
 def make_mesh(axis_type):
     return jax.make_mesh((4, 2), AXES, axis_types=(axis_type,) * 2)
-
-
-def collective_counts(jitted, *args):
-    """Counts each collective op in the compiled (post-SPMD-partitioning) HLO."""
-    text = jitted.lower(*args).compile().as_text()
-    return {c: len(re.findall(rf"\b{c}(?:-start)?\(", text)) for c in COLLECTIVES}
-
-
-def max_abs_diff(a, b):
-    return max(
-        float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    )
-
-
-def max_abs(tree):
-    return max(float(np.max(np.abs(np.asarray(leaf)))) for leaf in jax.tree.leaves(tree))
-
-
-def specs(tree):
-    """Per-leaf partition specs padded to the array rank (``P()`` == ``P(None,)``)."""
-    out = []
-    for leaf in jax.tree.leaves(tree):
-        spec = tuple(leaf.sharding.spec)
-        out.append(str(spec + (None,) * (leaf.ndim - len(spec))))
-    return out
 
 
 def shard_map(f, mesh, in_specs, out_specs, check):
@@ -78,10 +56,6 @@ def shard_map(f, mesh, in_specs, out_specs, check):
     from jax.experimental.shard_map import shard_map as legacy  # older JAX
 
     return legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check)
-
-
-def rand(seed, shape):
-    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
 def forward_mode(mapped, reference, arrays, args, n_diff, *, jit=True):
@@ -576,16 +550,5 @@ CHECKS.update(
 )
 
 
-def main(path):
-    results = {"device_count": jax.device_count(), "checks": {}}
-    for name, check in CHECKS.items():
-        try:
-            results["checks"][name] = check()
-        except Exception:  # recorded, reported by the test that reads it
-            results["checks"][name] = {"error": traceback.format_exc()}
-    with open(path, "w") as f:
-        json.dump(results, f, indent=1)
-
-
 if __name__ == "__main__":
-    main(sys.argv[1])
+    run_checks(CHECKS, sys.argv[1])
