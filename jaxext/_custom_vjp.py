@@ -34,6 +34,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from ._linearity import Kind, nonlinearities
+from ._remat import run_fwd
 
 __all__ = ["RuleTypeError", "RuleValueError", "custom_vjp"]
 
@@ -119,6 +120,7 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         self.bwd: Callable[..., Any] | None = None
         self.jvp: Callable[..., Any] | None = None
         self.symbolic_zeros = False
+        self.optimize_remat = False
         # Set by libraries built on custom_vjp (jaxext.Function), read in forward mode:
         # what to tell a user whose bwd cannot be transposed, and, for a bwd that must not
         # be differentiated (once_differentiable), the message of the RuntimeError that any
@@ -177,7 +179,7 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         Raises:
             TypeError: if a rule is not callable.
         """
-        del optimize_remat, generic_batching
+        del generic_batching
         for name, rule in (("fwd", fwd), ("bwd", bwd)):
             if not callable(rule):
                 raise TypeError(f"`{name}` must be callable; got {type(rule).__name__}.")
@@ -185,6 +187,7 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
             raise TypeError(f"`jvp` must be callable or None; got {type(jvp).__name__}.")
         self.fwd, self.bwd, self.jvp = fwd, bwd, jvp
         self.symbolic_zeros = bool(symbolic_zeros)
+        self.optimize_remat = bool(optimize_remat)
 
     def def_vmap(self, rule: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[Any, Any]]:
         """Defines the batching rule ``vmap`` uses for the function (usable as a decorator).
@@ -483,7 +486,10 @@ class _Op:
             fwd_args = jax.tree_util.tree_unflatten(in_tree, wrapped)
         else:
             fwd_args = primals
-        result = self.spec.fwd(*self.merge(fwd_args))
+        if self.spec.optimize_remat:
+            result = run_fwd(self, fwd_args)
+        else:
+            result = self.spec.fwd(*self.merge(fwd_args))
         if not isinstance(result, (tuple, list)) or len(result) != 2:
             raise TypeError(
                 f"`{self.name}`: fwd must return a pair (output, residuals); got "

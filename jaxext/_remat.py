@@ -1,0 +1,296 @@
+"""``optimize_remat=True``: ``fwd`` as a primitive that becomes the primal when its residuals die.
+
+Under ``jax.checkpoint`` (remat) the forward pass keeps only the primal outputs of
+what ``fwd`` computes and the backward pass recomputes ``fwd`` for its residuals.
+JAX's dead-code elimination trims a ``fwd`` made of JAX operations to the primal's
+work, but an opaque ``fwd`` (one FFI call or ``pure_callback`` that returns the
+output and the residuals together, jax#21303) cannot be trimmed and would run in
+full twice. As with ``jax.custom_vjp(..., optimize_remat=True)``, ``fwd`` is then
+staged as one ``fwd_p`` equation that knows both ``fwd``'s and the primal
+function's programs; when dead-code elimination finds none of its residual outputs
+used (the forward pass of a remat), it becomes a call of the primal function.
+
+Operands: ``fwd``'s closed-over values, the primal's closed-over values, then the
+array leaves of the arguments. Outputs: ``fwd``'s array leaves, the primal output's
+first (``n_out`` of them), then the residuals'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_derivatives import CustomVJPPrimal
+from jax.extend.core import Primitive, new_jaxpr_eqn, no_effects
+from jax.interpreters import ad, batching, mlir
+from jax.interpreters import partial_eval as pe
+
+__all__ = ["run_fwd"]
+
+
+def _is_array(leaf: Any) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.core.Tracer))
+
+
+def _is_float(value: Any) -> bool:
+    return jnp.issubdtype(jax.typeof(value).dtype, jnp.inexact)
+
+
+class _Skip(Exception):  # noqa: N818 -- internal signal, never escapes
+    """``fwd`` or the primal cannot be staged as ``fwd_p``: call ``fwd`` as it is."""
+
+
+def run_fwd(op: Any, fwd_args: tuple) -> Any:
+    """``op.spec.fwd(*op.merge(fwd_args))``, staged as ``fwd_p`` when that can pay off.
+
+    ``fwd_args`` are the differentiable arguments (leaves wrapped in
+    ``CustomVJPPrimal`` with ``symbolic_zeros=True``). ``fwd`` is called directly
+    when no argument is traced (eager autodiff: there is no remat to optimize),
+    when it has side effects, or when ``fwd`` or the primal cannot be traced
+    abstractly (Python control flow on values): the result is the same.
+    """
+    spec = op.spec
+
+    def call_fwd() -> Any:
+        return spec.fwd(*op.merge(fwd_args))
+
+    leaves, tree = jax.tree_util.tree_flatten(
+        fwd_args, is_leaf=lambda x: isinstance(x, CustomVJPPrimal)
+    )
+    wrapped = [isinstance(leaf, CustomVJPPrimal) for leaf in leaves]
+    values = [leaf.value if w else leaf for leaf, w in zip(leaves, wrapped, strict=True)]
+    flags = [leaf.perturbed if w else None for leaf, w in zip(leaves, wrapped, strict=True)]
+    if not any(isinstance(v, jax.core.Tracer) for v in values):
+        return call_fwd()
+    arrays = [_is_array(v) for v in values]
+    dyn = [v for v, a in zip(values, arrays, strict=True) if a]
+
+    def rebuild(dyn_values: Sequence[Any]) -> list[Any]:
+        it = iter(dyn_values)
+        full = [next(it) if a else v for v, a in zip(values, arrays, strict=True)]
+        return [
+            CustomVJPPrimal(v, q) if w else v for v, q, w in zip(full, flags, wrapped, strict=True)
+        ]
+
+    meta: dict[str, Any] = {}
+
+    def fwd_flat(*dyn_values: Any) -> list[Any]:
+        result = spec.fwd(*op.merge(jax.tree_util.tree_unflatten(tree, rebuild(dyn_values))))
+        if not isinstance(result, (tuple, list)) or len(result) != 2:
+            raise _Skip  # jvp_rule reports it
+        out_leaves, out_tree = jax.tree_util.tree_flatten(result[0])
+        res_leaves, res_tree = jax.tree_util.tree_flatten(result[1])
+        if not all(_is_array(o) for o in out_leaves):
+            raise _Skip
+        res_arrays = [_is_array(r) for r in res_leaves]
+        meta.update(
+            pair_type=type(result),
+            out_tree=out_tree,
+            res_tree=res_tree,
+            res_arrays=res_arrays,
+            res_static=[None if a else r for r, a in zip(res_leaves, res_arrays, strict=True)],
+            n_out=len(out_leaves),
+        )
+        return [*out_leaves, *(r for r, a in zip(res_leaves, res_arrays, strict=True) if a)]
+
+    primal = op.named_primal() if spec.vmap_rule is None else op.batched_primal()
+
+    def primal_flat(*dyn_values: Any) -> list[Any]:
+        full = jax.tree_util.tree_unflatten(tree, rebuild(dyn_values))
+        full = jax.tree_util.tree_map(
+            lambda x: x.value if isinstance(x, CustomVJPPrimal) else x,
+            full,
+            is_leaf=lambda x: isinstance(x, CustomVJPPrimal),
+        )
+        out = primal(*full)
+        if jax.tree_util.tree_structure(out) != meta["out_tree"]:
+            raise _Skip  # jvp_rule's check of fwd's output reports it
+        return jax.tree_util.tree_leaves(out)
+
+    try:
+        fwd_jaxpr = jax.make_jaxpr(fwd_flat)(*dyn)
+    except _Skip:
+        return call_fwd()
+    except jax.errors.ConcretizationTypeError:
+        return call_fwd()
+    n_out = meta["n_out"]
+    if fwd_jaxpr.effects:
+        flat = jax.extend.core.jaxpr_as_fun(fwd_jaxpr)(*dyn)
+        return _unflatten(meta, flat)
+    try:
+        prim_jaxpr = jax.make_jaxpr(primal_flat)(*dyn)
+    except (_Skip, jax.errors.ConcretizationTypeError):
+        prim_jaxpr = None
+    if prim_jaxpr is not None and (
+        prim_jaxpr.effects or list(prim_jaxpr.out_avals) != list(fwd_jaxpr.out_avals[:n_out])
+    ):
+        prim_jaxpr = None  # a wrong fwd output is reported by jvp_rule
+    call = _FwdCall(op.name, fwd_jaxpr, prim_jaxpr, n_out)
+    prim_consts = [] if prim_jaxpr is None else prim_jaxpr.consts
+    flat = fwd_p.bind(*fwd_jaxpr.consts, *prim_consts, *dyn, call=call)
+    return _unflatten(meta, flat)
+
+
+def _unflatten(meta: dict[str, Any], flat: Sequence[Any]) -> Any:
+    n_out = meta["n_out"]
+    out = jax.tree_util.tree_unflatten(meta["out_tree"], list(flat[:n_out]))
+    it = iter(flat[n_out:])
+    res_leaves = [
+        next(it) if a else s for a, s in zip(meta["res_arrays"], meta["res_static"], strict=True)
+    ]
+    res = jax.tree_util.tree_unflatten(meta["res_tree"], res_leaves)
+    return meta["pair_type"]((out, res))
+
+
+class _FwdCall:
+    """The programs of one staged ``fwd`` (a primitive parameter, hashed by identity).
+
+    ``keep`` is None for ``fwd`` itself, or, once dead-code elimination turned the
+    equation into the primal, the positions of the primal outputs still used.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        fwd_jaxpr: Any,
+        prim_jaxpr: Any,
+        n_out: int,
+        keep: tuple[int, ...] | None = None,
+    ):
+        self.name, self.fwd_jaxpr, self.prim_jaxpr = name, fwd_jaxpr, prim_jaxpr
+        self.n_out, self.keep = n_out, keep
+        self.n_fwd_consts = 0 if keep is not None else len(fwd_jaxpr.consts)
+        self.n_prim_consts = 0 if prim_jaxpr is None else len(prim_jaxpr.consts)
+
+    def __repr__(self) -> str:
+        kind = "fwd" if self.keep is None else "primal"
+        return f"<jaxext.custom_vjp {self.name} {kind}>"
+
+    def out_avals(self) -> list[Any]:
+        if self.keep is None:
+            return list(self.fwd_jaxpr.out_avals)
+        return [self.prim_jaxpr.out_avals[i] for i in self.keep]
+
+    def evaluate(self, *operands: Any) -> list[Any]:
+        fwd_consts = operands[: self.n_fwd_consts]
+        rest = operands[self.n_fwd_consts :]
+        prim_consts, args = rest[: self.n_prim_consts], rest[self.n_prim_consts :]
+        if self.keep is None:
+            return jax.core.eval_jaxpr(self.fwd_jaxpr.jaxpr, list(fwd_consts), *args)
+        outs = jax.core.eval_jaxpr(self.prim_jaxpr.jaxpr, list(prim_consts), *args)
+        return [outs[i] for i in self.keep]
+
+    def as_primal(self, keep: tuple[int, ...]) -> _FwdCall:
+        return _FwdCall(self.name, self.fwd_jaxpr, self.prim_jaxpr, self.n_out, keep)
+
+
+def _restage(
+    name: str,
+    fwd: Callable[..., list[Any]],
+    primal: Callable[..., list[Any]] | None,
+    n_out: int,
+    operands: Sequence[Any],
+) -> list[Any]:
+    """Binds ``fwd_p`` for a transformed ``fwd`` (its first ``n_out`` outputs the primal's)."""
+    fwd_jaxpr = jax.make_jaxpr(fwd)(*operands)
+    prim_jaxpr = None if primal is None else jax.make_jaxpr(primal)(*operands)
+    call = _FwdCall(name, fwd_jaxpr, prim_jaxpr, n_out)
+    prim_consts = [] if prim_jaxpr is None else prim_jaxpr.consts
+    return fwd_p.bind(*fwd_jaxpr.consts, *prim_consts, *operands, call=call)
+
+
+fwd_p = Primitive("jaxext_custom_vjp_fwd")
+fwd_p.multiple_results = True
+
+
+def _fwd_impl(*operands: Any, call: _FwdCall) -> list[Any]:
+    return call.evaluate(*operands)
+
+
+def _fwd_abstract_eval(*operands: Any, call: _FwdCall) -> list[Any]:
+    del operands
+    return call.out_avals()
+
+
+def _fwd_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, call: _FwdCall):
+    if all(type(t) is ad.Zero for t in tangents):
+        outs = fwd_p.bind(*primals, call=call)
+        return outs, [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in outs]
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    n = len(primals)
+    staged = call.keep is None and all(_is_float(p) for p in primals)
+    staged = staged and all(jnp.issubdtype(a.dtype, jnp.inexact) for a in call.out_avals())
+    if not staged:  # the primal (nothing left to optimize), or integer values: inline
+        outs, dots = jax.jvp(call.evaluate, list(primals), list(tangents))
+        return outs, dots
+    n_out = call.n_out
+
+    def fwd_jvp(*ops: Any) -> list[Any]:
+        outs, dots = jax.jvp(call.evaluate, list(ops[:n]), list(ops[n:]))
+        return [*outs[:n_out], *dots[:n_out], *outs[n_out:], *dots[n_out:]]
+
+    primal = None
+    if call.prim_jaxpr is not None:
+        prim_call = call.as_primal(tuple(range(n_out)))
+        n_skip = call.n_fwd_consts
+
+        def primal(*ops: Any) -> list[Any]:
+            p, t = ops[n_skip:n], ops[n + n_skip :]
+            outs, dots = jax.jvp(prim_call.evaluate, list(p), list(t))
+            return [*outs, *dots]
+
+    flat = _restage(call.name, fwd_jvp, primal, 2 * n_out, [*primals, *tangents])
+    n_res = len(flat) // 2 - n_out
+    outs = [*flat[:n_out], *flat[2 * n_out : 2 * n_out + n_res]]
+    dots = [*flat[n_out : 2 * n_out], *flat[2 * n_out + n_res :]]
+    return outs, dots
+
+
+def _fwd_batch(args: Sequence[Any], dims: Sequence[Any], *, call: _FwdCall):
+    size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
+    axes = list(dims)
+    if call.keep is not None:
+        outs = jax.vmap(call.evaluate, in_axes=axes, out_axes=0, axis_size=size)(*args)
+        return outs, [0] * len(outs)
+    fwd = jax.vmap(call.evaluate, in_axes=axes, out_axes=0, axis_size=size)
+    primal = None
+    if call.prim_jaxpr is not None:
+        prim_call = call.as_primal(tuple(range(call.n_out)))
+        n_skip = call.n_fwd_consts
+        batched = jax.vmap(prim_call.evaluate, in_axes=axes[n_skip:], out_axes=0, axis_size=size)
+
+        def primal(*ops: Any) -> list[Any]:
+            return batched(*ops[n_skip:])
+
+    outs = _restage(call.name, fwd, primal, call.n_out, list(args))
+    return outs, [0] * len(outs)
+
+
+def _fwd_dce(used_outs: list[bool], *rest: Any) -> tuple[list[bool], Any]:
+    """Dead-code elimination (JAX passes ``live_ins`` too since 0.11; the equation is last)."""
+    eqn = rest[-1]
+    call: _FwdCall = eqn.params["call"]
+    if not any(used_outs):
+        return [False] * len(eqn.invars), None
+    if call.keep is not None or call.prim_jaxpr is None or any(used_outs[call.n_out :]):
+        return [True] * len(eqn.invars), eqn
+    # Only primal outputs are used (the forward pass of a remat): run the primal instead.
+    keep = tuple(i for i in range(call.n_out) if used_outs[i])
+    new_call = call.as_primal(keep)
+    invars = list(eqn.invars[call.n_fwd_consts :])
+    outvars = [v for v, used in zip(eqn.outvars, used_outs, strict=True) if used]
+    new_eqn = new_jaxpr_eqn(
+        invars, outvars, fwd_p, {"call": new_call}, no_effects, eqn.source_info, eqn.ctx
+    )
+    return [False] * call.n_fwd_consts + [True] * len(invars), new_eqn
+
+
+fwd_p.def_impl(_fwd_impl)
+fwd_p.def_abstract_eval(_fwd_abstract_eval)
+ad.primitive_jvps[fwd_p] = _fwd_jvp
+batching.primitive_batchers[fwd_p] = _fwd_batch
+mlir.register_lowering(fwd_p, mlir.lower_fun(_fwd_impl, multiple_results=True))
+pe.dce_rules[fwd_p] = _fwd_dce
