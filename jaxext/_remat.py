@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal
 from jax.extend.core import Primitive, new_jaxpr_eqn, no_effects
@@ -33,10 +32,6 @@ __all__ = ["run_fwd"]
 
 def _is_array(leaf: Any) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.core.Tracer))
-
-
-def _is_float(value: Any) -> bool:
-    return jnp.issubdtype(jax.typeof(value).dtype, jnp.inexact)
 
 
 class _Skip(Exception):  # noqa: N818 -- internal signal, never escapes
@@ -216,37 +211,17 @@ def _fwd_abstract_eval(*operands: Any, call: _FwdCall) -> list[Any]:
 
 
 def _fwd_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, call: _FwdCall):
+    """Differentiates the program the equation runs, inlined (higher-order derivatives).
+
+    Restaging the derivative as ``fwd_p`` (JAX's way) would mix primal and tangent
+    operands in one equation, which reverse mode cannot split into known and
+    unknown parts; inlined, ``grad`` of ``grad`` works (JAX's optimize_remat refuses it).
+    """
     if all(type(t) is ad.Zero for t in tangents):
         outs = fwd_p.bind(*primals, call=call)
         return outs, [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in outs]
     tangents = [ad.instantiate_zeros(t) for t in tangents]
-    n = len(primals)
-    staged = call.keep is None and all(_is_float(p) for p in primals)
-    staged = staged and all(jnp.issubdtype(a.dtype, jnp.inexact) for a in call.out_avals())
-    if not staged:  # the primal (nothing left to optimize), or integer values: inline
-        outs, dots = jax.jvp(call.evaluate, list(primals), list(tangents))
-        return outs, dots
-    n_out = call.n_out
-
-    def fwd_jvp(*ops: Any) -> list[Any]:
-        outs, dots = jax.jvp(call.evaluate, list(ops[:n]), list(ops[n:]))
-        return [*outs[:n_out], *dots[:n_out], *outs[n_out:], *dots[n_out:]]
-
-    primal = None
-    if call.prim_jaxpr is not None:
-        prim_call = call.as_primal(tuple(range(n_out)))
-        n_skip = call.n_fwd_consts
-
-        def primal(*ops: Any) -> list[Any]:
-            p, t = ops[n_skip:n], ops[n + n_skip :]
-            outs, dots = jax.jvp(prim_call.evaluate, list(p), list(t))
-            return [*outs, *dots]
-
-    flat = _restage(call.name, fwd_jvp, primal, 2 * n_out, [*primals, *tangents])
-    n_res = len(flat) // 2 - n_out
-    outs = [*flat[:n_out], *flat[2 * n_out : 2 * n_out + n_res]]
-    dots = [*flat[n_out : 2 * n_out], *flat[2 * n_out + n_res :]]
-    return outs, dots
+    return jax.jvp(call.evaluate, list(primals), list(tangents))
 
 
 def _fwd_batch(args: Sequence[Any], dims: Sequence[Any], *, call: _FwdCall):
