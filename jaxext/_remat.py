@@ -23,11 +23,11 @@ from typing import Any
 import jax
 import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal
-from jax.extend.core import Primitive, new_jaxpr_eqn, no_effects
+from jax.extend.core import Primitive, Var, new_jaxpr_eqn, no_effects
 from jax.interpreters import ad, batching, mlir
 from jax.interpreters import partial_eval as pe
 
-__all__ = ["run_fwd"]
+__all__ = ["run_fwd", "saved"]
 
 
 def _is_array(leaf: Any) -> bool:
@@ -269,3 +269,52 @@ ad.primitive_jvps[fwd_p] = _fwd_jvp
 batching.primitive_batchers[fwd_p] = _fwd_batch
 mlir.register_lowering(fwd_p, mlir.lower_fun(_fwd_impl, multiple_results=True))
 pe.dce_rules[fwd_p] = _fwd_dce
+
+
+# -- defremat: residuals that jax.checkpoint saves whatever its policy ------------------
+
+
+def saved(tree: Any) -> Any:
+    """``tree`` with its array leaves marked as saved by ``jax.checkpoint`` whatever its policy.
+
+    ``defremat``'s ``fwd`` residuals go through this, so that under remat the
+    forward pass saves them and the backward pass runs ``rem`` on them instead of
+    running ``fwd`` again, as with ``jax.custom_vjp.defremat``. Outside remat it is
+    the identity.
+    """
+    leaves, tree_def = jax.tree_util.tree_flatten(tree)
+    arrays = [_is_array(leaf) for leaf in leaves]
+    dyn = [leaf for leaf, a in zip(leaves, arrays, strict=True) if a]
+    if not any(isinstance(leaf, jax.core.Tracer) for leaf in dyn):
+        return tree
+    it = iter(save_p.bind(*dyn))
+    return jax.tree_util.tree_unflatten(
+        tree_def, [next(it) if a else leaf for leaf, a in zip(leaves, arrays, strict=True)]
+    )
+
+
+save_p = Primitive("jaxext_custom_vjp_saved_residuals")
+save_p.multiple_results = True
+save_p.def_impl(lambda *xs: list(xs))
+save_p.def_abstract_eval(lambda *avals: list(avals))
+mlir.register_lowering(save_p, mlir.lower_fun(lambda *xs: list(xs), multiple_results=True))
+ad.primitive_jvps[save_p] = lambda primals, tangents: (save_p.bind(*primals), list(tangents))
+batching.primitive_batchers[save_p] = lambda args, dims: (save_p.bind(*args), list(dims))
+
+
+def _save_partial_eval(saveable: Any, unks_in: Sequence[bool], inst_in: Sequence[bool], eqn: Any):
+    """``jax.checkpoint``'s split into forward and backward: the outputs are always saved."""
+    del saveable
+    n = len(eqn.outvars)
+    if not any(unks_in):
+        # Known, and available to the backward pass as residuals when it needs them.
+        return eqn, None, [False] * n, [False] * n, []
+    res = [
+        v
+        for v, unknown, inst in zip(eqn.invars, unks_in, inst_in, strict=True)
+        if not unknown and not inst and isinstance(v, Var)
+    ]
+    return None, eqn, [True] * n, [True] * n, res
+
+
+pe.partial_eval_jaxpr_custom_rules[save_p] = _save_partial_eval
