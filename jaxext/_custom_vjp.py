@@ -34,7 +34,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from ._linearity import Kind, nonlinearities
-from ._remat import run_fwd, saved
+from ._remat import rematerialized, run_fwd, saved
 
 __all__ = ["RuleTypeError", "RuleValueError", "custom_vjp"]
 
@@ -255,8 +255,21 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
 
         def remat_fwd(*args: Any) -> tuple[Any, Any]:
             out, res = fwd(*args)
-            _, res2 = rem(saved(res), *args)
-            return out, res2
+            pair = rem(saved(res), *args)
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise RuleTypeError(
+                    f"`{self.__name__}`: rem must return a pair (output, residuals for bwd); "
+                    f"got {type(pair).__name__}."
+                )
+            rem_out, res2 = pair
+            out_tree = jax.tree_util.tree_structure(out)
+            if jax.tree_util.tree_structure(rem_out) != out_tree:
+                raise RuleTypeError(
+                    f"`{self.__name__}`: rem's output must have fwd's output structure "
+                    f"{out_tree}; got {jax.tree_util.tree_structure(rem_out)}."
+                )
+            # Under jax.checkpoint, the backward pass takes the output from rem too.
+            return rematerialized(out, rem_out), res2
 
         functools.update_wrapper(remat_fwd, fwd)
         self.remat_rules = (fwd, rem, bwd)

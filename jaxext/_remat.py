@@ -27,7 +27,7 @@ from jax.extend.core import Primitive, Var, new_jaxpr_eqn, no_effects
 from jax.interpreters import ad, batching, mlir
 from jax.interpreters import partial_eval as pe
 
-__all__ = ["run_fwd", "saved"]
+__all__ = ["rematerialized", "run_fwd", "saved"]
 
 
 def _is_array(leaf: Any) -> bool:
@@ -318,3 +318,120 @@ def _save_partial_eval(saveable: Any, unks_in: Sequence[bool], inst_in: Sequence
 
 
 pe.partial_eval_jaxpr_custom_rules[save_p] = _save_partial_eval
+
+
+def rematerialized(out: Any, rem_out: Any) -> Any:
+    """``out``, which ``jax.checkpoint``'s backward pass takes from ``rem_out`` instead.
+
+    ``defremat``'s ``rem`` recomputes the primal output with the residuals: under
+    remat, the backward pass (the gradient of what follows the call) uses that one
+    rather than running ``fwd`` again. The caller checked that the trees match.
+    """
+    leaves, tree_def = jax.tree_util.tree_flatten(out)
+    rem_leaves = tree_def.flatten_up_to(rem_out)
+    if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        return out
+    leaves = [jax.numpy.asarray(leaf) for leaf in leaves]
+    rem_leaves = [
+        jax.numpy.asarray(r).astype(leaf.dtype) for r, leaf in zip(rem_leaves, leaves, strict=True)
+    ]
+    picked = pick_p.bind(*leaves, *rem_leaves, n=len(leaves), remat=True)
+    return jax.tree_util.tree_unflatten(tree_def, picked)
+
+
+# pick_p(*a, *b, n, remat) is ``a``. With remat=True, jax.checkpoint's backward pass computes
+# it from ``b`` (see _pick_partial_eval); with remat=False it is the identity on ``a``.
+pick_p = Primitive("jaxext_custom_vjp_rematerialized")
+pick_p.multiple_results = True
+pick_p.def_impl(lambda *xs, n, remat: list(xs[:n]))
+pick_p.def_abstract_eval(lambda *avals, n, remat: list(avals[:n]))
+mlir.register_lowering(
+    pick_p, mlir.lower_fun(lambda *xs, n, remat: list(xs[:n]), multiple_results=True)
+)
+
+
+def _pick_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, n: int, remat: bool):
+    return pick_p.bind(*primals, n=n, remat=remat), list(tangents[:n])
+
+
+def _pick_batch(args: Sequence[Any], dims: Sequence[Any], *, n: int, remat: bool):
+    if not remat:
+        return pick_p.bind(*args, n=n, remat=remat), list(dims[:n])
+    # Both halves batched alike, so that the backward pass's half has the same layout.
+    size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
+    moved = []
+    for k, (a, d) in enumerate(zip(args, dims, strict=True)):
+        partner = dims[(k + n) % (2 * n)]
+        if d is not None:
+            moved.append(jax.numpy.moveaxis(a, d, 0))
+        elif partner is not None:
+            moved.append(jax.numpy.broadcast_to(a, (size, *a.shape)))
+        else:
+            moved.append(a)
+    out_dims = [None if d is None and dims[k + n] is None else 0 for k, d in enumerate(dims[:n])]
+    return pick_p.bind(*moved, n=n, remat=remat), out_dims
+
+
+def _pick_dce(used_outs: list[bool], *rest: Any) -> tuple[list[bool], Any]:
+    """Outside remat (a jitted program's dead-code elimination): ``a``, without ``b``."""
+    eqn = rest[-1]
+    n = eqn.params["n"]
+    if not any(used_outs):
+        return [False] * len(eqn.invars), None
+    if not eqn.params["remat"]:
+        return [True] * len(eqn.invars), eqn
+    new_eqn = new_jaxpr_eqn(
+        list(eqn.invars[:n]),
+        list(eqn.outvars),
+        pick_p,
+        {"n": n, "remat": False},
+        no_effects,
+        eqn.source_info,
+        eqn.ctx,
+    )
+    return [True] * n + [False] * n, new_eqn
+
+
+def _pick_partial_eval(saveable: Any, unks_in: Sequence[bool], inst_in: Sequence[bool], eqn: Any):
+    """``jax.checkpoint``'s split: ``a`` on the forward pass, ``b`` on the backward pass."""
+    del saveable
+    n = len(eqn.outvars)
+
+    def needed(invars: Sequence[Any], unks: Sequence[bool], inst: Sequence[bool]) -> list[Any]:
+        return [
+            v
+            for v, u, i in zip(invars, unks, inst, strict=True)
+            if not u and not i and isinstance(v, Var)
+        ]
+
+    if any(unks_in) or not eqn.params["remat"]:
+        if not any(unks_in):
+            return eqn, None, [False] * n, [False] * n, []
+        return None, eqn, [True] * n, [True] * n, needed(eqn.invars, unks_in, inst_in)
+    params = {"n": n, "remat": False}
+    known = new_jaxpr_eqn(
+        list(eqn.invars[:n]),
+        list(eqn.outvars),
+        pick_p,
+        params,
+        no_effects,
+        eqn.source_info,
+        eqn.ctx,
+    )
+    staged = new_jaxpr_eqn(
+        list(eqn.invars[n:]),
+        list(eqn.outvars),
+        pick_p,
+        params,
+        no_effects,
+        eqn.source_info,
+        eqn.ctx,
+    )
+    res = needed(eqn.invars[n:], unks_in[n:], inst_in[n:])
+    return known, staged, [False] * n, [True] * n, res
+
+
+ad.primitive_jvps[pick_p] = _pick_jvp
+batching.primitive_batchers[pick_p] = _pick_batch
+pe.dce_rules[pick_p] = _pick_dce
+pe.partial_eval_jaxpr_custom_rules[pick_p] = _pick_partial_eval
