@@ -245,8 +245,9 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
             >>> def f_rem(s, x):
             ...     return s**2, 2 * s * jnp.cos(x)  # recomputed on the backward pass
             >>> f.defremat(f_fwd, f_rem, lambda d, g: (g * d,))
-            >>> jax.grad(jax.checkpoint(f))(jnp.float32(0.5))
-            Array(0.84147096, dtype=float32)
+            >>> g = jax.grad(jax.checkpoint(f))(jnp.float32(0.5))
+            >>> bool(jnp.isclose(g, jnp.sin(1.0)))  # 2 sin(x) cos(x) = sin(2x)
+            True
         """
         del generic_batching
         for name, rule in (("fwd", fwd), ("rem", rem), ("bwd", bwd)):
