@@ -254,19 +254,21 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
             if not callable(rule):
                 raise TypeError(f"`{name}` must be callable; got {type(rule).__name__}.")
 
+        op_name = getattr(self.fun, "__name__", repr(self.fun))
+
         def remat_fwd(*args: Any) -> tuple[Any, Any]:
             out, res = fwd(*args)
             pair = rem(saved(res), *args)
             if not isinstance(pair, (tuple, list)) or len(pair) != 2:
                 raise RuleTypeError(
-                    f"`{self.__name__}`: rem must return a pair (output, residuals for bwd); "
+                    f"`{op_name}`: rem must return a pair (output, residuals for bwd); "
                     f"got {type(pair).__name__}."
                 )
             rem_out, res2 = pair
             out_tree = jax.tree_util.tree_structure(out)
             if jax.tree_util.tree_structure(rem_out) != out_tree:
                 raise RuleTypeError(
-                    f"`{self.__name__}`: rem's output must have fwd's output structure "
+                    f"`{op_name}`: rem's output must have fwd's output structure "
                     f"{out_tree}; got {jax.tree_util.tree_structure(rem_out)}."
                 )
             # Under jax.checkpoint, the backward pass takes the output from rem too.

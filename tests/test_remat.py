@@ -590,3 +590,21 @@ def test_defremat_refuses_a_rule_that_is_not_callable(bad):
     rules[bad] = 3
     with pytest.raises(TypeError, match=f"`{bad}` must be callable; got int"):
         f.defremat(rules["fwd"], rules["rem"], rules["bwd"])
+
+
+@pytest.mark.parametrize(
+    ("rem", "message"),
+    [
+        (lambda s, x: jnp.cos(x), "rem must return a pair"),
+        (lambda s, x: ((s, s), jnp.cos(x)), "rem's output must have fwd's output structure"),
+    ],
+    ids=["not_a_pair", "wrong_output_structure"],
+)
+def test_defremat_names_a_rem_that_breaks_its_contract(rem, message):
+    @jaxext.custom_vjp
+    def sin_op(x):
+        return jnp.sin(x)
+
+    sin_op.defremat(lambda x: (jnp.sin(x), jnp.sin(x)), rem, lambda c, g: (g * c,))
+    with pytest.raises(jaxext.RuleTypeError, match=f"`sin_op`: {message}"):
+        jax.grad(jax.checkpoint(sin_op))(jnp.float32(0.5))
