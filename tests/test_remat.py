@@ -354,7 +354,14 @@ def _remat_args(transform):
     return (x[None].repeat(2, 0), y[None].repeat(2, 0)) if transform == "vmap" else (x, y)
 
 
-@pytest.mark.parametrize("transform", list(REMAT_TRANSFORMS))
+COUNTED_TRANSFORMS = {
+    **REMAT_TRANSFORMS,
+    "no_checkpoint": lambda h: jax.value_and_grad(h, argnums=(0, 1)),
+    "jit_no_checkpoint": lambda h: jax.jit(jax.value_and_grad(h, argnums=(0, 1))),
+}
+
+
+@pytest.mark.parametrize("transform", list(COUNTED_TRANSFORMS))
 @pytest.mark.parametrize("optimize_remat", [False, True])
 def test_optimize_remat_runs_an_opaque_fwd_once_as_jax_does(transform, optimize_remat):
     args = _remat_args(transform)
@@ -363,16 +370,19 @@ def test_optimize_remat_runs_an_opaque_fwd_once_as_jax_does(transform, optimize_
     for name, custom_vjp in (("jax", jax.custom_vjp), ("jaxext", jaxext.custom_vjp)):
         calls = collections.Counter()
         f = _opaque_sin_mul(custom_vjp, calls, optimize_remat)
-        results[name] = jax.block_until_ready(REMAT_TRANSFORMS[transform](_loss(f))(*args))
+        results[name] = jax.block_until_ready(COUNTED_TRANSFORMS[transform](_loss(f))(*args))
         counted[name] = dict(calls)
     assert counted["jaxext"] == counted["jax"]
-    # The forward pass keeps the primal output only: with the option it runs the primal
-    # instead of fwd, and fwd runs once, on the backward pass.
+    # Under remat the forward pass keeps the primal output only: with the option it runs
+    # the primal instead of fwd, and fwd runs once, on the backward pass. Without remat,
+    # fwd runs once either way.
     # (vmap_method="sequential": under vmap, one call per example of the batch of 2.)
     per_call = 2 if transform == "vmap" else 1
     expected = {"fun": 1, "fwd": 1} if optimize_remat else {"fwd": 2}
+    if transform.endswith("no_checkpoint"):
+        expected = {"fwd": 1}
     assert counted["jaxext"] == {k: v * per_call for k, v in expected.items()}
-    reference = in_float64(REMAT_TRANSFORMS[transform](_loss(lambda x, y: jnp.sin(x) * y)), *args)
+    reference = in_float64(COUNTED_TRANSFORMS[transform](_loss(lambda x, y: jnp.sin(x) * y)), *args)
     jax.tree.map(assert_close_to_float64, results["jaxext"], reference)
 
 
