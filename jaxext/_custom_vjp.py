@@ -34,6 +34,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from ._linearity import Kind, nonlinearities
+from ._remat import rematerialized, run_fwd, saved
 
 __all__ = ["RuleTypeError", "RuleValueError", "custom_vjp"]
 
@@ -119,6 +120,8 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         self.bwd: Callable[..., Any] | None = None
         self.jvp: Callable[..., Any] | None = None
         self.symbolic_zeros = False
+        self.optimize_remat = False
+        self.remat_rules: tuple[Callable[..., Any], ...] | None = None
         # Set by libraries built on custom_vjp (jaxext.Function), read in forward mode:
         # what to tell a user whose bwd cannot be transposed, and, for a bwd that must not
         # be differentiated (once_differentiable), the message of the RuntimeError that any
@@ -161,8 +164,15 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
                 zero). With ``symbolic_zeros=True`` a zero cotangent leaf
                 arrives as a ``jax.custom_derivatives.SymbolicZero``.
             symbolic_zeros: as for ``jax.custom_vjp``.
-            optimize_remat: accepted for compatibility with ``jax.custom_vjp``;
-                it has no effect (``fwd`` runs once per differentiation).
+            optimize_remat: as for ``jax.custom_vjp``: under ``jax.checkpoint``
+                (remat), the forward pass runs the primal function instead of
+                ``fwd`` when it needs no residuals, so an opaque ``fwd`` (one FFI
+                call or ``pure_callback`` returning output and residuals together)
+                is not run twice. ``fwd`` is then traced abstractly when its inputs
+                are traced; a ``fwd`` that branches in Python on its inputs' values,
+                or that has side effects, runs as without the option. Unlike
+                ``jax.custom_vjp``, it combines with ``symbolic_zeros``, forward mode
+                and higher-order derivatives.
             generic_batching: accepted for compatibility with ``jax.custom_vjp``
                 (JAX 0.12 and later); it has no effect. Under ``vmap``, an output
                 shared across the batch (one that depends on unbatched inputs
@@ -177,14 +187,97 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         Raises:
             TypeError: if a rule is not callable.
         """
-        del optimize_remat, generic_batching
+        del generic_batching
         for name, rule in (("fwd", fwd), ("bwd", bwd)):
             if not callable(rule):
                 raise TypeError(f"`{name}` must be callable; got {type(rule).__name__}.")
         if jvp is not None and not callable(jvp):
             raise TypeError(f"`jvp` must be callable or None; got {type(jvp).__name__}.")
+        if self.remat_rules is not None:
+            return  # defremat's rules stay in force (see defremat)
         self.fwd, self.bwd, self.jvp = fwd, bwd, jvp
         self.symbolic_zeros = bool(symbolic_zeros)
+        self.optimize_remat = bool(optimize_remat)
+
+    def defremat(
+        self,
+        fwd: Callable[..., tuple[ReturnValue, Any]],
+        rem: Callable[..., tuple[ReturnValue, Any]],
+        bwd: Callable[..., Any],
+        generic_batching: bool = False,
+    ) -> None:
+        """Defines rematerialization rules, as JAX 0.12's ``jax.custom_vjp.defremat``.
+
+        Under ``jax.checkpoint`` (remat), the forward pass runs ``fwd`` and saves
+        its residuals ``res`` whatever the checkpoint policy; the backward pass
+        runs ``rem(res, *args)`` for the residuals ``res2`` of ``bwd``, instead of
+        running ``fwd`` again. Outside remat, ``rem`` runs right after ``fwd`` on
+        the forward pass. Works on every supported JAX release (JAX 0.12 needs the
+        ``jax_custom_vjp3`` option for it), and forward mode is derived from
+        ``bwd`` as with ``defvjp``.
+
+        Where JAX uses ``defvjp``'s rules outside remat when both are given,
+        jaxext uses ``defremat``'s everywhere (the gradients are the same), in
+        whichever order they were given.
+
+        Args:
+            fwd: as for ``defvjp`` (without symbolic zeros): takes the primal's
+                arguments; returns ``(output, res)``.
+            rem: ``rem(res, *args) -> (output, res2)``: recomputes the output and
+                the residuals for ``bwd`` from ``fwd``'s residuals and the
+                arguments.
+            bwd: as for ``defvjp``, receiving ``res2`` as its residuals.
+            generic_batching: accepted for compatibility with ``jax.custom_vjp``;
+                it has no effect (see ``defvjp``).
+
+        Raises:
+            TypeError: if a rule is not callable.
+
+        Example:
+            >>> import jax, jax.numpy as jnp
+            >>> import jaxext
+            >>> @jaxext.custom_vjp
+            ... def f(x):
+            ...     return jnp.sin(x) ** 2
+            >>> def f_fwd(x):
+            ...     s = jnp.sin(x)
+            ...     return s**2, s  # saved: sin(x)
+            >>> def f_rem(s, x):
+            ...     return s**2, 2 * s * jnp.cos(x)  # recomputed on the backward pass
+            >>> f.defremat(f_fwd, f_rem, lambda d, g: (g * d,))
+            >>> g = jax.grad(jax.checkpoint(f))(jnp.float32(0.5))
+            >>> bool(jnp.isclose(g, jnp.sin(1.0)))  # 2 sin(x) cos(x) = sin(2x)
+            True
+        """
+        del generic_batching
+        for name, rule in (("fwd", fwd), ("rem", rem), ("bwd", bwd)):
+            if not callable(rule):
+                raise TypeError(f"`{name}` must be callable; got {type(rule).__name__}.")
+
+        op_name = getattr(self.fun, "__name__", repr(self.fun))
+
+        def remat_fwd(*args: Any) -> tuple[Any, Any]:
+            out, res = fwd(*args)
+            pair = rem(saved(res), *args)
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise RuleTypeError(
+                    f"`{op_name}`: rem must return a pair (output, residuals for bwd); "
+                    f"got {type(pair).__name__}."
+                )
+            rem_out, res2 = pair
+            out_tree = jax.tree_util.tree_structure(out)
+            if jax.tree_util.tree_structure(rem_out) != out_tree:
+                raise RuleTypeError(
+                    f"`{op_name}`: rem's output must have fwd's output structure "
+                    f"{out_tree}; got {jax.tree_util.tree_structure(rem_out)}."
+                )
+            # Under jax.checkpoint, the backward pass takes the output from rem too.
+            return rematerialized(out, rem_out), res2
+
+        functools.update_wrapper(remat_fwd, fwd)
+        self.remat_rules = (fwd, rem, bwd)
+        self.fwd, self.bwd, self.jvp = remat_fwd, bwd, None
+        self.symbolic_zeros = self.optimize_remat = False
 
     def def_vmap(self, rule: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[Any, Any]]:
         """Defines the batching rule ``vmap`` uses for the function (usable as a decorator).
@@ -483,7 +576,10 @@ class _Op:
             fwd_args = jax.tree_util.tree_unflatten(in_tree, wrapped)
         else:
             fwd_args = primals
-        result = self.spec.fwd(*self.merge(fwd_args))
+        if self.spec.optimize_remat:
+            result = run_fwd(self, fwd_args)
+        else:
+            result = self.spec.fwd(*self.merge(fwd_args))
         if not isinstance(result, (tuple, list)) or len(result) != 2:
             raise TypeError(
                 f"`{self.name}`: fwd must return a pair (output, residuals); got "

@@ -291,3 +291,330 @@ def test_nnx_linear_remat_in_jitted_train_step():
     expected = in_float64(sgd_step, before, x, t)
     jax.tree.map(lambda a, b: assert_close_to_float64(a, b, n=256), ours, expected)
     assert not np.allclose(ours["l1"]["kernel"], before["l1"]["kernel"])
+
+
+# -- optimize_remat and defremat: how often an opaque forward runs under jax.checkpoint --
+#
+# The rules below are host callbacks (stand-ins for an FFI kernel, jax#21303): JAX can
+# neither look into nor trim them, so each one that the program keeps runs. A counter
+# per rule says how often. Where the JAX here supports the same rules, what it runs is
+# the expectation; the gradients are compared with float64 plain autodiff.
+
+
+def _host(calls, name, fn):
+    """``fn`` on NumPy arrays, counted in ``calls[name]``, as one opaque callback."""
+
+    def host(*arrays):
+        calls[name] += 1
+        return fn(*arrays)
+
+    def call(*args, n_out=1):
+        shape = jax.ShapeDtypeStruct(args[0].shape, args[0].dtype)
+        return jax.pure_callback(
+            host, shape if n_out == 1 else (shape,) * n_out, *args, vmap_method="sequential"
+        )
+
+    return call
+
+
+def _opaque_sin_mul(custom_vjp, calls, optimize_remat):
+    """``sin(x) * y`` whose primal and fwd are one opaque call each."""
+    primal = _host(calls, "fun", lambda x, y: np.sin(x) * y)
+    fused = _host(calls, "fwd", lambda x, y: (np.sin(x) * y, np.cos(x), np.sin(x)))
+
+    @custom_vjp
+    def f(x, y):
+        return primal(x, y)
+
+    def fwd(x, y):
+        out, cos_x, sin_x = fused(x, y, n_out=3)
+        return out, (cos_x, sin_x, y)
+
+    def bwd(res, g):
+        cos_x, sin_x, y = res
+        return g * cos_x * y, g * sin_x
+
+    f.defvjp(fwd, bwd, optimize_remat=optimize_remat)
+    return f
+
+
+def _loss(f):
+    return lambda x, y: jnp.sum(jnp.tanh(f(x, y)))
+
+
+REMAT_TRANSFORMS = {
+    "grad": lambda h: jax.value_and_grad(jax.checkpoint(h), argnums=(0, 1)),
+    "jit": lambda h: jax.jit(jax.value_and_grad(jax.checkpoint(h), argnums=(0, 1))),
+    "vmap": lambda h: jax.vmap(jax.value_and_grad(jax.checkpoint(h), argnums=(0, 1))),
+}
+
+
+def _remat_args(transform):
+    x, y = rand(20, (3,)), rand(21, (3,))
+    return (x[None].repeat(2, 0), y[None].repeat(2, 0)) if transform == "vmap" else (x, y)
+
+
+COUNTED_TRANSFORMS = {
+    **REMAT_TRANSFORMS,
+    "no_checkpoint": lambda h: jax.value_and_grad(h, argnums=(0, 1)),
+    "jit_no_checkpoint": lambda h: jax.jit(jax.value_and_grad(h, argnums=(0, 1))),
+}
+
+
+@pytest.mark.parametrize("transform", list(COUNTED_TRANSFORMS))
+@pytest.mark.parametrize("optimize_remat", [False, True])
+def test_optimize_remat_runs_an_opaque_fwd_once_as_jax_does(transform, optimize_remat):
+    args = _remat_args(transform)
+    counted = {}
+    results = {}
+    for name, custom_vjp in (("jax", jax.custom_vjp), ("jaxext", jaxext.custom_vjp)):
+        calls = collections.Counter()
+        f = _opaque_sin_mul(custom_vjp, calls, optimize_remat)
+        results[name] = jax.block_until_ready(COUNTED_TRANSFORMS[transform](_loss(f))(*args))
+        counted[name] = dict(calls)
+    assert counted["jaxext"] == counted["jax"]
+    # Under remat the forward pass keeps the primal output only: with the option it runs
+    # the primal instead of fwd, and fwd runs once, on the backward pass. Without remat,
+    # fwd runs once either way.
+    # (vmap_method="sequential": under vmap, one call per example of the batch of 2.)
+    per_call = 2 if transform == "vmap" else 1
+    expected = {"fun": 1, "fwd": 1} if optimize_remat else {"fwd": 2}
+    if transform.endswith("no_checkpoint"):
+        expected = {"fwd": 1}
+    assert counted["jaxext"] == {k: v * per_call for k, v in expected.items()}
+    reference = in_float64(COUNTED_TRANSFORMS[transform](_loss(lambda x, y: jnp.sin(x) * y)), *args)
+    jax.tree.map(assert_close_to_float64, results["jaxext"], reference)
+
+
+def _sin_mul_rules(symbolic_zeros):
+    """``sin(x) * y`` made of JAX operations, with a static residual."""
+
+    @jaxext.custom_vjp
+    def f(x, y):
+        return jnp.sin(x) * y
+
+    def fwd(x, y):
+        if symbolic_zeros:
+            x, y = x.value, y.value
+        return f(x, y), (jnp.cos(x), jnp.sin(x), y, "static")
+
+    def bwd(res, g):
+        cos_x, sin_x, y, tag = res
+        assert tag == "static"
+        return g * cos_x * y, g * sin_x
+
+    f.defvjp(fwd, bwd, symbolic_zeros=symbolic_zeros, optimize_remat=True)
+    return f
+
+
+def _scan_loss(f):
+    def loss(x, y):
+        step = jax.checkpoint(lambda c, _: (c + jnp.sum(jnp.tanh(f(x * c, y))), None))
+        return jax.lax.scan(step, 0.5, None, length=3)[0]
+
+    return loss
+
+
+OPTIMIZED_TRANSFORMS = {
+    **REMAT_TRANSFORMS,
+    "no_checkpoint": lambda h: jax.grad(h, argnums=(0, 1)),
+    "dots_saveable": lambda h: jax.jit(
+        jax.grad(jax.checkpoint(h, policy=jax.checkpoint_policies.dots_saveable))
+    ),
+    "jvp": lambda h: lambda x, y: jax.jvp(jax.checkpoint(h), (x, y), (jnp.ones_like(x), y)),
+    "jit_jacfwd": lambda h: jax.jit(jax.jacfwd(jax.checkpoint(h), argnums=(0, 1))),
+    "hessian": lambda h: jax.hessian(jax.checkpoint(h)),
+    "jacrev_grad": lambda h: jax.jacrev(jax.grad(jax.checkpoint(h))),
+    "jacfwd_grad": lambda h: jax.jacfwd(jax.grad(jax.checkpoint(h))),
+}
+
+
+@pytest.mark.parametrize("transform", list(OPTIMIZED_TRANSFORMS))
+@pytest.mark.parametrize("symbolic_zeros", [False, True])
+def test_optimize_remat_derivatives_match_plain_autodiff(transform, symbolic_zeros):
+    # jax.custom_vjp refuses symbolic_zeros and higher orders with optimize_remat;
+    # jaxext gives every derivative, as without the option.
+    args = _remat_args(transform)
+    got = OPTIMIZED_TRANSFORMS[transform](_loss(_sin_mul_rules(symbolic_zeros)))(*args)
+    want = in_float64(OPTIMIZED_TRANSFORMS[transform](_loss(lambda x, y: jnp.sin(x) * y)), *args)
+    jax.tree.map(lambda a, b: assert_close_to_float64(a, b, n=3), got, want)
+
+
+def test_optimize_remat_in_scan_and_under_jit_with_closures():
+    scale = np.float32(1.5)
+
+    @jax.jit
+    def run(x, y, s):
+        @jaxext.custom_vjp
+        def f(x, y):
+            return jnp.sin(x) * y * s
+
+        f.defvjp(
+            lambda x, y: (f(x, y), (jnp.cos(x) * s, jnp.sin(x) * s, y)),
+            lambda r, g: (g * r[0] * r[2], g * r[1]),
+            optimize_remat=True,
+        )
+        return jax.grad(_scan_loss(f), argnums=(0, 1))(x, y)
+
+    x, y = rand(22, (3,)), rand(23, (3,))
+    want = in_float64(
+        lambda x, y: jax.grad(_scan_loss(lambda x, y: jnp.sin(x) * y * scale), (0, 1))(x, y),
+        x,
+        y,
+    )
+    jax.tree.map(lambda a, b: assert_close_to_float64(a, b, n=9), run(x, y, scale), want)
+
+
+def _opaque_remat_rules(custom_vjp, calls, with_defvjp=None):
+    """``sin(x) * y`` by ``defremat``: fwd saves ``sin(x)``; rem recomputes ``cos(x)`` from it."""
+    primal = _host(calls, "fun", lambda x, y: np.sin(x) * y)
+    fused = _host(calls, "fwd", lambda x, y: (np.sin(x) * y, np.sin(x)))
+    # For x in (-pi/2, pi/2): cos(x) from sin(x) alone, so rem needs fwd's residual.
+    cos_from_sin = _host(calls, "rem", lambda s: np.sqrt(1 - s * s).astype(s.dtype))
+
+    @custom_vjp
+    def f(x, y):
+        return primal(x, y)
+
+    def fwd(x, y):
+        out, sin_x = fused(x, y, n_out=2)
+        return out, sin_x
+
+    def rem(sin_x, x, y):
+        return sin_x * y, (cos_from_sin(sin_x), sin_x, y)
+
+    def bwd(res, g):
+        cos_x, sin_x, y = res
+        return g * cos_x * y, g * sin_x
+
+    def plain_fwd(x, y):
+        return f(x, y), (jnp.cos(x), jnp.sin(x), y)
+
+    if with_defvjp == "before":
+        f.defvjp(plain_fwd, bwd)
+    f.defremat(fwd, rem, bwd)
+    if with_defvjp == "after":
+        f.defvjp(plain_fwd, bwd)
+    return f
+
+
+def _remat_rule_args(transform):
+    x, y = rand(24, (3,)) * 0.5, rand(25, (3,))  # |x| < pi/2
+    return (x[None].repeat(2, 0), y[None].repeat(2, 0)) if transform == "vmap" else (x, y)
+
+
+DEFREMAT_TRANSFORMS = {
+    **REMAT_TRANSFORMS,
+    "no_checkpoint": lambda h: jax.value_and_grad(h, argnums=(0, 1)),
+    "everything_saveable": lambda h: jax.value_and_grad(
+        jax.checkpoint(h, policy=jax.checkpoint_policies.everything_saveable), argnums=(0, 1)
+    ),
+}
+
+
+@contextlib.contextmanager
+def _jax_defremat():
+    """JAX's own defremat (JAX 0.12 and later), which needs its newer implementations."""
+    names = ("jax_custom_vjp3", "jax_remat3")
+    before = {name: getattr(jax.config, name) for name in names}
+    try:
+        for name in names:
+            jax.config.update(name, True)
+        yield
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
+
+
+@pytest.mark.parametrize("transform", list(DEFREMAT_TRANSFORMS))
+def test_defremat_runs_fwd_once_and_rem_on_the_backward_pass(transform):
+    args = _remat_rule_args(transform)
+    calls = collections.Counter()
+    f = _opaque_remat_rules(jaxext.custom_vjp, calls)
+    got = jax.block_until_ready(DEFREMAT_TRANSFORMS[transform](_loss(f))(*args))
+    # fwd's residual is saved whatever the policy: fwd runs once, rem once, the primal
+    # never (under vmap, once per example of the batch of 2).
+    per_call = 2 if transform == "vmap" else 1
+    assert dict(calls) == {"fwd": per_call, "rem": per_call}
+    want = in_float64(DEFREMAT_TRANSFORMS[transform](_loss(lambda x, y: jnp.sin(x) * y)), *args)
+    jax.tree.map(lambda a, b: assert_close_to_float64(a, b, n=3), got, want)
+
+
+@pytest.mark.parametrize("transform", list(DEFREMAT_TRANSFORMS))
+def test_defremat_runs_what_jax_runs(transform):
+    if not hasattr(jax.custom_vjp, "defremat"):
+        pytest.skip(f"jax.custom_vjp.defremat does not exist in JAX {jax.__version__}")
+    args = _remat_rule_args(transform)
+    counted = {}
+    for name, custom_vjp in (("jax", jax.custom_vjp), ("jaxext", jaxext.custom_vjp)):
+        calls = collections.Counter()
+        f = _opaque_remat_rules(custom_vjp, calls)
+        context = _jax_defremat() if name == "jax" else contextlib.nullcontext()
+        with context:
+            jax.block_until_ready(DEFREMAT_TRANSFORMS[transform](_loss(f))(*args))
+        counted[name] = dict(calls)
+    assert counted["jaxext"] == counted["jax"]
+
+
+@pytest.mark.parametrize("with_defvjp", ["before", "after"])
+def test_defremat_rules_win_over_defvjp_in_either_order(with_defvjp):
+    args = _remat_rule_args("grad")
+    calls = collections.Counter()
+    f = _opaque_remat_rules(jaxext.custom_vjp, calls, with_defvjp=with_defvjp)
+    got = REMAT_TRANSFORMS["grad"](_loss(f))(*args)
+    assert dict(calls) == {"fwd": 1, "rem": 1}
+    want = in_float64(REMAT_TRANSFORMS["grad"](_loss(lambda x, y: jnp.sin(x) * y)), *args)
+    jax.tree.map(lambda a, b: assert_close_to_float64(a, b, n=3), got, want)
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        lambda h: lambda x, y: jax.jvp(jax.checkpoint(h), (x, y), (jnp.ones_like(x), y)),
+        lambda h: jax.hessian(jax.checkpoint(h)),
+        lambda h: jax.jacrev(jax.grad(jax.checkpoint(h))),
+    ],
+    ids=["jvp", "hessian", "jacrev_grad"],
+)
+def test_defremat_forward_mode_and_second_order(transform):
+    @jaxext.custom_vjp
+    def f(x, y):
+        return jnp.sin(x) * y
+
+    f.defremat(
+        lambda x, y: (f(x, y), jnp.sin(x)),
+        lambda sin_x, x, y: (sin_x * y, (jnp.cos(x), sin_x, y)),
+        lambda r, g: (g * r[0] * r[2], g * r[1]),
+    )
+    args = _remat_rule_args("grad")
+    got = transform(_loss(f))(*args)
+    want = in_float64(transform(_loss(lambda x, y: jnp.sin(x) * y)), *args)
+    jax.tree.map(lambda a, b: assert_close_to_float64(a, b, n=3), got, want)
+
+
+@pytest.mark.parametrize("bad", ["fwd", "rem", "bwd"])
+def test_defremat_refuses_a_rule_that_is_not_callable(bad):
+    f = jaxext.custom_vjp(jnp.sin)
+    rules = {"fwd": lambda x: (jnp.sin(x), x), "rem": lambda r, x: (jnp.sin(x), r)}
+    rules["bwd"] = lambda r, g: (g * jnp.cos(r),)
+    rules[bad] = 3
+    with pytest.raises(TypeError, match=f"`{bad}` must be callable; got int"):
+        f.defremat(rules["fwd"], rules["rem"], rules["bwd"])
+
+
+@pytest.mark.parametrize(
+    ("rem", "message"),
+    [
+        (lambda s, x: jnp.cos(x), "rem must return a pair"),
+        (lambda s, x: ((s, s), jnp.cos(x)), "rem's output must have fwd's output structure"),
+    ],
+    ids=["not_a_pair", "wrong_output_structure"],
+)
+def test_defremat_names_a_rem_that_breaks_its_contract(rem, message):
+    @jaxext.custom_vjp
+    def sin_op(x):
+        return jnp.sin(x)
+
+    sin_op.defremat(lambda x: (jnp.sin(x), jnp.sin(x)), rem, lambda c, g: (g * c,))
+    with pytest.raises(jaxext.RuleTypeError, match=f"`sin_op`: {message}"):
+        jax.grad(jax.checkpoint(sin_op))(jnp.float32(0.5))
