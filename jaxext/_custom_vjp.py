@@ -1048,8 +1048,10 @@ def _eager_tangent(args: Sequence[Any], lin: _Linear) -> Callable[..., Any] | No
     Eager forward mode otherwise traces and transposes ``bwd`` (and checks that it is
     linear) at every call. The program is compiled the second time a signature is seen, so
     that eager calls each with a new nondiff value (a Python constant) compile nothing. A
-    signature whose rules cannot be staged (Python control flow on a residual's value) is
-    remembered as such and keeps running as is.
+    signature whose rules cannot be staged (Python control flow on a residual's value) or
+    read arrays other than their arguments is remembered as such and keeps running as is.
+    As under ``jax.jit``, the rules are taken to be functions of their arguments: a Python
+    number they read from a global that is later rebound is not noticed.
     """
     if lin.n_res != lin.n_own:  # hoisted closures: only made inside a trace
         return None
@@ -1071,6 +1073,10 @@ def _eager_tangent(args: Sequence[Any], lin: _Linear) -> Callable[..., Any] | No
         try:
             closed = jax.make_jaxpr(functools.partial(_tangent_apply, lin=lin))(*args)
         except Exception:  # noqa: BLE001 -- the uncached path raises the error itself
+            closed = None
+        if closed is None or closed.consts:
+            # Arrays the rules read other than their arguments (a global or closed-over
+            # array) may be rebound between eager calls: such rules always run afresh.
             _cache_put(cache, key, _UNSTAGED)
             return None
         entry = jax.jit(jaxpr_as_fun(closed))

@@ -218,3 +218,20 @@ def test_eager_distinct_constants_keep_the_cache_bounded():
     assert len(cache) <= _custom_vjp.CACHE_SIZE
     # Nothing was compiled for a constant seen once.
     assert all(not callable(v) for v in cache.values())
+
+
+def test_rules_reading_a_rebound_global_array_run_afresh():
+    """An array the bwd reads from outside its arguments is never baked into a cache."""
+    state = {"w": jnp.full(3, 2.0)}
+
+    @jaxext.custom_vjp
+    def f(x):
+        return x * state["w"]
+
+    f.defvjp(lambda x: (f(x), None), lambda _, g: (g * state["w"],))
+    x = jnp.ones(3)
+    for value in (2.0, 5.0, -1.0):
+        state["w"] = jnp.full(3, value)
+        for _ in range(REPEAT):
+            assert_close(jax.jvp(f, (x,), (x,))[1], np.full(3, value))
+            assert_close(jax.grad(lambda v: f(v).sum())(x), np.full(3, value))
