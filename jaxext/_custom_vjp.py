@@ -636,8 +636,13 @@ class _Op:
         leaves, tree = jax.tree_util.tree_flatten(diff_values)
         spec = self.spec
         rules = (spec.fun, spec.fwd, spec.bwd, spec.jvp, spec.symbolic_zeros)
-        avals = tuple(jax.typeof(leaf) for leaf in leaves)
-        return (kind, rules, len(self.args), self.diff, nondiff, tree, avals)
+        key = (kind, rules, len(self.args), self.diff, nondiff, tree)
+        try:
+            key = (*key, tuple(jax.typeof(leaf) for leaf in leaves))
+            hash(key)
+        except TypeError:  # a type JAX cannot hash (an extended one, say): not cached
+            return None
+        return key
 
     def check_fwd_output(self, primals: tuple, out: Any) -> None:
         expected = self.expected_output(primals)
@@ -1063,6 +1068,10 @@ def _eager_tangent(args: Sequence[Any], lin: _Linear) -> Callable[..., Any] | No
         return None
     key = (*key, lin.perturbed, lin.in_tree, lin.in_avals, lin.res_tree, lin.res_is_array)
     key = (*key, static, lin.out_tree, lin.out_avals, lin.out_float, _bwd_checks_disabled())
+    try:
+        hash(key)
+    except TypeError:
+        return None
     cache = _call_cache(lin.op.spec)
     entry = cache.get(key)
     if entry is None:  # first sighting: run as is
