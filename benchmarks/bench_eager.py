@@ -225,7 +225,7 @@ def _size(size: list[int] | tuple[int, ...]) -> str:
 
 def markdown(results: dict[str, Any]) -> str:
     m = results["machine"]
-    load = (m.get("loadavg_start"), m.get("loadavg_end"))
+    load = ["/".join(f"{v:.1f}" for v in x or []) for x in (m["loadavg_start"], m["loadavg_end"])]
     lines = [
         "# Eager autodiff through jaxext.custom_vjp: benchmark results (cpu)",
         "",
