@@ -20,8 +20,10 @@ sets; there is no residual structure recorded once and reused.
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
+import types
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -30,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import custom_batching
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
-from jax.extend.core import Primitive
+from jax.extend.core import Primitive, jaxpr_as_fun
 from jax.interpreters import ad, batching, mlir
 
 from ._linearity import Kind, nonlinearities
@@ -513,6 +515,55 @@ def _is_float(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.inexact)
 
 
+# -- per-function caches of eager work (issue 19) -------------------------------------
+
+# Entries kept per decorated function: eager calls with distinct nondiff values (a new
+# Python constant each step) evict old entries rather than growing without bound.
+CACHE_SIZE = 64
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, np.generic, np.dtype, type, slice)
+
+
+def _call_cache(spec: custom_vjp) -> collections.OrderedDict:
+    """The cache of ``spec`` (a bounded LRU, keyed by :meth:`_Op.cache_key`)."""
+    cache = spec.__dict__.get("_call_cache")
+    if cache is None:
+        cache = spec.__dict__["_call_cache"] = collections.OrderedDict()
+    return cache
+
+
+def _cache_put(cache: collections.OrderedDict, key: Any, value: Any) -> None:
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > CACHE_SIZE:
+        cache.popitem(last=False)
+
+
+def _static_key(values: Any) -> Any:
+    """A hashable key for Python values, or ``None`` where they cannot safely be one.
+
+    Only plain immutable values (numbers, strings, dtypes, types, module-level functions)
+    and containers of them: an arbitrary object may be mutable or hold arrays or tracers,
+    which a cache must not keep alive. Numbers are keyed by type and ``repr`` so that
+    ``1``, ``1.0``, ``True`` and ``0.0``, ``-0.0`` stay apart.
+    """
+    leaves, tree = jax.tree_util.tree_flatten(values)
+    key = []
+    for leaf in leaves:
+        if isinstance(leaf, (float, complex, np.inexact)):
+            key.append((type(leaf), repr(leaf)))
+        elif isinstance(leaf, (*_PLAIN, types.BuiltinFunctionType)) or (
+            isinstance(leaf, types.FunctionType) and leaf.__closure__ is None
+        ):
+            key.append((type(leaf), leaf))
+        else:
+            return None
+    try:
+        hash(tree)
+        return tree, tuple(key)
+    except TypeError:
+        return None
+
+
 class _Op:
     """One call of a :class:`custom_vjp`: its arguments split into static and traced."""
 
@@ -579,7 +630,7 @@ class _Op:
         if self.spec.optimize_remat:
             result = run_fwd(self, fwd_args)
         else:
-            result = self.spec.fwd(*self.merge(fwd_args))
+            result = self.call_fwd(fwd_args, in_leaves)
         if not isinstance(result, (tuple, list)) or len(result) != 2:
             raise TypeError(
                 f"`{self.name}`: fwd must return a pair (output, residuals); got "
@@ -620,6 +671,23 @@ class _Op:
                 out_tangents.append(jnp.zeros_like(o))
         return out, jax.tree_util.tree_unflatten(out_tree, out_tangents)
 
+    def call_fwd(self, fwd_args: Sequence[Any], in_leaves: Sequence[Any]) -> Any:
+        """Runs ``fwd``; eagerly where its inputs are concrete (eager ``grad``, ``vjp``).
+
+        Linearization runs the JVP rule under a partial-evaluation trace, where every
+        operation on concrete arrays takes JAX's slow dispatch path; ``jax.custom_vjp`` runs
+        its ``fwd`` outside that trace. A ``fwd`` that closes over a traced value (only
+        possible beneath another transformation) cannot run eagerly and runs as before.
+        """
+        eval_context = getattr(jax.core, "eval_context", None)
+        if eval_context is None or any(isinstance(p, jax.core.Tracer) for p in in_leaves):
+            return self.spec.fwd(*self.merge(fwd_args))
+        try:
+            with eval_context():
+                return self.spec.fwd(*self.merge(fwd_args))
+        except jax.errors.UnexpectedTracerError:
+            return self.spec.fwd(*self.merge(fwd_args))
+
     def jax_fwd_phrase(self) -> str:
         """JAX's wording of a wrong fwd output, which users' code may match on."""
         fwd_name = getattr(self.spec.fwd, "__name__", "fwd")
@@ -629,13 +697,52 @@ class _Op:
             "output.)"
         )
 
-    def check_fwd_output(self, primals: tuple, out: Any) -> None:
+    def expected_output(self, primals: tuple) -> Any:
+        """The primal's output type for ``primals`` (``None``: it cannot be traced abstractly).
+
+        Cached per abstract signature (see :func:`_call_cache`): tracing the primal again
+        for every eager call costs more than the call itself.
+        """
+        key = self.cache_key("out", primals)
+        cache = _call_cache(self.spec)
+        if key is not None and key in cache:
+            cache.move_to_end(key)
+            return cache[key]
         try:
             expected = jax.eval_shape(self.primal, *primals)
         except jax.errors.ConcretizationTypeError:
             # The primal branches in Python on its inputs' values: it cannot be traced
             # abstractly, and JAX itself never traces it when differentiating eagerly. Trust
             # fwd's output, as jax.custom_vjp does there.
+            expected = None
+        if key is not None:
+            _cache_put(cache, key, expected)
+        return expected
+
+    def cache_key(self, kind: str, diff_values: Any) -> Any:
+        """A key naming everything static about this call, or ``None`` (not cacheable).
+
+        The function and rules, the positions and values of the nondiff arguments (by type
+        and value, so ``1``, ``1.0`` and ``True`` differ), the pytree structure and the
+        abstract values (shape, dtype, weak type, sharding) of the differentiable ones.
+        """
+        nondiff = _static_key(self.nondiff())
+        if nondiff is None:
+            return None
+        leaves, tree = jax.tree_util.tree_flatten(diff_values)
+        spec = self.spec
+        rules = (spec.fun, spec.fwd, spec.bwd, spec.jvp, spec.symbolic_zeros)
+        key = (kind, rules, len(self.args), self.diff, nondiff, tree)
+        try:
+            key = (*key, tuple(jax.typeof(leaf) for leaf in leaves))
+            hash(key)
+        except TypeError:  # a type JAX cannot hash (an extended one, say): not cached
+            return None
+        return key
+
+    def check_fwd_output(self, primals: tuple, out: Any) -> None:
+        expected = self.expected_output(primals)
+        if expected is None:
             return
         got = jax.tree_util.tree_map(
             lambda o: jax.ShapeDtypeStruct(np.shape(o), jnp.result_type(o)), out
@@ -795,13 +902,7 @@ class _Linear:
                     f"structure {tree} (or a prefix of it); got "
                     f"{jax.tree_util.tree_structure(grad)}."
                 ) from None
-        labels, paths = [], []
-        for k, tree in enumerate(arg_trees):
-            labels.extend([self.op.label(k)] * tree.num_leaves)
-            leaves = jax.tree_util.tree_flatten_with_path(
-                jax.tree_util.tree_unflatten(tree, range(tree.num_leaves))
-            )[0]
-            paths.extend(f"output[{k}]{jax.tree_util.keystr(p)}" for p, _ in leaves)
+        labels, paths = self.leaf_labels()
         result = []
         for grad, aval, q, label, path in zip(
             flat, self.in_avals, self.perturbed, labels, paths, strict=True
@@ -814,6 +915,23 @@ class _Linear:
             ct_aval = aval.to_ct_aval() if hasattr(aval, "to_ct_aval") else aval
             result.append(self.finish(grad, ct_aval, label, jax_path=path))
         return result
+
+    def leaf_labels(self) -> tuple[list[str], list[str]]:
+        """Per input leaf: the argument's label and JAX's ``output[k]...`` path (cached)."""
+        key = ("labels", self.op.spec.fun, len(self.op.args), self.op.diff, self.in_tree)
+        cache = _call_cache(self.op.spec)
+        if key in cache:
+            cache.move_to_end(key)
+            return cache[key]
+        labels, paths = [], []
+        for k, tree in enumerate(self.in_tree.children()):
+            labels.extend([self.op.label(k)] * tree.num_leaves)
+            leaves = jax.tree_util.tree_flatten_with_path(
+                jax.tree_util.tree_unflatten(tree, range(tree.num_leaves))
+            )[0]
+            paths.extend(f"output[{k}]{jax.tree_util.keystr(p)}" for p, _ in leaves)
+        _cache_put(cache, key, (labels, paths))
+        return labels, paths
 
     def finish(
         self, grad: Any, aval: Any, label: str, rule: str = "bwd", jax_path: str | None = None
@@ -1012,9 +1130,66 @@ def _split(args: Sequence[Any], lin: _Linear) -> tuple[list[Any], list[Any]]:
     return list(args[: lin.n_res]), list(args[lin.n_res :])
 
 
-def _tangent_impl(*args: Any, lin: _Linear) -> list[jax.Array]:
+def _tangent_apply(*args: Any, lin: _Linear) -> list[jax.Array]:
     res, t = _split(args, lin)
     return lin.tangent(res, t)
+
+
+def _tangent_impl(*args: Any, lin: _Linear) -> list[jax.Array]:
+    """Eager ``J t``: compiled once per abstract signature seen twice (see ``_eager_tangent``)."""
+    compiled = _eager_tangent(args, lin) if isinstance(lin, _Linear) else None
+    if compiled is None:
+        return _tangent_apply(*args, lin=lin)
+    return list(compiled(*args))
+
+
+def _eager_tangent(args: Sequence[Any], lin: _Linear) -> Callable[..., Any] | None:
+    """A compiled ``J t`` for ``lin``'s abstract signature, or ``None`` (run it as is).
+
+    Eager forward mode otherwise traces and transposes ``bwd`` (and checks that it is
+    linear) at every call. The program is compiled the second time a signature is seen, so
+    that eager calls each with a new nondiff value (a Python constant) compile nothing. A
+    signature whose rules cannot be staged (Python control flow on a residual's value) or
+    read arrays other than their arguments is remembered as such and keeps running as is.
+    As under ``jax.jit``, the rules are taken to be functions of their arguments: a Python
+    number they read from a global that is later rebound is not noticed.
+    """
+    if lin.n_res != lin.n_own:  # hoisted closures: only made inside a trace
+        return None
+    key = lin.op.cache_key("tangent", list(args))
+    static = _static_key(
+        [lin.res_static, lin.op.spec.forward_mode_hint, lin.op.spec.no_derivatives_message]
+    )
+    if key is None or static is None:
+        return None
+    key = (*key, lin.perturbed, lin.in_tree, lin.in_avals, lin.res_tree, lin.res_is_array)
+    key = (*key, static, lin.out_tree, lin.out_avals, lin.out_float, _bwd_checks_disabled())
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    cache = _call_cache(lin.op.spec)
+    entry = cache.get(key)
+    if entry is None:  # first sighting: run as is
+        _cache_put(cache, key, _SEEN_ONCE)
+        return None
+    cache.move_to_end(key)
+    if entry is _SEEN_ONCE:
+        try:
+            closed = jax.make_jaxpr(functools.partial(_tangent_apply, lin=lin))(*args)
+        except Exception:  # noqa: BLE001 -- the uncached path raises the error itself
+            closed = None
+        if closed is None or closed.consts:
+            # Arrays the rules read other than their arguments (a global or closed-over
+            # array) may be rebound between eager calls: such rules always run afresh.
+            _cache_put(cache, key, _UNSTAGED)
+            return None
+        entry = jax.jit(jaxpr_as_fun(closed))
+        _cache_put(cache, key, entry)
+    return None if entry is _UNSTAGED else entry
+
+
+_SEEN_ONCE, _UNSTAGED = object(), object()
 
 
 def _tangent_abstract_eval(*args: Any, lin: _Linear) -> list[Any]:
@@ -1113,4 +1288,4 @@ tangent_p.def_abstract_eval(_tangent_abstract_eval)
 ad.primitive_jvps[tangent_p] = _tangent_jvp
 ad.primitive_transposes[tangent_p] = _tangent_transpose
 batching.primitive_batchers[tangent_p] = _tangent_batch
-mlir.register_lowering(tangent_p, mlir.lower_fun(_tangent_impl, multiple_results=True))
+mlir.register_lowering(tangent_p, mlir.lower_fun(_tangent_apply, multiple_results=True))

@@ -1,0 +1,237 @@
+"""The per-function caches of eager work in ``jaxext.custom_vjp`` never serve a stale rule.
+
+Eager calls reuse, per abstract signature, the primal's output type (fwd's output check),
+the argument labels and a compiled forward-mode tangent (see ``_custom_vjp.py``). Each
+test alternates calls that differ in one static aspect (nondiff value, shape, dtype, weak
+type, pytree structure, perturbed set, keyword argument, the rules themselves), three
+times each so that every cache is filled and then served, and compares every result
+with an independent float64 reference. No timing is asserted.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, in_float64, rand
+
+import jaxext
+from jaxext import _custom_vjp
+
+REPEAT = 3  # first call: as is; second: the tangent is compiled; third: served from cache
+
+
+def _scale_op():
+    """``x * c`` with nondiff ``c``; bwd and jvp-by-transposition use ``c``."""
+
+    @functools.partial(jaxext.custom_vjp, nondiff_argnums=(1,))
+    def scale(x, c):
+        return x * c
+
+    scale.defvjp(lambda x, c: (scale(x, c), None), lambda c, _, g: (g * c,))
+    return scale
+
+
+def _check_grad_and_jvp(f, plain, args, tol=1e-6):
+    """Eager grad and jvp of ``f`` against ``plain`` in float64, ``REPEAT`` times."""
+    tangents = tuple(jnp.ones_like(a) for a in args)
+    argnums = tuple(range(len(args)))
+    ref_grad = in_float64(lambda *a: jax.grad(lambda *b: plain(*b).sum(), argnums)(*a), *args)
+    ref_jvp = in_float64(lambda *a: jax.jvp(plain, a, tuple(map(jnp.ones_like, a)))[1], *args)
+    for _ in range(REPEAT):
+        got = jax.grad(lambda *b: f(*b).sum(), argnums)(*args)
+        for g, r, a in zip(got, ref_grad, args, strict=True):
+            assert g.dtype == jnp.asarray(a).dtype
+            assert_close(g, r, rtol=tol, atol=tol)
+        assert_close(jax.jvp(f, args, tangents)[1], ref_jvp, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("mode", ["grad", "jvp"])
+def test_nondiff_values_of_equal_hash_are_told_apart(mode):
+    scale = _scale_op()
+    x = jnp.asarray(rand(0, (3,)))
+    # 2 == 2.0 == True-ish and 0.0 == -0.0 hash alike; each must get its own rule.
+    for _ in range(REPEAT):
+        for c in (2, 2.0, 3.0, 0.0, -0.0, np.float32(3.0), True):
+            if mode == "grad":
+                got = jax.grad(lambda v, c=c: scale(v, c).sum())(x)
+            else:
+                got = jax.jvp(lambda v, c=c: scale(v, c), (x,), (jnp.ones_like(x),))[1]
+            assert_close(got, np.full(3, float(c)), rtol=0, atol=0)
+            assert got.dtype == jnp.float32
+            if mode == "jvp" and c == 0.0:
+                assert np.signbit(np.asarray(got)).all() == np.signbit(c), c
+
+
+def test_shapes_dtypes_and_weak_types(x64):
+    del x64
+
+    @jaxext.custom_vjp
+    def f(x, w):
+        return jnp.tanh(x) * w
+
+    def fwd(x, w):
+        return f(x, w), (1 - jnp.tanh(x) ** 2, jnp.tanh(x), w)
+
+    f.defvjp(fwd, lambda res, g: (g * res[0] * res[2], g * res[1]))
+
+    def plain(x, w):
+        return jnp.tanh(x) * w
+
+    cases = [
+        (rand(1, (3,)), rand(2, (3,))),
+        (rand(3, (2, 4)), rand(4, (2, 4))),
+        (rand(5, (3,), np.float64), rand(6, (3,), np.float64)),
+        (rand(7, (), np.float32), rand(8, (), np.float32)),
+    ]
+    for _ in range(REPEAT):
+        for x, w in cases:
+            args = (jnp.asarray(x), jnp.asarray(w))
+            tol = 1e-12 if x.dtype == np.float64 else 1e-6
+            _check_grad_and_jvp(f, plain, args, tol)
+        # A weakly typed scalar next to a float32 one: the output type follows each.
+        for w in (jnp.float32(0.5), 0.5):
+            x = jnp.float32(0.3)
+            out = jax.jvp(lambda x, w=w: f(x, w), (x,), (jnp.float32(1.0),))
+            ref = jax.jvp(lambda x, w=w: plain(x, w), (x,), (jnp.float32(1.0),))
+            assert out[1].dtype == ref[1].dtype
+            assert out[1].weak_type == ref[1].weak_type
+            assert_close(out[1], ref[1])
+
+
+def test_pytree_structures_and_keywords():
+    @jaxext.custom_vjp
+    def f(tree, scale=2.0):
+        return jax.tree_util.tree_reduce(jnp.add, jax.tree.map(jnp.sum, tree)) * scale
+
+    def fwd(tree, scale=2.0):
+        return f(tree, scale), (tree, scale)
+
+    def bwd(res, g):
+        tree, scale = res
+        return jax.tree.map(lambda a: jnp.full_like(a, g * scale), tree), g * 0
+
+    f.defvjp(fwd, bwd)
+    trees = [
+        {"a": jnp.ones(2), "b": jnp.ones(3)},
+        (jnp.ones(2), jnp.ones(3)),
+        {"a": jnp.ones(2)},
+        [jnp.ones((2, 2))],
+    ]
+    for _ in range(REPEAT):
+        for tree in trees:
+            for kwargs, s in (({}, 2.0), ({"scale": jnp.float32(3.0)}, 3.0)):
+                grad = jax.grad(lambda t, kwargs=kwargs: f(t, **kwargs))(tree)
+                assert jax.tree.structure(grad) == jax.tree.structure(tree)
+                for g in jax.tree.leaves(grad):
+                    assert_close(g, np.full(g.shape, s))
+                tangent = jax.tree.map(jnp.ones_like, tree)
+                out = jax.jvp(lambda t, kwargs=kwargs: f(t, **kwargs), (tree,), (tangent,))[1]
+                size = sum(a.size for a in jax.tree.leaves(tree))
+                assert_close(out, size * s)
+
+
+def test_perturbed_sets_select_the_residuals():
+    """fwd saves what the perturbed set needs: a stale rule would read the wrong residual."""
+
+    @jaxext.custom_vjp
+    def mul(x, y):
+        return x * y
+
+    def fwd(x, y):
+        res = (y.value if x.perturbed else None, x.value if y.perturbed else None)
+        return x.value * y.value, res
+
+    def bwd(res, g):
+        y, x = res
+        return (None if y is None else g * y), (None if x is None else g * x)
+
+    mul.defvjp(fwd, bwd, symbolic_zeros=True)
+    x, y = jnp.asarray(rand(9, (4,))), jnp.asarray(rand(10, (4,)))
+    ones = jnp.ones(4)
+    for _ in range(REPEAT):
+        assert_close(jax.jvp(lambda a: mul(a, y), (x,), (ones,))[1], y)
+        assert_close(jax.jvp(lambda b: mul(x, b), (y,), (ones,))[1], x)
+        assert_close(jax.jvp(mul, (x, y), (ones, 2 * ones))[1], y + 2 * x, rtol=1e-6)
+        assert_close(jax.grad(lambda a: mul(a, y).sum())(x), y)
+        assert_close(jax.grad(lambda b: mul(x, b).sum())(y), x)
+
+
+def test_redefined_rules_are_used():
+    scale = _scale_op()
+    x = jnp.ones(3)
+    for _ in range(REPEAT):
+        assert_close(jax.jvp(lambda v: scale(v, 2.0), (x,), (x,))[1], 2 * x)
+        assert_close(jax.grad(lambda v: scale(v, 2.0).sum())(x), 2 * x)
+    scale.defvjp(lambda x, c: (scale(x, c), None), lambda c, _, g: (g * c * 10,))
+    for _ in range(REPEAT):
+        assert_close(jax.jvp(lambda v: scale(v, 2.0), (x,), (x,))[1], 20 * x)
+        assert_close(jax.grad(lambda v: scale(v, 2.0).sum())(x), 20 * x)
+
+
+def test_bwd_branching_on_a_residual_value_keeps_working():
+    """A bwd that cannot be staged (Python control flow on a residual) runs as before."""
+
+    @jaxext.custom_vjp
+    def f(x):
+        return x * 3.0
+
+    def bwd(res, g):
+        return (g * 3.0 if float(res) > 0 else g * 3.0,)
+
+    f.defvjp(lambda x: (f(x), x.sum()), bwd)
+    x = jnp.ones(2)
+    for _ in range(REPEAT + 1):
+        assert_close(jax.jvp(f, (x,), (x,))[1], 3 * x)
+
+
+def test_fwd_closing_over_a_traced_value_with_concrete_inputs():
+    """grad of a constant inside jit, with fwd closing over a jit-traced value."""
+
+    def make(s):
+        @jaxext.custom_vjp
+        def f(x):
+            return x * s
+
+        f.defvjp(lambda x: (x * s, None), lambda _, g: (g * s,))
+        return f
+
+    x0 = jnp.arange(3.0)
+    out = jax.jit(lambda s: jax.grad(lambda x: (make(s)(x) ** 2).sum())(x0))(2.0)
+    assert_close(out, 2 * (x0 * 2.0) * 2.0)
+
+
+def test_eager_distinct_constants_keep_the_cache_bounded():
+    """10,000-style eager use: every call a new Python constant; entries stay bounded."""
+    from jaxext._mul_constant import _mul_static
+
+    x = jnp.ones(3)
+    n = 2 * _custom_vjp.CACHE_SIZE + 10
+    for i in range(n):
+        c = 1.0 + i / 7
+        out = jax.jvp(lambda v, c=c: jaxext.mul_constant(v, c), (x,), (x,))[1]
+        assert_close(out, np.full(3, c))
+    cache = _mul_static.__dict__["_call_cache"]
+    assert len(cache) <= _custom_vjp.CACHE_SIZE
+    # Nothing was compiled for a constant seen once.
+    assert all(not callable(v) for v in cache.values())
+
+
+def test_rules_reading_a_rebound_global_array_run_afresh():
+    """An array the bwd reads from outside its arguments is never baked into a cache."""
+    state = {"w": jnp.full(3, 2.0)}
+
+    @jaxext.custom_vjp
+    def f(x):
+        return x * state["w"]
+
+    f.defvjp(lambda x: (f(x), None), lambda _, g: (g * state["w"],))
+    x = jnp.ones(3)
+    for value in (2.0, 5.0, -1.0):
+        state["w"] = jnp.full(3, value)
+        for _ in range(REPEAT):
+            assert_close(jax.jvp(f, (x,), (x,))[1], np.full(3, value))
+            assert_close(jax.grad(lambda v: f(v).sum())(x), np.full(3, value))
