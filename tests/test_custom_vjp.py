@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_trees_close
+from ops_table import OPS, OPS_BY_NAME
 
 import jaxext
 
@@ -207,22 +208,21 @@ def test_doc_example_pytrees(x64):
 
 
 def _ops():
-    """(name, jaxext op of (x, y), plain reference): bwd is the true derivative."""
+    """(name, jaxext op of (x, y), plain reference): bwd is the true derivative.
+
+    The library's ops (tests/ops_table.py) with their first two arrays."""
     sin_times, sin_plain = _sin_times(jaxext.custom_vjp)
-    return [
-        ("sin_times", sin_times, sin_plain),
-        ("linear", lambda x, w: jaxext.linear(x, w), lambda x, w: x @ w.T),
-        ("mul_constant", jaxext.mul_constant, lambda x, c: x * c),
+    return [("sin_times", sin_times, sin_plain)] + [
+        (op.name, lambda x, y, fn=op.fn: fn(x, y), op.reference) for op in OPS
     ]
 
 
 def _inputs(name):
     rng = np.random.default_rng(0)
-    if name == "linear":
-        return jnp.asarray(rng.standard_normal((4, 3))), jnp.asarray(rng.standard_normal((2, 3)))
     if name == "sin_times":  # its backward does not undo broadcasting
         return jnp.asarray(rng.standard_normal((4, 3))), jnp.asarray(rng.standard_normal((4, 3)))
-    return jnp.asarray(rng.standard_normal((4, 3))), jnp.asarray(rng.standard_normal((3,)))
+    x, y = OPS_BY_NAME[name].arrays(rng)[:2]
+    return jnp.asarray(x), jnp.asarray(y)
 
 
 TRANSFORMS = {
@@ -250,7 +250,7 @@ WRAPS = {
 
 @pytest.mark.parametrize("wrap", list(WRAPS))
 @pytest.mark.parametrize("transform", list(TRANSFORMS))
-@pytest.mark.parametrize("op", ["sin_times", "linear", "mul_constant"])
+@pytest.mark.parametrize("op", ["sin_times", *OPS_BY_NAME])
 def test_every_transformation_matches_autodiff(op, transform, wrap, x64):
     _, ours, plain = next(o for o in _ops() if o[0] == op)
     x, y = _inputs(op)

@@ -15,6 +15,7 @@ from helpers import (
     assert_close,
     assert_close_to_float64,
     assert_first_and_second_order_close,
+    assert_trees_equal,
     coarsest,
     count_hlo_dots,
     count_primitive,
@@ -289,6 +290,42 @@ def test_preferred_element_type(use_bias):
     for g, g_ref, a in zip(grads, grads_ref, (x, w, b), strict=False):
         assert g.dtype == BF16 == a.dtype
         assert_close_to_float64(g, g_ref, n=5)
+
+
+def _f32_sin_loss(y):
+    # A nonlinear float32 loss so that every output element gets its own cotangent.
+    return jnp.sum(jnp.sin(y.astype(F32)))
+
+
+def _reference_preferred(x, weight, bias):
+    dims = (((x.ndim - 1,), (1,)), ((), ()))
+    y = jax.lax.dot_general(x, weight, dims, preferred_element_type=F32)
+    return y if bias is None else y + bias.astype(F32)
+
+
+@pytest.mark.parametrize("use_bias", [True, False])
+@pytest.mark.parametrize("shape", [(4, 16), (2, 3, 16)])
+def test_preferred_element_type_f32_on_bf16_is_bit_exact(shape, use_bias):
+    x = jnp.asarray(rand(5, shape), BF16)
+    weight = jnp.asarray(rand(6, (8, 16)), BF16)
+    bias = jnp.asarray(rand(7, (8,)), BF16) if use_bias else None
+
+    y = jaxext.linear(x, weight, bias, preferred_element_type=F32)
+    y_ref = _reference_preferred(x, weight, bias)
+    assert y.dtype == F32
+    assert_trees_equal(y, y_ref)
+    # The f32 result keeps what bfloat16 would round away.
+    assert not np.array_equal(np.asarray(y), np.asarray(y.astype(BF16).astype(F32)))
+
+    def grads(fn):
+        argnums = (0, 1, 2) if use_bias else (0, 1)
+        return jax.grad(lambda *a: _f32_sin_loss(fn(*a)), argnums=argnums)(x, weight, bias)
+
+    ours = grads(lambda x, w, b: jaxext.linear(x, w, b, preferred_element_type=F32))
+    theirs = grads(_reference_preferred)
+    for name, g, g_ref in zip(("x", "weight", "bias"), ours, theirs, strict=False):
+        assert g.dtype == BF16, name  # gradients come back in each input's dtype
+        assert_trees_equal(g, g_ref)
 
 
 def test_precision_is_accepted_and_hashable_under_jit():
