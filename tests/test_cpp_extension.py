@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import rand
+from helpers import rand, rounding_tolerance
 from ops_table import CPP_OPS, OPS_BY_NAME
 
 import jaxext
@@ -307,8 +307,9 @@ FEATURES = [(3, 4), (17, 5), (1, 1), (300, 37)]
 
 
 def _dot_bound(dtype, n, magnitude):
-    """A rounding-error bound for a length-``n`` sum of products with these magnitudes."""
-    return 8 * np.finfo(dtype).eps * math.sqrt(max(n, 1)) * magnitude + np.finfo(dtype).tiny
+    """A rounding-error bound for a length-``n`` sum of products with these magnitudes:
+    the rule of tests/helpers.py, per entry (``magnitude`` is ``|x| @ |w|``)."""
+    return rounding_tolerance(dtype, n) * magnitude + np.finfo(dtype).tiny
 
 
 def _assert_dot_close(actual, expected, dtype, n, magnitude):
