@@ -39,6 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import report  # noqa: E402
 from benchlib import machine_info  # noqa: E402
 
 import jaxext  # noqa: E402
@@ -167,61 +168,6 @@ def bench_large() -> list[dict[str, Any]]:
     return rows
 
 
-def render(results: dict[str, Any]) -> str:
-    med = statistics.median
-    lines = ["# jaxext checks: timings", ""]
-    machine = results["machine"]
-    lines.append(
-        f"Machine: {machine.get('cpu_model')}, {machine.get('usable_cpus')} usable CPUs. "
-        f"{results['note']} Load average (1 min) before/after: "
-        f"{results['load_average']['before'][0]:.1f} / {results['load_average']['after'][0]:.1f}."
-    )
-    g = results["gradcheck"]
-    lines += ["", f"## gradcheck vs torch.autograd.gradcheck ({g['problem']})", ""]
-    lines += [
-        "Cold: the first call in a fresh process (library initialised, nothing compiled). "
-        "Warm: later calls on the same inputs. jaxext compiles its programs on every call "
-        "(it caches nothing, so a verdict never comes from a stale compilation); torch "
-        "compiles nothing.",
-        "",
-        "| checker | cold median s | warm median s | runs |",
-        "|---|---|---|---|",
-    ]
-    names = {"jaxext": "jaxext.gradcheck"}
-    if "torch_version" in g:
-        names["torch"] = f"torch.autograd.gradcheck ({g['torch_version']})"
-    for key, name in names.items():
-        cold, warm = g[f"{key}_cold_s"], g[f"{key}_warm_s"]
-        lines.append(f"| {name} | {med(cold):.3f} | {med(warm):.3f} | {len(cold)} |")
-    if "torch" in names:
-        ratio_cold = med(g["torch_cold_s"]) / med(g["jaxext_cold_s"])
-        ratio_warm = med(g["torch_warm_s"]) / med(g["jaxext_warm_s"])
-        lines += [
-            "",
-            f"torch time / jaxext time: cold {ratio_cold:.2f}x, warm {ratio_warm:.2f}x "
-            "(the issue's target: 20x, from a measurement of torch at 58 s).",
-        ]
-    o = results["opcheck"]
-    lines += ["", f"## opcheck battery ({o['problem']})", ""]
-    lines.append(
-        f"Total: median {med(o['total_s']):.1f} s over {len(o['total_s'])} runs "
-        "(target: under 20 s on 2 cores)."
-    )
-    lines += ["", "| check | status | median s |", "|---|---|---|"]
-    for name, seconds in o["per_check_s"].items():
-        lines.append(f"| {name} | {o['statuses'][name]} | {seconds:.2f} |")
-    if results.get("large"):
-        lines += ["", "## gradcheck on large problems (full element-by-element method)", ""]
-        lines += ["| problem | inputs x outputs | Jacobian entries | s | peak RSS so far (GiB) |"]
-        lines += ["|---|---|---|---|---|"]
-        for row in results["large"]:
-            lines.append(
-                f"| {row['problem']} | {row['inputs']} x {row['outputs']} | "
-                f"{row['entries']:.2e} | {row['seconds']:.1f} | {row['peak_rss_gib_so_far']:.2f} |"
-            )
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="no torch, no large problems")
@@ -243,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         "large": [] if args.quick else bench_large(),
     }
     results["load_average"] = {"before": load_before, "after": os.getloadavg()}
-    text = render(results)
+    text = report.render_checks(results)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "checks_cpu.json").write_text(json.dumps(results, indent=2, default=str) + "\n")

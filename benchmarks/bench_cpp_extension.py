@@ -55,12 +55,7 @@ from jaxext.cpp_extension import ops  # noqa: E402
 
 sys.path.insert(0, str(HERE))
 import benchlib  # noqa: E402
-
-MUL_TARGET = 0.5  # C++ mul_constant throughput / XLA multiply throughput at 16M elements
-
-
-def _blocking(fn, *args):
-    return lambda: jax.block_until_ready(fn(*args))
+import report  # noqa: E402
 
 
 def _timed_pair(fns: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -81,7 +76,9 @@ def bench_mul_constant(sizes: list[int], args: argparse.Namespace, log) -> list[
     for n in sizes:
         x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
         np.testing.assert_array_equal(cpp(x), xla(x))  # same product, same rounding
-        timing = _timed_pair({"cpp": _blocking(cpp, x), "xla": _blocking(xla, x)}, args)
+        timing = _timed_pair(
+            {"cpp": benchlib.blocking(cpp, x), "xla": benchlib.blocking(xla, x)}, args
+        )
         t = timing["times"]
         bytes_moved = 2 * 4 * n
         row = {
@@ -122,11 +119,13 @@ def bench_linear(sizes, args, log) -> list[dict[str, Any]]:
         b = jax.random.normal(keys[2], (n_out,), jnp.float32)
         ct = jax.random.normal(keys[3], (batch, n_out), jnp.float32)
         flops = 2.0 * batch * n_in * n_out
-        err = _max_rel_err(vg["cpp"](x, w, b, ct), vg["xla"](x, w, b, ct))
+        err = benchlib.max_rel_err(vg["cpp"](x, w, b, ct), vg["xla"](x, w, b, ct))
         row: dict[str, Any] = {"size": [batch, n_in, n_out], "max_rel_diff_vs_xla": err}
         for kind, fns, work in (("forward", fwd, flops), ("fwd_bwd", vg, 3 * flops)):
             call_args = (x, w, b) if kind == "forward" else (x, w, b, ct)
-            timing = _timed_pair({k: _blocking(f, *call_args) for k, f in fns.items()}, args)
+            timing = _timed_pair(
+                {k: benchlib.blocking(f, *call_args) for k, f in fns.items()}, args
+            )
             t = timing["times"]
             row[kind] = {
                 "cpp": benchlib.time_summary(t["cpp"], work / 1e9),
@@ -141,14 +140,6 @@ def bench_linear(sizes, args, log) -> list[dict[str, Any]]:
             )
         rows.append(row)
     return rows
-
-
-def _max_rel_err(a, b) -> float:
-    worst = 0.0
-    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        u, v = np.asarray(u, np.float64), np.asarray(v, np.float64)
-        worst = max(worst, float(np.max(np.abs(u - v)) / max(np.max(np.abs(v)), 1e-30)))
-    return worst
 
 
 # -- per-device work ------------------------------------------------------------------
@@ -233,90 +224,6 @@ def bench_per_device_work(args: argparse.Namespace, log) -> dict[str, Any]:
     return results
 
 
-def render_per_device(results: dict[str, Any]) -> str:
-    m = results["machine"]
-    work = results["per_device_work"]
-    n, batch, feat = work["devices"], work["batch"], work["features"]
-    lines = [
-        f"# jaxext C++ kernels: per-device work on a batch-sharded input ({n} CPU devices)",
-        "",
-        f"jax {m['jax']}, jaxlib {m['jaxlib']}, {m['date_utc']}. x: ({batch}, {feat}) float32 "
-        f"split over `data` (P('data')), w: ({feat}, {feat}) and b replicated; explicit "
-        "axes under `jax.set_mesh`. Elements read (operands) and written (results) by the "
-        "`jaxext_*` custom calls of one device's compiled program, before (no `partition` "
-        "rule) and after (the rules `ops` ships); the ideal share of the batch is 1/"
-        f"{n}. XLA's `cost_analysis()` reports -1 (unknown) for custom calls, so the "
-        "elements are read from the compiled HLO.",
-        "",
-        "| program | kernel | before: result elems | after: result elems | after/before | "
-        "before: operand elems | after: operand elems | all-gathers before -> after |",
-        "|---|---|---:|---:|---:|---:|---:|---|",
-    ]
-    for program, before in work["before"].items():
-        after = work["after"][program]
-        gathers = f"{before['all_gathers']} -> {after['all_gathers']}"
-        for cb, ca in zip(before["calls"], after["calls"], strict=True):
-            ratio = ca["result_elements"] / cb["result_elements"]
-            lines.append(
-                f"| {program} | {cb['kernel']} | {cb['result_elements']:,} | "
-                f"{ca['result_elements']:,} | {ratio:.3f} | {cb['operand_elements']:,} | "
-                f"{ca['operand_elements']:,} | {gathers} |"
-            )
-    lines += [
-        "",
-        f"Before, every device runs each kernel on the whole batch of {batch} rows "
-        "(after gathering it); after, on its own "
-        f"{batch // n} rows: the batch-shaped results shrink to 1/{n}. The weight and "
-        "bias gradients of the backward keep their full (replicated) size: each device "
-        "computes its partial sum, and one all-reduce adds them, as in plain autodiff.",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def render(results: dict[str, Any]) -> str:
-    m = results["machine"]
-    lines = [
-        f"# jaxext C++ kernels vs XLA ({m['jax_backend']}, {m['cpu_model']}, "
-        f"{m['usable_cpus']} usable CPUs)",
-        "",
-        f"jax {m['jax']}, jaxlib {m['jaxlib']}, {m['date_utc']}; load average at start "
-        f"{m['loadavg_start']}. Medians over interleaved rounds; ratios are medians of "
-        "per-round ratios [25th-75th percentile].",
-        "",
-        "## mul_constant (float32), GB/s (one read + one write per element)",
-        "",
-        "| elements | C++ GB/s | XLA GB/s | C++/XLA throughput | target |",
-        "|---:|---:|---:|---:|---|",
-    ]
-    for r in results["mul_constant"]:
-        q = r["throughput_ratio"]
-        target = ""
-        if r["elements"] == 2**24:
-            target = f">= {MUL_TARGET}: {'met' if q['median'] >= MUL_TARGET else 'MISSED'}"
-        lines.append(
-            f"| {r['elements']:,} | {r['cpp']['rate']:.1f} | {r['xla']['rate']:.1f} | "
-            f"{q['median']:.2f} [{q['p25']:.2f}-{q['p75']:.2f}] | {target} |"
-        )
-    lines += [
-        "",
-        "## linear (float32), GFLOP/s",
-        "",
-        "| B x I -> O | pass | C++ GFLOP/s | XLA GFLOP/s | C++/XLA time | max rel diff |",
-        "|---|---|---:|---:|---:|---:|",
-    ]
-    for r in results["linear"]:
-        b, i, o = r["size"]
-        for kind in ("forward", "fwd_bwd"):
-            k = r[kind]
-            q = k["time_ratio_cpp_over_xla"]
-            lines.append(
-                f"| {b} x {i} -> {o} | {kind} | {k['cpp']['rate']:.1f} | {k['xla']['rate']:.1f} "
-                f"| {q['median']:.2f} [{q['p25']:.2f}-{q['p75']:.2f}] | "
-                f"{r['max_rel_diff_vs_xla']:.1e} |"
-            )
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few rounds")
@@ -347,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "note": args.note,
             "per_device_work": bench_per_device_work(args, log),
         }
-        text = render_per_device(results)
+        text = report.render_cpp_per_device(results)
         print(text)
         stem = f"cpp_extension_per_device_{jax.default_backend()}"
         args.out.mkdir(parents=True, exist_ok=True)
@@ -371,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "linear": bench_linear(linear_sizes, args, log),
     }
     results["machine"]["loadavg_end"] = benchlib.os.getloadavg()
-    text = render(results)
+    text = report.render_cpp_extension(results)
     print(text)
     stem = f"cpp_extension_{jax.default_backend()}" + ("_quick" if args.quick else "")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -50,6 +50,7 @@ import jaxext  # noqa: E402
 
 sys.path.insert(0, str(HERE))
 import benchlib  # noqa: E402
+import report  # noqa: E402
 
 Size = tuple[int, int, int]  # (batch, in_features, out_features)
 
@@ -320,19 +321,6 @@ def _opcode_diff(a: dict[str, int], b: dict[str, int]) -> dict[str, list[int]]:
     return {k: [a.get(k, 0), b.get(k, 0)] for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 
-def _max_rel_err(a: Any, b: Any) -> float:
-    """Largest ``max|a - b| / max|b|`` over matching leaves (in float64)."""
-    errs = [0.0]
-    for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
-        u, v = np.asarray(u, np.float64), np.asarray(v, np.float64)
-        errs.append(float(np.max(np.abs(u - v), initial=0.0) / max(np.max(np.abs(v)), 1e-30)))
-    return max(errs)
-
-
-def _loadavg() -> list[float] | None:
-    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-
-
 def _compare(s: Settings, fns: dict[str, Callable[[], Any]]) -> dict[str, Any]:
     """Interleaved timing of ``jaxext`` against ``autodiff``; ratio = median per-round ratio."""
     res = benchlib.interleaved_times(
@@ -372,7 +360,7 @@ def _bench_one(s, fam_name, fam, mode, size, log) -> dict[str, Any]:
     f_p, _ = _program(mode, fam, fam.plain_model)
     call_args = make(args, y, tangents)
     row: dict[str, Any] = {"family": fam_name, "op": fam.label, "mode": mode, "size": list(size)}
-    row["loadavg_before"] = _loadavg()
+    row["loadavg_before"] = benchlib.loadavg()
     hlo = {"jaxext": _hlo_summary(f_j, call_args), "autodiff": _hlo_summary(f_p, call_args)}
     row["hlo"] = {
         "dots": {k: v["dots"] for k, v in hlo.items()},
@@ -383,7 +371,7 @@ def _bench_one(s, fam_name, fam, mode, size, log) -> dict[str, Any]:
         "opcodes": {k: v["opcodes"] for k, v in hlo.items()},
     }
     jj, jp = jax.jit(f_j), jax.jit(f_p)
-    row["max_rel_err_vs_autodiff"] = _max_rel_err(jj(*call_args), jp(*call_args))
+    row["max_rel_err_vs_autodiff"] = benchlib.max_rel_err(jj(*call_args), jp(*call_args))
     row.update(
         _compare(
             s,
@@ -398,7 +386,7 @@ def _bench_one(s, fam_name, fam, mode, size, log) -> dict[str, Any]:
     row["met"] = row["ratio"]["median"] <= target
     r, d = row["ratio"], row["hlo"]["dots"]
     log(
-        f"{fam.label:26s} {mode:8s} {_size(size):15s} ratio {r['median']:.3f} "
+        f"{fam.label:26s} {mode:8s} {report.fm_size(size):15s} ratio {r['median']:.3f} "
         f"[{r['p25']:.2f}-{r['p75']:.2f}] dots {d['jaxext']}/{d['autodiff']} "
         f"same_hlo={row['hlo']['same_opcodes'] and row['hlo']['same_signature']} "
         f"load={row['loadavg_before'][0]:.1f}"
@@ -420,7 +408,11 @@ def bench_control(s: Settings, log: Callable[[str], None]) -> list[dict[str, Any
             f_p, make = _program(mode, fam, fam.plain_model)
             call_args = make(args, y, tangents)
             a, b = jax.jit(f_p), jax.jit(f_p)
-            row: dict[str, Any] = {"mode": mode, "size": list(size), "loadavg_before": _loadavg()}
+            row: dict[str, Any] = {
+                "mode": mode,
+                "size": list(size),
+                "loadavg_before": benchlib.loadavg(),
+            }
             row["note"] = "both contenders run the plain-autodiff program"
             row.update(
                 _compare(
@@ -433,7 +425,8 @@ def bench_control(s: Settings, log: Callable[[str], None]) -> list[dict[str, Any
             )
             r = row["ratio"]
             log(
-                f"control autodiff/autodiff {mode:4s} {_size(size):15s} ratio {r['median']:.3f} "
+                f"control autodiff/autodiff {mode:4s} {report.fm_size(size):15s} "
+                f"ratio {r['median']:.3f} "
                 f"[{r['p25']:.2f}-{r['p75']:.2f}]"
             )
             rows.append(row)
@@ -454,8 +447,8 @@ def bench_eager(s: Settings, log: Callable[[str], None]) -> list[dict[str, Any]]
                 "op": fam.label,
                 "against": plain_label,
                 "size": list(size),
-                "loadavg_before": _loadavg(),
-                "max_rel_err_vs_plain": _max_rel_err(op(*args), plain(*args)),
+                "loadavg_before": benchlib.loadavg(),
+                "max_rel_err_vs_plain": benchlib.max_rel_err(op(*args), plain(*args)),
             }
             row.update(
                 _compare(
@@ -472,7 +465,8 @@ def bench_eager(s: Settings, log: Callable[[str], None]) -> list[dict[str, Any]]
             row["met"] = row["ratio"]["median"] <= EAGER_TARGET
             r = row["ratio"]
             log(
-                f"eager {fam.label:20s} {_size(size):15s} {row['time']['jaxext']['median_ms']:.3f}"
+                f"eager {fam.label:20s} {report.fm_size(size):15s} "
+                f"{row['time']['jaxext']['median_ms']:.3f}"
                 f" ms vs {row['time']['autodiff']['median_ms']:.3f} ms ratio {r['median']:.3f} "
                 f"load={row['loadavg_before'][0]:.1f}"
             )
@@ -520,198 +514,6 @@ def _profile(op: Callable[..., Any], args: tuple[Any, ...], calls: int) -> dict[
     }
 
 
-# -- report -------------------------------------------------------------------------------------
-
-
-def _size(size: Sequence[int]) -> str:
-    return f"{size[0]}x{size[1]}->{size[2]}"
-
-
-def _ratio(r: dict[str, float]) -> str:
-    return f"{r['median']:.3f} [{r['p25']:.2f}-{r['p75']:.2f}]"
-
-
-def _ms(t: dict[str, float]) -> str:
-    ms = t["median_ms"]
-    return f"{ms:.3f}" if ms < 10 else f"{ms:.1f}"
-
-
-def _min_ratio(row: dict[str, Any]) -> str:
-    return "n/a" if "min_ratio" not in row else f"{row['min_ratio']:.3f}"
-
-
-def _met(row: dict[str, Any]) -> str:
-    return "met" if row["met"] else "**missed**"
-
-
-def _same(h: dict[str, Any]) -> str:
-    if h["same_opcodes"]:
-        if "same_signature" not in h:  # results written before the shape check existed
-            return "yes (opcodes)"
-        return "yes" if h["same_signature"] else "ops (shapes differ)"
-    diff = ", ".join(f"{k} {a}/{b}" for k, (a, b) in h["opcode_diff"].items() if k != "parameter")
-    return f"no ({diff})"
-
-
-def _flops(h: dict[str, Any]) -> str:
-    j, a = h["flops"]["jaxext"], h["flops"]["autodiff"]
-    if j is None or a is None:
-        return "n/a"
-    return "equal" if j == a else f"{j / max(a, 1.0):.3f}x"
-
-
-def markdown(results: dict[str, Any]) -> str:
-    m, s = results["machine"], results["settings"]
-    lines = [
-        "# Forward mode through jaxext ops: benchmark results (cpu)",
-        "",
-        f"Command: `{results['command']}`  ",
-        f"Machine: {m['cpu_model']}, {m['usable_cpus']} usable of {m['logical_cpus']} logical "
-        f"CPUs; JAX backend `{m['jax_backend']}`; jax {m['jax']} / jaxlib {m['jaxlib']}; "
-        f"Python {m['python']}  ",
-        f"Date (UTC): {m['date_utc']}; wall time {results['wall_s']:.0f} s; load average "
-        f"(1/5/15 min) at start {_fmt_load(m['loadavg_start'])}, at end "
-        f"{_fmt_load(m['loadavg_end'])}.  ",
-        f"float32; up to {s['rounds']} interleaved rounds per comparison (at least "
-        f"{s['min_rounds']}, fewer when {s['budget_s']:.0f} s of measurement are used up); "
-        f"{s['warmup']} warm-up calls; ~{s['target_s'] * 1e3:.0f} ms per measurement.",
-        "",
-        "**Noisy**: the machine is shared with other jobs (the load average, above and per "
-        "row, counts runnable processes on its cores). Ratios are medians of per-round "
-        "ratios of interleaved measurements, so a slowdown hitting both sides of a round "
-        "cancels; absolute times do not. `min ratio` divides the two sides' fastest "
-        "measurements (the least disturbed rounds): a second view, the targets use the median. "
-        "Where both programs compile to the same HLO "
-        "(`same HLO` = yes) a ratio away from 1 is noise; the A/A control below measures it.",
-        "",
-    ]
-    if results.get("note"):
-        lines += [f"Note: {results['note']}", ""]
-    lines += [
-        "## Jitted: jaxext op vs plain autodiff of the same math",
-        "",
-        "Models: `jaxext.linear` and `Function linear` in a two-layer MLP "
-        "`linear(tanh(linear(x, w1, b1)), w2, b2)` (size = batch x in -> out; w2 is "
-        "out x out); `mul_constant` in `mul(tanh(mul(x, c)), c')`. "
-        "`jvp`: all arguments perturbed; `jacfwd`: one example's output w.r.t. its input; "
-        "`hvp`: `jvp(grad(loss))` w.r.t. the parameters (forward-over-reverse); `hessian`: "
-        "`jax.hessian(loss)` (small sizes); `grad`: `jax.grad(loss)`. Loss: mean squared "
-        "error. Ratio = jaxext / autodiff time, below 1 means jaxext is faster; dots = `dot` "
-        "instructions in the optimised HLO (jaxext / autodiff); flops = XLA's estimate; same "
-        "HLO: yes = the same multiset of (opcode, result shape) over all computations, "
-        "fused ones included; otherwise the opcodes whose counts differ (jaxext/autodiff).",
-        "",
-        "| op | mode | size | jaxext ms | autodiff ms | ratio [p25-p75] | min ratio | target "
-        "| status | dots | flops | same HLO | rounds | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in results["jitted"]:
-        d = row["hlo"]["dots"]
-        lines.append(
-            f"| {row['op']} | {row['mode']} | {_size(row['size'])} | "
-            f"{_ms(row['time']['jaxext'])} | {_ms(row['time']['autodiff'])} | "
-            f"{_ratio(row['ratio'])} | {_min_ratio(row)} | <= {row['target']:.2f} | {_met(row)} | "
-            f"{d['jaxext']} / {d['autodiff']} | {_flops(row['hlo'])} | "
-            f"{_same(row['hlo'])} | {row['rounds']} | "
-            f"{row['loadavg_before'][0]:.1f} |"
-        )
-    if results["eager"]:
-        lines += [
-            "",
-            "## Eager (un-jitted) calls",
-            "",
-            "One call of the op on concrete arrays, against the plain expression, both "
-            "ending in `block_until_ready`. The issue's bound is for `jaxext.linear` and "
-            "`Function.apply`; `mul_constant` is held to the same bound here.",
-            "",
-            "| op | against | size | op ms | plain ms | ratio [p25-p75] | min ratio | target "
-            "| status | rounds | load |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for row in results["eager"]:
-            lines.append(
-                f"| {row['op']} | `{row['against']}` | {_size(row['size'])} | "
-                f"{_ms(row['time']['jaxext'])} | {_ms(row['time']['autodiff'])} | "
-                f"{_ratio(row['ratio'])} | {_min_ratio(row)} | <= {row['target']:.2f} | "
-                f"{_met(row)} | {row['rounds']} | {row['loadavg_before'][0]:.1f} |"
-            )
-    if results.get("control"):
-        lines += [
-            "",
-            "## A/A control: the noise floor",
-            "",
-            "The plain-autodiff program of the linear MLP timed against a second `jit` of "
-            "itself, same protocol. Both sides run the same executable: how far these ratios "
-            "stray from 1 is what noise alone does to a ratio in this run.",
-            "",
-            "| mode | size | ms | ratio [p25-p75] | min ratio | rounds | load |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for row in results["control"]:
-            lines.append(
-                f"| {row['mode']} | {_size(row['size'])} | {_ms(row['time']['autodiff'])} | "
-                f"{_ratio(row['ratio'])} | {_min_ratio(row)} | {row['rounds']} | "
-                f"{row['loadavg_before'][0]:.1f} |"
-            )
-    for name, prof in (results.get("eager_profile") or {}).items():
-        lines += [
-            "",
-            f"## Where an eager `{name}` call spends its time",
-            "",
-            f"cProfile of {prof['calls']} calls at 32x64->64; microseconds per call, profiler "
-            "overhead included (so larger than the timings above). Top entries by cumulative "
-            "time, then the largest self times.",
-            "",
-            "| function | calls per op | self us | cumulative us |",
-            "|---|---|---|---|",
-        ]
-        shown = prof["top_cumulative"][:15]
-        shown += [e for e in prof["top_self"][:8] if e not in shown]
-        for e in shown:
-            lines.append(
-                f"| `{e['function']}` | {e['calls_per_op']:g} | {e['self_us_per_op']:.1f} | "
-                f"{e['cum_us_per_op']:.1f} |"
-            )
-    met = [r["met"] for r in results["jitted"] + results["eager"]]
-    has_signature = all("same_signature" in r["hlo"] for r in results["jitted"])
-    same = sum(
-        r["hlo"]["same_opcodes"] and r["hlo"].get("same_signature", True) for r in results["jitted"]
-    )
-    what = "the same (opcode, shape) multiset" if has_signature else "identical opcode histograms"
-    dots = sum(
-        r["hlo"]["dots"]["jaxext"] == r["hlo"]["dots"]["autodiff"] for r in results["jitted"]
-    )
-    n = len(results["jitted"])
-    lines += [
-        "",
-        "## Summary",
-        "",
-        f"- Targets met: {sum(met)} of {len(met)}.",
-        f"- Equal `dot` counts in {dots} of {n} jitted pairs; {what} in {same} of {n}.",
-        f"- Largest relative difference of a jaxext result from autodiff's: "
-        f"{max([r['max_rel_err_vs_autodiff'] for r in results['jitted']] or [0.0]):.2e}.",
-    ]
-    if results.get("control"):
-        ctrl = [r["ratio"]["median"] for r in results["control"]]
-        if all("min_ratio" in r for r in results["jitted"]):
-            mins = [r["min_ratio"] for r in results["jitted"]]
-            lines.append(
-                f"- Min ratios (fastest against fastest) of the jitted pairs: {min(mins):.3f} to "
-                f"{max(mins):.3f}; above 1.05 in {sum(m > 1.05 for m in mins)} of {len(mins)}."
-            )
-        lines.append(
-            f"- A/A control (identical programs): median ratios from {min(ctrl):.3f} to "
-            f"{max(ctrl):.3f}; a jaxext/autodiff ratio inside that range is not a measured "
-            "difference."
-        )
-    lines.append("")
-    return "\n".join(lines)
-
-
-def _fmt_load(load: list[float] | None) -> str:
-    return "n/a" if not load else "/".join(f"{v:.2f}" for v in load)
-
-
 # -- main ---------------------------------------------------------------------------------------
 
 
@@ -733,7 +535,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.render is not None:
         results = json.loads(args.render.read_text())
-        args.render.with_suffix(".md").write_text(markdown(results))
+        args.render.with_suffix(".md").write_text(report.render_forward_mode(results))
         return results
     s = make_settings(args)
     stem = args.stem or ("forward_mode_cpu_quick" if s.quick else "forward_mode_cpu")
@@ -749,7 +551,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "command": " ".join([Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)]),
     }
     log(
-        f"load average at start {_fmt_load(results['machine']['loadavg_start'])}: results on a "
+        f"load average at start {report.fmt_load(results['machine']['loadavg_start'])}: "
+        "results on a "
         "shared machine are noisy; compare ratios, not milliseconds"
     )
     results["jitted"] = bench_jitted(s, log)
@@ -757,12 +560,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results["control"] = bench_control(s, log) if s.control else []
     if s.profile_calls:
         results["eager_profile"] = profile_eager(s.profile_calls)
-    results["machine"]["loadavg_end"] = _loadavg()
+    results["machine"]["loadavg_end"] = benchlib.loadavg()
     results["wall_s"] = time.perf_counter() - start
     args.out.mkdir(parents=True, exist_ok=True)
     json_path = args.out / f"{stem}.json"
     json_path.write_text(json.dumps(results, indent=1) + "\n")
-    md = markdown(results)
+    md = report.render_forward_mode(results)
     (args.out / f"{stem}.md").write_text(md)
     print(md)
     log(f"wrote {json_path} and {stem}.md")

@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import os
 import sys
 import time
 import traceback
@@ -31,7 +30,6 @@ sys.path.insert(0, str(HERE.parent))  # the repository root: import jaxext witho
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -128,25 +126,6 @@ def _arrays(key: int, shapes: list[tuple[int, ...]], dtype: str) -> list[jax.Arr
         jax.random.normal(k, s, jnp.float32).astype(dtype)
         for k, s in zip(keys, shapes, strict=True)
     ]
-
-
-def _blocking(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
-    return lambda: jax.block_until_ready(fn(*args))
-
-
-def _loadavg() -> list[float] | None:
-    """1/5/15-minute load averages: how busy the (possibly shared) machine was."""
-    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-
-
-def _max_rel_err(a: Any, b: Any) -> float:
-    """Largest ``max|a - b| / max|b|`` over matching leaves (computed in float64)."""
-    errs = []
-    for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
-        u = np.asarray(np.asarray(u, dtype=np.float32), dtype=np.float64)
-        v = np.asarray(np.asarray(v, dtype=np.float32), dtype=np.float64)
-        errs.append(float(np.max(np.abs(u - v)) / max(float(np.max(np.abs(v))), 1e-30)))
-    return max(errs)
 
 
 def _memory(compiled: Any) -> dict[str, int | None]:
@@ -290,13 +269,16 @@ def bench_linear(s: Settings, log: Callable[[str], None]) -> dict[str, Any]:
         x, w, b, ct = _arrays(0, [(batch, fin), (fout, fin), (fout,), (batch, fout)], s.dtype)
         flops = 6.0 * batch * fin * fout  # forward, grad_x, grad_w matmuls
         jx, jp = jax.jit(_linear_vg("jaxext")), jax.jit(_linear_vg("plain"))
-        fns = {"jaxext": _blocking(jx, x, w, b, ct), "jax_autodiff": _blocking(jp, x, w, b, ct)}
+        fns = {
+            "jaxext": benchlib.blocking(jx, x, w, b, ct),
+            "jax_autodiff": benchlib.blocking(jp, x, w, b, ct),
+        }
         row: dict[str, Any] = {"batch": batch, "in": fin, "out": fout, "flops": flops}
-        row["loadavg_before"] = _loadavg()
-        row["max_rel_err_vs_autodiff"] = _max_rel_err(jx(x, w, b, ct), jp(x, w, b, ct))
+        row["loadavg_before"] = benchlib.loadavg()
+        row["max_rel_err_vs_autodiff"] = benchlib.max_rel_err(jx(x, w, b, ct), jp(x, w, b, ct))
         if s.mode != "cpu":
             mm = jax.jit(lambda x, w: x @ w.T)
-            fns["matmul"] = _blocking(mm, x, w)
+            fns["matmul"] = benchlib.blocking(mm, x, w)
         torch_fns = {}
         if s.torch_device is not None:
             torch_fns = _torch_linear_contenders(s, (x, w, b, ct), row, torch_compile_status, log)
@@ -334,7 +316,8 @@ def _torch_linear_contenders(
     }
     ref = jax.jit(_linear_vg("plain"))(*jax_args)[1]
     row["torch_max_rel_err_vs_jax"] = {
-        name: _max_rel_err([t.float().cpu().numpy() for t in fn()], ref) for name, fn in fns.items()
+        name: benchlib.max_rel_err([t.float().cpu().numpy() for t in fn()], ref)
+        for name, fn in fns.items()
     }
     if s.torch_compile and status["ok"] is not False:
         try:
@@ -463,16 +446,16 @@ def _bench_mlp_size(
     # Forward 2*B*W^2 per layer; backward 4*B*W^2 per layer, minus grad_x of layer 1.
     flops = 2.0 * batch * width * width * (3 * d - 1)
     row: dict[str, Any] = {"batch": batch, "width": width, "depth": d, "flops": flops}
-    row["loadavg_before"] = _loadavg()
+    row["loadavg_before"] = benchlib.loadavg()
     pair = _mlp_pair(s, width)
     # Same weights: the losses and parameter gradients must agree before timing.
     (mj, _), (mf, _) = pair["jaxext.nnx"], pair["flax.nnx"]
     row["init_loss"] = {"jaxext.nnx": float(_mse(mj, x, y)), "flax.nnx": float(_mse(mf, x, y))}
     gj, gf = (nnx.state(nnx.grad(_mse)(m, x, y), nnx.Param) for m in (mj, mf))
-    row["max_rel_err_grads"] = _max_rel_err(gj, gf)
+    row["max_rel_err_grads"] = benchlib.max_rel_err(gj, gf)
     fns: dict[str, Callable[[], Any]] = {}
     for name, (model, opt) in pair.items():
-        fns[name] = _blocking(nnx.jit(_make_train_step()), model, opt, x, y)
+        fns[name] = benchlib.blocking(nnx.jit(_make_train_step()), model, opt, x, y)
     torch_fns: dict[str, Callable[[], Any]] = {}
     if s.torch_device is not None:
         tx, ty = (torch_ref.to_torch(a, s.torch_device) for a in (x, y))
@@ -555,11 +538,11 @@ def bench_mul_constant(s: Settings, log: Callable[[str], None]) -> list[dict[str
             return x * 2.0
 
         fns = {
-            "jaxext_fwd": _blocking(jax.jit(jaxext_op), x),
-            "jnp_fwd": _blocking(jax.jit(plain_op), x),
-            "jaxext_bwd": _blocking(bwd(jaxext_op), x, ct),
-            "jnp_bwd": _blocking(bwd(plain_op), x, ct),
-            "copy": _blocking(jax.jit(jnp.copy), x),
+            "jaxext_fwd": benchlib.blocking(jax.jit(jaxext_op), x),
+            "jnp_fwd": benchlib.blocking(jax.jit(plain_op), x),
+            "jaxext_bwd": benchlib.blocking(bwd(jaxext_op), x, ct),
+            "jnp_bwd": benchlib.blocking(bwd(plain_op), x, ct),
+            "copy": benchlib.blocking(jax.jit(jnp.copy), x),
         }
         log(f"mul_constant n={n}: timing {', '.join(fns)}")
         res = benchlib.interleaved_times(
@@ -678,7 +661,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results["mlp"] = bench_mlp(s, log) if "mlp" in sections else {"rows": []}
     results["mul_constant"] = bench_mul_constant(s, log) if "mul_constant" in sections else []
     results["targets"] = evaluate_targets(s, results)
-    results["machine"]["loadavg_end"] = _loadavg()
+    results["machine"]["loadavg_end"] = benchlib.loadavg()
     results["wall_s"] = time.perf_counter() - start
     args.out.mkdir(parents=True, exist_ok=True)
     json_path = args.out / f"{stem}.json"

@@ -210,3 +210,27 @@ def fmt_bytes(n: float | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
+
+
+def loadavg() -> list[float] | None:
+    """1/5/15-minute load averages: how busy the (possibly shared) machine was."""
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+def blocking(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+    """``fn(*args)`` as a synchronous callable for the timers (waits for JAX results)."""
+    import jax
+
+    return lambda: jax.block_until_ready(fn(*args))
+
+
+def max_rel_err(a: Any, b: Any) -> float:
+    """Largest ``max|a - b| / max|b|`` over matching leaves (in float64; 0 for empty ones)."""
+    import jax
+
+    worst = 0.0
+    for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        u, v = np.asarray(u, np.float64), np.asarray(v, np.float64)
+        scale = max(float(np.max(np.abs(v), initial=0.0)), 1e-30)
+        worst = max(worst, float(np.max(np.abs(u - v), initial=0.0)) / scale)
+    return worst

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import rand
+from helpers import rand, rounding_tolerance
+from ops_table import CPP_OPS, OPS_BY_NAME
 
 import jaxext
 from jaxext import cpp_extension
@@ -306,8 +307,9 @@ FEATURES = [(3, 4), (17, 5), (1, 1), (300, 37)]
 
 
 def _dot_bound(dtype, n, magnitude):
-    """A rounding-error bound for a length-``n`` sum of products with these magnitudes."""
-    return 8 * np.finfo(dtype).eps * math.sqrt(max(n, 1)) * magnitude + np.finfo(dtype).tiny
+    """A rounding-error bound for a length-``n`` sum of products with these magnitudes:
+    the rule of tests/helpers.py, per entry (``magnitude`` is ``|x| @ |w|``)."""
+    return rounding_tolerance(dtype, n) * magnitude + np.finfo(dtype).tiny
 
 
 def _assert_dot_close(actual, expected, dtype, n, magnitude):
@@ -640,16 +642,11 @@ def test_cuda_source_compiles_with_nvcc_and_runs_on_the_gpu(tmp_path):
     np.testing.assert_array_equal(np.asarray(y), np.arange(5.0) + 1)
 
 
-@pytest.mark.parametrize("op", ["linear", "mul_constant"])
+@pytest.mark.parametrize("op", CPP_OPS)
 def test_ops_pass_opcheck(op):
     """As a user calls it, with no check skipped: all pass but bfloat16, which the
     kernels have no handler for, a SKIP with the op's own reason."""
-    rng = np.random.default_rng(0)
-    if op == "linear":
-        f = ops.linear
-        args = (rng.standard_normal((4, 3)), rng.standard_normal((2, 3)), rng.standard_normal(2))
-    else:
-        f, args = (lambda x: ops.mul_constant(x, 2.5)), (rng.standard_normal((2, 3)),)
+    f, args = OPS_BY_NAME[op].cpp(ops, np.random.default_rng(0))
     pytest.importorskip("flatbuffers")  # what jax.export's serialization needs
     report = jaxext.opcheck(f, args)
     statuses = {r.name: r.status for r in report.results}

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import rounding_tolerance, run_json_worker
+from ops_table import CPP_OPS
 
 from jaxext import cpp_extension
 from jaxext.cpp_extension import ops
@@ -23,7 +24,7 @@ from jaxext.cpp_extension import ops
 WORKER = Path(__file__).with_name("_cpp_sharding_worker.py")
 REPO_ROOT = WORKER.parent.parent
 
-OPS = ("mul_constant", "linear")
+OPS = CPP_OPS  # tests/ops_table.py; _cpp_sharding_worker.py has a case for each
 RULE_CASES = [
     *(f"{op}_explicit_{mode}" for op in OPS for mode in ("jit", "eager")),
     *(f"{op}_auto_eager" for op in OPS),  # concrete shardings: their specs are known

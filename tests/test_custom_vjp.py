@@ -14,16 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close
+from helpers import assert_trees_close
+from ops_table import OPS, OPS_BY_NAME
 
 import jaxext
-
-TIGHT = {"rtol": 1e-12, "atol": 1e-12}
-
-
-def _tree_close(got, want):
-    jax.tree.map(lambda g, w: assert_close(g, w, **TIGHT), got, want)
-
 
 # -- the examples of JAX's custom_vjp documentation, with only the decorator switched ----
 
@@ -105,15 +99,15 @@ def test_doc_example_matches_jax_custom_vjp_and_gets_forward_mode(x, x64):
     theirs, _ = _sin_times(jax.custom_vjp)
     x, y = jnp.asarray(x), jnp.asarray(x) + 1.5
     loss = lambda f: lambda x, y: jnp.sum(f(x, y))  # noqa: E731
-    _tree_close(jax.grad(loss(ours), (0, 1))(x, y), jax.grad(loss(theirs), (0, 1))(x, y))
-    _tree_close(jax.jit(jax.grad(loss(ours)))(x, y), jax.grad(loss(theirs))(x, y))
+    assert_trees_close(jax.grad(loss(ours), (0, 1))(x, y), jax.grad(loss(theirs), (0, 1))(x, y))
+    assert_trees_close(jax.jit(jax.grad(loss(ours)))(x, y), jax.grad(loss(theirs))(x, y))
     # Forward mode, which jax.custom_vjp refuses, equals autodiff of the primal math.
     with pytest.raises(TypeError):
         jax.jvp(theirs, (x, y), (jnp.ones_like(x), jnp.ones_like(y)))
     tangents = (jnp.ones_like(x) * 0.7, jnp.ones_like(y) * -1.3)
-    _tree_close(jax.jvp(ours, (x, y), tangents), jax.jvp(plain, (x, y), tangents))
-    _tree_close(jax.jacfwd(ours, (0, 1))(x, y), jax.jacfwd(plain, (0, 1))(x, y))
-    _tree_close(jax.hessian(loss(ours))(x, y), jax.hessian(loss(plain))(x, y))
+    assert_trees_close(jax.jvp(ours, (x, y), tangents), jax.jvp(plain, (x, y), tangents))
+    assert_trees_close(jax.jacfwd(ours, (0, 1))(x, y), jax.jacfwd(plain, (0, 1))(x, y))
+    assert_trees_close(jax.hessian(loss(ours))(x, y), jax.hessian(loss(plain))(x, y))
 
 
 def test_doc_example_nondiff_argnums_clip_gradient(x64):
@@ -122,7 +116,7 @@ def test_doc_example_nondiff_argnums_clip_gradient(x64):
     for lo, hi in [(-0.5, 0.5), (0.0, 1.0)]:
         got = jax.grad(lambda x, lo=lo, hi=hi: jnp.sum(3 * x * ours(lo, hi, x)))(x)
         want = jax.grad(lambda x, lo=lo, hi=hi: jnp.sum(3 * x * theirs(lo, hi, x)))(x)
-        _tree_close(got, want)
+        assert_trees_close(got, want)
     # Clipping is not linear in the cotangent: forward mode cannot be derived from
     # it, and the error says why and how to give a JVP rule.
     with pytest.raises(TypeError, match=r"`clip_gradient`: forward-mode .* jvp=jvp"):
@@ -168,12 +162,12 @@ def test_nondiff_argnames_as_jax_custom_vjp(nondiff, call, x64):
     def loss(f):
         return lambda x, s: jnp.sum(jnp.cos(call(f, x, s)))
 
-    _tree_close(jax.grad(loss(ours), (0, 1))(x, s), jax.grad(loss(theirs), (0, 1))(x, s))
+    assert_trees_close(jax.grad(loss(ours), (0, 1))(x, s), jax.grad(loss(theirs), (0, 1))(x, s))
     # Forward mode against autodiff of the primal math (jax.custom_vjp has none).
     plain = lambda x, s: jnp.sum(jnp.cos(s * x**3))  # noqa: E731
     tangents = (jnp.full(4, 0.3), jnp.full(4, -0.8))
-    _tree_close(jax.jvp(loss(ours), (x, s), tangents), jax.jvp(plain, (x, s), tangents))
-    _tree_close(jax.hessian(loss(ours))(x, s), jax.hessian(plain)(x, s))
+    assert_trees_close(jax.jvp(loss(ours), (x, s), tangents), jax.jvp(plain, (x, s), tangents))
+    assert_trees_close(jax.hessian(loss(ours))(x, s), jax.hessian(plain)(x, s))
 
 
 def test_nondiff_argnames_must_name_positional_parameters():
@@ -190,10 +184,10 @@ def test_doc_example_function_valued_nondiff_argument(x64):
     ours, theirs = _app(jaxext.custom_vjp), _app(jax.custom_vjp)
     x = jnp.arange(3.0)
     got = jax.grad(lambda x: jnp.sum(ours(jnp.sin, x)))(x)
-    _tree_close(got, jax.grad(lambda x: jnp.sum(theirs(jnp.sin, x)))(x))
-    _tree_close(got, np.full(3, 5.0))
+    assert_trees_close(got, jax.grad(lambda x: jnp.sum(theirs(jnp.sin, x)))(x))
+    assert_trees_close(got, np.full(3, 5.0))
     # Forward mode follows the (deliberately untrue) backward: its transpose, 5 t.
-    _tree_close(jax.jvp(lambda x: ours(jnp.sin, x), (x,), (x,))[1], 5 * x)
+    assert_trees_close(jax.jvp(lambda x: ours(jnp.sin, x), (x,), (x,))[1], 5 * x)
 
 
 def test_doc_example_pytrees(x64):
@@ -204,32 +198,31 @@ def test_doc_example_pytrees(x64):
     def loss(f):
         return lambda pt: jnp.sum(jnp.tanh(f(pt)["a"]) + f(pt)["b"][0] * f(pt)["b"][1])
 
-    _tree_close(jax.grad(loss(ours))(pt), jax.grad(loss(theirs))(pt))
+    assert_trees_close(jax.grad(loss(ours))(pt), jax.grad(loss(theirs))(pt))
     tangent = Point(jnp.ones(3), jnp.full(3, 0.5))
-    _tree_close(jax.jvp(ours, (pt,), (tangent,)), jax.jvp(plain, (pt,), (tangent,)))
-    _tree_close(jax.hessian(loss(ours))(pt), jax.hessian(loss(plain))(pt))
+    assert_trees_close(jax.jvp(ours, (pt,), (tangent,)), jax.jvp(plain, (pt,), (tangent,)))
+    assert_trees_close(jax.hessian(loss(ours))(pt), jax.hessian(loss(plain))(pt))
 
 
 # -- every transformation, against autodiff of the primal math ------------------------------
 
 
 def _ops():
-    """(name, jaxext op of (x, y), plain reference): bwd is the true derivative."""
+    """(name, jaxext op of (x, y), plain reference): bwd is the true derivative.
+
+    The library's ops (tests/ops_table.py) with their first two arrays."""
     sin_times, sin_plain = _sin_times(jaxext.custom_vjp)
-    return [
-        ("sin_times", sin_times, sin_plain),
-        ("linear", lambda x, w: jaxext.linear(x, w), lambda x, w: x @ w.T),
-        ("mul_constant", jaxext.mul_constant, lambda x, c: x * c),
+    return [("sin_times", sin_times, sin_plain)] + [
+        (op.name, lambda x, y, fn=op.fn: fn(x, y), op.reference) for op in OPS
     ]
 
 
 def _inputs(name):
     rng = np.random.default_rng(0)
-    if name == "linear":
-        return jnp.asarray(rng.standard_normal((4, 3))), jnp.asarray(rng.standard_normal((2, 3)))
     if name == "sin_times":  # its backward does not undo broadcasting
         return jnp.asarray(rng.standard_normal((4, 3))), jnp.asarray(rng.standard_normal((4, 3)))
-    return jnp.asarray(rng.standard_normal((4, 3))), jnp.asarray(rng.standard_normal((3,)))
+    x, y = OPS_BY_NAME[name].arrays(rng)[:2]
+    return jnp.asarray(x), jnp.asarray(y)
 
 
 TRANSFORMS = {
@@ -257,7 +250,7 @@ WRAPS = {
 
 @pytest.mark.parametrize("wrap", list(WRAPS))
 @pytest.mark.parametrize("transform", list(TRANSFORMS))
-@pytest.mark.parametrize("op", ["sin_times", "linear", "mul_constant"])
+@pytest.mark.parametrize("op", ["sin_times", *OPS_BY_NAME])
 def test_every_transformation_matches_autodiff(op, transform, wrap, x64):
     _, ours, plain = next(o for o in _ops() if o[0] == op)
     x, y = _inputs(op)
@@ -265,7 +258,7 @@ def test_every_transformation_matches_autodiff(op, transform, wrap, x64):
         x = jnp.stack([x, 2 * x + 0.5])
     got = WRAPS[wrap](TRANSFORMS[transform](ours))(x, y)
     want = WRAPS["vmap" if wrap.endswith("vmap") else "plain"](TRANSFORMS[transform](plain))(x, y)
-    _tree_close(got, want)
+    assert_trees_close(got, want)
 
 
 def _shared_output(custom_vjp, **options):
@@ -313,7 +306,7 @@ def test_output_shared_across_a_vmap_batch_matches_autodiff(transform, options, 
     x, w = jnp.linspace(-1.0, 2.0, 5), jnp.float64(0.7)
     got = SHARED_TRANSFORMS[transform](loss_of(_shared_output(jaxext.custom_vjp, **options)))(x, w)
     want = SHARED_TRANSFORMS[transform](loss_of(plain))(x, w)
-    _tree_close(got, want)
+    assert_trees_close(got, want)
 
 
 def test_reverse_mode_runs_the_hand_written_backward_not_autodiff(x64):
@@ -326,9 +319,9 @@ def test_reverse_mode_runs_the_hand_written_backward_not_autodiff(x64):
     ste_round.defvjp(lambda x: (jnp.round(x), None), lambda _, g: (g,))
     x = jnp.linspace(-1.2, 1.7, 6)
     t = jnp.linspace(0.5, 1.5, 6)
-    _tree_close(jax.grad(lambda x: jnp.sum(3.0 * ste_round(x)))(x), np.full(6, 3.0))
-    _tree_close(jax.jvp(ste_round, (x,), (t,)), (jnp.round(x), t))
-    _tree_close(jax.jacfwd(ste_round)(x), np.eye(6))
+    assert_trees_close(jax.grad(lambda x: jnp.sum(3.0 * ste_round(x)))(x), np.full(6, 3.0))
+    assert_trees_close(jax.jvp(ste_round, (x,), (t,)), (jnp.round(x), t))
+    assert_trees_close(jax.jacfwd(ste_round)(x), np.eye(6))
 
 
 # -- perturbed inputs and residuals --------------------------------------------------------
@@ -371,7 +364,7 @@ def test_residuals_depending_on_perturbed_inputs_are_safe_in_a_reused_jit(order,
     if order == "primed":
         jax.grad(lambda x: jnp.sum(helper(x, c)))(x)
     got = jax.grad(loss(helper), (0, 1))(x, c)
-    _tree_close(got, jax.grad(loss(lambda x, c: x * c), (0, 1))(x, c))
+    assert_trees_close(got, jax.grad(loss(lambda x, c: x * c), (0, 1))(x, c))
     assert {(True, False), (False, True)} <= set(seen)
     # The forward saves only what the wanted gradient needs.
     _, vjp_fn = jax.vjp(lambda x: helper(x, c), x)
@@ -401,13 +394,13 @@ def test_symbolic_zero_cotangents_reach_bwd_and_skip_it_when_all_zero(x64):
 
     two.defvjp(two_fwd, two_bwd, symbolic_zeros=True)
     x = jnp.linspace(0.0, 1.0, 3)
-    _tree_close(jax.grad(lambda x: jnp.sum(two(x)[0]))(x), jnp.cos(x))
+    assert_trees_close(jax.grad(lambda x: jnp.sum(two(x)[0]))(x), jnp.cos(x))
     assert calls[-1][1] == "SymbolicZero"
     calls.clear()
     _, vjp_fn = jax.vjp(two, x)
-    _tree_close(vjp_fn((jnp.zeros(3), jnp.zeros(3)))[0], np.zeros(3))
+    assert_trees_close(vjp_fn((jnp.zeros(3), jnp.zeros(3)))[0], np.zeros(3))
     # Only the cos output used: the forward-mode derivative too.
-    _tree_close(jax.jvp(lambda x: two(x)[1], (x,), (jnp.ones(3),))[1], -jnp.sin(x))
+    assert_trees_close(jax.jvp(lambda x: two(x)[1], (x,), (jnp.ones(3),))[1], -jnp.sin(x))
 
 
 @pytest.mark.parametrize("extra", [0, 2], ids=["exact", "extra_trailing_nones"])
@@ -421,8 +414,8 @@ def test_bwd_may_return_none_and_extra_trailing_nones(extra, x64):
     )
     x = jnp.ones(3)
     grads = jax.grad(lambda *a: jnp.sum(first(*a)), (0, 1, 2))(x, x, x)
-    _tree_close(grads, (np.full(3, 2.0), np.zeros(3), np.zeros(3)))
-    _tree_close(jax.jvp(first, (x, x, x), (x, x, x))[1], np.full(3, 2.0))
+    assert_trees_close(grads, (np.full(3, 2.0), np.zeros(3), np.zeros(3)))
+    assert_trees_close(jax.jvp(first, (x, x, x), (x, x, x))[1], np.full(3, 2.0))
 
 
 @pytest.mark.parametrize("argnums", [(0,), (1,), (0, 1, 2)], ids=str)
@@ -456,9 +449,9 @@ def test_integer_inputs_and_outputs(x64):
 
     scale.defvjp(lambda x, n: (scale(x, n), n), lambda n, g: (g[0] * n, None))
     x, n = jnp.linspace(0.0, 1.0, 3), jnp.arange(3)
-    _tree_close(jax.grad(lambda x: jnp.sum(scale(x, n)[0]))(x), np.arange(3.0))
+    assert_trees_close(jax.grad(lambda x: jnp.sum(scale(x, n)[0]))(x), np.arange(3.0))
     y, t = jax.jvp(lambda x: scale(x, n), (x,), (jnp.ones(3),))
-    _tree_close(t[0], np.arange(3.0))
+    assert_trees_close(t[0], np.arange(3.0))
     assert t[1].dtype == jax.dtypes.float0
 
 
@@ -469,8 +462,8 @@ def test_keyword_arguments_resolve_to_positions(x64):
 
     power.defvjp(lambda x, n: (x**n, x), lambda n, x, g: (n * x ** (n - 1) * g,))
     x = jnp.asarray(1.5)
-    _tree_close(jax.grad(lambda x: power(x, n=3))(x), 3 * 1.5**2)
-    _tree_close(jax.grad(power)(x), 2 * 1.5)
+    assert_trees_close(jax.grad(lambda x: power(x, n=3))(x), 3 * 1.5**2)
+    assert_trees_close(jax.grad(power)(x), 2 * 1.5)
 
 
 def test_user_jvp_rule_for_a_backward_jax_cannot_transpose(x64):
@@ -490,14 +483,14 @@ def test_user_jvp_rule_for_a_backward_jax_cannot_transpose(x64):
     fwd, bwd = (lambda x: (jnp.sin(x), jnp.cos(x))), (lambda cos_x, g: (host_mul(cos_x, g),))
     sin.defvjp(fwd, bwd)
     x = jnp.linspace(0.0, 2.0, 4)
-    _tree_close(jax.grad(lambda x: jnp.sum(sin(x)))(x), jnp.cos(x))
+    assert_trees_close(jax.grad(lambda x: jnp.sum(sin(x)))(x), jnp.cos(x))
     with pytest.raises(TypeError, match=r"`sin`: forward-mode .*transpose.*jvp=jvp"):
         jax.jvp(sin, (x,), (x,))
     sin.defvjp(fwd, bwd, jvp=lambda cos_x, tangents: host_mul(cos_x, tangents[0]))
-    _tree_close(jax.jvp(sin, (x,), (x,)), (jnp.sin(x), jnp.cos(x) * x))
-    _tree_close(jax.jit(jax.jacfwd(sin))(x), np.diag(np.cos(np.asarray(x))))
+    assert_trees_close(jax.jvp(sin, (x,), (x,)), (jnp.sin(x), jnp.cos(x) * x))
+    assert_trees_close(jax.jit(jax.jacfwd(sin))(x), np.diag(np.cos(np.asarray(x))))
     batched = jax.vmap(lambda t: jax.jvp(sin, (x,), (t,))[1])(jnp.eye(4))
-    _tree_close(batched, np.diag(np.cos(np.asarray(x))))
+    assert_trees_close(batched, np.diag(np.cos(np.asarray(x))))
 
 
 def test_checkpoint_and_export(x64):
@@ -509,14 +502,14 @@ def test_checkpoint_and_export(x64):
 
     for policy in (None, jax.checkpoint_policies.nothing_saveable):
         got = jax.grad(jax.checkpoint(loss(sin_times), policy=policy), (0, 1))(x, y)
-        _tree_close(got, jax.grad(loss(plain), (0, 1))(x, y))
+        assert_trees_close(got, jax.grad(loss(plain), (0, 1))(x, y))
 
     def hvp(f):
         return lambda x, y: jax.jvp(lambda x: jax.grad(loss(f))(x, y), (x,), (y,))
 
     exported = jax.export.export(jax.jit(hvp(sin_times)))(x, y)
     restored = jax.export.deserialize(exported.serialize())
-    _tree_close(restored.call(x, y), hvp(plain)(x, y))
+    assert_trees_close(restored.call(x, y), hvp(plain)(x, y))
 
 
 # -- errors ------------------------------------------------------------------------------------
@@ -664,7 +657,7 @@ def test_bwd_gradient_may_be_a_prefix_of_a_pytree_argument(impl):
     total.defvjp(lambda t: (total(t), None), lambda _, g: (2.0 * g,))  # one array, two leaves
     tree = {"a": jnp.arange(3.0), "b": {"c": jnp.ones(3)}}
     got = jax.grad(lambda t: jnp.sum(total(t)))(tree)
-    _tree_close(got, {"a": np.full(3, 2.0), "b": {"c": np.full(3, 2.0)}})
+    assert_trees_close(got, {"a": np.full(3, 2.0), "b": {"c": np.full(3, 2.0)}})
 
 
 @pytest.mark.parametrize("impl", DECORATORS)
@@ -841,7 +834,7 @@ def test_forward_mode_of_a_linear_bwd_is_not_rejected(form, x64):
     tx, ty = jnp.array([0.3, -1.0, 2.0]), jnp.array([1.0, 0.5, -0.25])
     got = jax.jit(lambda *a: jax.jvp(op, a[:2], a[2:]))(x, y, tx, ty)
     want = jax.jvp(lambda x, y: x**3 * y, (x, y), (tx, ty))
-    _tree_close(got, want)
+    assert_trees_close(got, want)
 
 
 # -- forward mode where the rules close over traced values ----------------------------
@@ -914,7 +907,7 @@ def test_forward_mode_with_rules_closing_over_traced_values(program, with_jvp, x
     ours = _closure_programs(lambda s: _scaled_sin(s, with_jvp))[program]
     reference = _closure_programs(lambda s: lambda x: jnp.sin(x) * s)[program]
     scale, x = jnp.asarray(1.5), jnp.array([0.5, -1.0, 2.0])
-    _tree_close(jax.jit(ours)(scale, x), reference(scale, x))
+    assert_trees_close(jax.jit(ours)(scale, x), reference(scale, x))
 
 
 @pytest.mark.parametrize(
@@ -940,7 +933,7 @@ def test_wrong_jvp_rule_is_blamed_on_the_jvp_rule(jvp, error, match, x64):
         jax.jvp(sine, (x,), (jnp.ones(3),))
     assert "bwd" not in str(info.value)
     # reverse mode does not use the jvp rule
-    _tree_close(jax.grad(lambda x: sine(x).sum())(x), jnp.cos(x))
+    assert_trees_close(jax.grad(lambda x: sine(x).sum())(x), jnp.cos(x))
 
 
 # -- JAX's key phrases: code that matched on jax.custom_vjp's errors keeps matching ------

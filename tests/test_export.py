@@ -12,7 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close_to_float64, in_float64, rand, reference_linear
+from helpers import (
+    assert_close_to_float64,
+    assert_trees_equal,
+    in_float64,
+    rand,
+    reference_linear,
+)
 from jax import export
 
 import jaxext
@@ -48,13 +54,6 @@ def _roundtrip(exported):
     return export.deserialize(blob)
 
 
-def _assert_same(actual, expected):
-    """Bit-identical: only for the same program (an export at the shapes it was traced at)."""
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-        assert a.shape == e.shape and a.dtype == e.dtype
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
-
-
 def _assert_matches_reference(actual, ref, args):
     """float32 results vs ``ref`` (plain autodiff) computed in float64."""
     expected = in_float64(ref, *args)
@@ -74,7 +73,7 @@ def test_export_concrete_shapes(fn, ref, serialize):
         exported = _roundtrip(exported)
     assert [a.shape for a in exported.in_avals] == [a.shape for a in args]
     out = exported.call(*args)
-    _assert_same(out, fn(*args))
+    assert_trees_equal(out, fn(*args))
     _assert_matches_reference(out, ref, args)
 
 
@@ -181,7 +180,7 @@ def test_export_of_cpp_kernels_needs_the_documented_option():
     exported = export.export(
         jax.jit(_cpp_model), disabled_checks=ops.extension().disabled_safety_checks
     )(*args)
-    _assert_same(_roundtrip(exported).call(*args), jax.jit(_cpp_model)(*args))
+    assert_trees_equal(_roundtrip(exported).call(*args), jax.jit(_cpp_model)(*args))
 
 
 @pytest.mark.parametrize("fn", ["forward", "grad"])
@@ -215,7 +214,7 @@ def test_exported_cpp_kernels_run_in_a_fresh_process(fn, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     with np.load(str(blob) + ".out.npz") as out:
         got = [out[f"arr_{i}"] for i in range(len(out.files))]
-    _assert_same(got, jax.tree.leaves(program(*args)))  # the same program, the same bits
+    assert_trees_equal(got, jax.tree.leaves(program(*args)))  # the same program, the same bits
     ref = REF_FORWARD if fn == "forward" else jax.grad(_loss(_plain_model), argnums=(0, 1, 2, 3))
     _assert_matches_reference(got, ref, args)
     # Without the extension loaded, the call fails, naming the kernel's target.

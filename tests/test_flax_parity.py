@@ -5,7 +5,9 @@ and ``preferred_element_type`` (NNX; Linen's ``Dense`` has no
 ``preferred_element_type``), one jitted program per layer computes the outputs and
 all gradients (parameters and inputs) for inputs without batch axes, with one,
 with several and with an empty one (in float32, and also in bfloat16 where the
-layer's ``dtype`` is None, so that the input's dtype enters the promotion).
+layer's ``dtype`` is None, so that the input's dtype enters the promotion; with a
+``dtype``, one bfloat16 input too: mixed precision, bfloat16 inputs cast to the
+compute dtype). Linen's initial parameters are compared too.
 
 The claim tested is bit-equality, and it is legitimate only because both sides
 compile to the *same* program: jaxext's custom VJP (``jaxext/_dense.py``) emits
@@ -58,15 +60,20 @@ def _name(value):
 
 def _inputs(dtype):
     """Inputs of every batch shape: float32, and bfloat16 too when the layer's
-    ``dtype`` is None (then the input dtype enters the promotion; otherwise the
-    input is only cast to ``dtype``)."""
+    ``dtype`` is None (then the input dtype enters the promotion). Otherwise the
+    input is only cast to ``dtype``, and one bfloat16 input (several batch axes)
+    checks the cast and the input gradient coming back in bfloat16 (bfloat16 or
+    float32 compute on bfloat16 inputs, what mixed-precision training does)."""
     rng = np.random.default_rng(0)
     x_dtypes = X_DTYPES if dtype is None else X_DTYPES[:1]
-    return [
+    xs = [
         jnp.asarray(rng.standard_normal((*batch, IN)), x_dtype)
         for batch in BATCHES
         for x_dtype in x_dtypes
     ]
+    if dtype is not None:
+        xs.append(jnp.asarray(rng.standard_normal((2, 3, IN)), BF16))
+    return xs
 
 
 def _cotangent(y):
@@ -203,7 +210,8 @@ def test_linen_dense_same_program_and_bits_as_flax(use_bias, dtype, param_dtype,
     def run(cls):
         module = cls(features=OUT, **kwargs)
         variables = module.init(jax.random.key(0), xs[0])
-        return _compile_and_run(_linen_program(module), variables, xs)
+        program, outputs = _compile_and_run(_linen_program(module), variables, xs)
+        return program, (variables, outputs)  # the same initial parameters too
 
     _check_same_program(lambda: run(nn.Dense), lambda: run(jaxext.linen.Dense))
 

@@ -27,16 +27,25 @@ from __future__ import annotations
 import functools
 import itertools
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import LinearFunction, MulConstant, OnceCube, rand, reference_linear, uses_custom_rule
+from helpers import (
+    FLOAT64_TOL,
+    LinearFunction,
+    MulConstant,
+    OnceCube,
+    rand,
+    reference_linear,
+    uses_custom_rule,
+)
 from jax.flatten_util import ravel_pytree
 
 import jaxext
 
-TOL = 1e-12
+TOL = FLOAT64_TOL  # 1e-12: the float64 rule of tests/helpers.py
 
 # XLA's optimisation passes take most of these tests' time and are not what they test
 # (the derivative programs are): compile with them turned down.
@@ -115,12 +124,7 @@ def forward_mode(f, v, t, names):
 
 def assert_trees_close(actual, expected, tol=TOL, what=""):
     """Same structure, shapes and dtypes; values within ``tol`` (relative and absolute)."""
-    leaves_a, tree_a = jax.tree.flatten(actual)
-    leaves_e, tree_e = jax.tree.flatten(expected)
-    assert tree_a == tree_e
-    for a, e in zip(leaves_a, leaves_e, strict=True):
-        assert a.shape == e.shape and a.dtype == e.dtype, (what, a.shape, a.dtype, e.shape, e.dtype)
-        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=tol, atol=tol, err_msg=what)
+    helpers.assert_trees_close(actual, expected, tol=tol, same_dtypes=True, err_msg=what)
 
 
 def full_reference(ref, args):

@@ -15,13 +15,14 @@ from helpers import (
     assert_close,
     assert_close_to_float64,
     assert_first_and_second_order_close,
+    assert_trees_equal,
+    coarsest,
     count_hlo_dots,
     count_primitive,
     in_float64,
     rand,
     reference_linear,
     skip_without_float16,
-    tolerance,
     vjp_kept,
 )
 
@@ -62,10 +63,6 @@ def weighted_sum(fn, cotangent):
     return lambda *args: jnp.sum(fn(*args).astype(cotangent.dtype) * cotangent)
 
 
-def upcast(tree, dtype):
-    return jax.tree_util.tree_map(lambda a: a.astype(dtype), tree)
-
-
 # -- values and gradients against plain jnp autodiff ---------------------------------
 
 
@@ -78,10 +75,8 @@ def test_value_and_grads_match_jnp_autodiff(x_shape, out_features, use_bias, dty
     n = max(int(np.prod(x_shape[:-1])), x_shape[-1], out_features)  # longest sum
 
     def check(actual, expected, err_msg=""):
-        if dtype == jnp.bfloat16:  # results rounded to 8 significant bits
-            assert_close(actual, expected, **tolerance(dtype), err_msg=err_msg)
-        else:
-            assert_close_to_float64(actual, expected, n=n, err_msg=err_msg)
+        # bfloat16 results rounded to 8 significant bits: the rule at bfloat16's eps.
+        assert_close_to_float64(actual, expected, n=n, err_msg=err_msg)
 
     y = jaxext.linear(*args)
     assert y.shape == x_shape[:-1] + (out_features,)
@@ -258,14 +253,15 @@ def test_dtypes_follow_jnp_promotion_and_grads_keep_input_dtypes(x_dtype, w_dtyp
     b = None if b_dtype is None else jnp.asarray(rand(2, (2,)), b_dtype)
     y = jaxext.linear(x, w, b)
     assert y.dtype == reference_linear(x, w, b).dtype
-    assert_close(y, reference_linear(*upcast((x, w, b), F32)), **tolerance(BF16))
+    low = coarsest(x_dtype, w_dtype, b_dtype)  # what the product rounds in, at worst
+    assert_close_to_float64(y, in_float64(reference_linear, x, w, b), n=3, dtype=low)
 
     argnums = (0, 1) if b is None else (0, 1, 2)
     grads = jax.grad(lambda *a: jaxext.linear(*a).astype(F32).sum(), argnums)(x, w, b)
-    grads_ref = jax.grad(lambda *a: reference_linear(*a).sum(), argnums)(*upcast((x, w, b), F32))
+    grads_ref = in_float64(jax.grad(lambda *a: reference_linear(*a).sum(), argnums), x, w, b)
     for g, g_ref, a in zip(grads, grads_ref, (x, w, b), strict=False):
         assert g.dtype == a.dtype
-        assert_close(g, g_ref, **tolerance(BF16))
+        assert_close_to_float64(g, g_ref, n=4, dtype=low)
 
 
 def test_integer_x_promotes_like_jnp():
@@ -273,7 +269,7 @@ def test_integer_x_promotes_like_jnp():
     w = jnp.asarray(rand(1, (4, 3)))
     y = jaxext.linear(x, w)
     assert y.dtype == reference_linear(x, w).dtype == jnp.float32
-    assert_close(y, reference_linear(x, w), **tolerance(F32))
+    assert_close_to_float64(y, in_float64(reference_linear, x, w), n=3)
     assert_close(
         jax.grad(lambda w: jaxext.linear(x, w).sum())(w), np.broadcast_to([3, 5, 7], (4, 3))
     )
@@ -285,24 +281,60 @@ def test_preferred_element_type(use_bias):
     y = jaxext.linear(x, w, b, preferred_element_type=F32)
     assert y.dtype == F32
     # Products of bfloat16 values are exact in float32: only the f32 sum rounds.
-    ref_args = upcast((x, w, b), F32)
-    assert_close(y, reference_linear(*ref_args), **tolerance(F32))
+    assert_close_to_float64(y, in_float64(reference_linear, x, w, b), n=7)
 
     argnums = (0, 1, 2) if use_bias else (0, 1)
     loss = lambda *a: jaxext.linear(*a, preferred_element_type=F32).sum()  # noqa: E731
     grads = jax.grad(loss, argnums)(x, w, b)
-    grads_ref = jax.grad(lambda *a: reference_linear(*a).sum(), argnums)(*ref_args)
+    grads_ref = in_float64(jax.grad(lambda *a: reference_linear(*a).sum(), argnums), x, w, b)
     for g, g_ref, a in zip(grads, grads_ref, (x, w, b), strict=False):
         assert g.dtype == BF16 == a.dtype
-        assert_close(g, g_ref, **tolerance(BF16))
+        assert_close_to_float64(g, g_ref, n=5)
+
+
+def _f32_sin_loss(y):
+    # A nonlinear float32 loss so that every output element gets its own cotangent.
+    return jnp.sum(jnp.sin(y.astype(F32)))
+
+
+def _reference_preferred(x, weight, bias):
+    dims = (((x.ndim - 1,), (1,)), ((), ()))
+    y = jax.lax.dot_general(x, weight, dims, preferred_element_type=F32)
+    return y if bias is None else y + bias.astype(F32)
+
+
+@pytest.mark.parametrize("use_bias", [True, False])
+@pytest.mark.parametrize("shape", [(4, 16), (2, 3, 16)])
+def test_preferred_element_type_f32_on_bf16_is_bit_exact(shape, use_bias):
+    x = jnp.asarray(rand(5, shape), BF16)
+    weight = jnp.asarray(rand(6, (8, 16)), BF16)
+    bias = jnp.asarray(rand(7, (8,)), BF16) if use_bias else None
+
+    y = jaxext.linear(x, weight, bias, preferred_element_type=F32)
+    y_ref = _reference_preferred(x, weight, bias)
+    assert y.dtype == F32
+    assert_trees_equal(y, y_ref)
+    # The f32 result keeps what bfloat16 would round away.
+    assert not np.array_equal(np.asarray(y), np.asarray(y.astype(BF16).astype(F32)))
+
+    def grads(fn):
+        argnums = (0, 1, 2) if use_bias else (0, 1)
+        return jax.grad(lambda *a: _f32_sin_loss(fn(*a)), argnums=argnums)(x, weight, bias)
+
+    ours = grads(lambda x, w, b: jaxext.linear(x, w, b, preferred_element_type=F32))
+    theirs = grads(_reference_preferred)
+    for name, g, g_ref in zip(("x", "weight", "bias"), ours, theirs, strict=False):
+        assert g.dtype == BF16, name  # gradients come back in each input's dtype
+        assert_trees_equal(g, g_ref)
 
 
 def test_precision_is_accepted_and_hashable_under_jit():
     x, w, b = make_inputs((5, 3), 4, True, F32)
     f = jax.jit(lambda x, w, b: jaxext.linear(x, w, b, precision="highest"))
-    assert_close(f(x, w, b), reference_linear(x, w, b), **tolerance(F32))
+    assert_close_to_float64(f(x, w, b), in_float64(reference_linear, x, w, b), n=3)
     g = jax.grad(lambda w: jaxext.linear(x, w, b, precision=jax.lax.Precision.HIGHEST).sum())(w)
-    assert_close(g, jax.grad(lambda w: reference_linear(x, w, b).sum())(w), **tolerance(F32))
+    g_ref = in_float64(jax.grad(lambda w, x, b: reference_linear(x, w, b).sum()), w, x, b)
+    assert_close_to_float64(g, g_ref, n=5)
 
 
 def test_out_sharding_sets_the_result_sharding_and_is_checked():
@@ -321,7 +353,7 @@ def test_out_sharding_sets_the_result_sharding_and_is_checked():
         y = jax.jit(f)(x, w, b)
         assert jax.typeof(jax.jit(lambda x: x @ w.T)(x)).sharding.spec != spec
     assert seen == [spec]
-    assert_close(y, reference_linear(x, w, b), **tolerance(F32))
+    assert_close_to_float64(y, in_float64(reference_linear, x, w, b), n=3)
     with pytest.raises(TypeError, match="`out_sharding`.*got tuple"):
         jaxext.linear(x, w, b, out_sharding=("data", None))
 

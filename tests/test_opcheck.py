@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import LinearFunction, rand
+from helpers import rand
+from ops_table import OPS
 
 import jaxext
 from jaxext._checks import CHECK_NAMES
@@ -47,27 +48,6 @@ def plain_jvp_softplus(x):
 def _softplus_jvp(primals, tangents):
     (x,), (t,) = primals, tangents
     return plain_jvp_softplus(x), jax.nn.sigmoid(x) * t
-
-
-def nnx_linear_op():
-    nnx = pytest.importorskip("flax.nnx")
-    graphdef, params = nnx.split(jaxext.nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
-
-    def apply(params, x):
-        return nnx.merge(graphdef, params)(x)
-
-    return apply, (jax.tree_util.tree_map(np.asarray, params), f64(1, (4, 3)))
-
-
-def linen_dense_op():
-    pytest.importorskip("flax.linen")
-    layer = jaxext.linen.Dense(2)
-    params = layer.init(jax.random.key(0), jnp.ones((1, 3)))["params"]
-
-    def apply(params, x):
-        return layer.apply({"params": params}, x)
-
-    return apply, (jax.tree_util.tree_map(np.asarray, params), f64(1, (4, 3)))
 
 
 @jax.custom_vjp
@@ -131,20 +111,8 @@ def phases(seed, shape):
 
 CORRECT_OPS = {
     # name -> (function returning (op, args), checks expected to SKIP)
-    "jaxext.linear": (lambda: (jaxext.linear, (f64(0, (4, 3)), f64(1, (2, 3)), f64(2, (2,)))), ()),
-    "jaxext.mul_constant_static": (lambda: (jaxext.mul_constant, (f64(0, (4, 3)), 2.5)), ()),
-    "jaxext.mul_constant_array": (
-        lambda: (jaxext.mul_constant, (f64(0, (4, 3)), np.array([0.5, 2.0, -1.0]))),
-        (),
-    ),
-    # A 0-d float input (a learnable scale): its expected gradients are NumPy scalars.
-    "jaxext.mul_constant_0d": (
-        lambda: (jaxext.mul_constant, (f64(0, (4, 3)), np.array(2.0))),
-        (),
-    ),
-    "nnx.Linear": (nnx_linear_op, ()),
-    "linen.Dense": (linen_dense_op, ()),
-    "Function": (lambda: (LinearFunction.apply, (f64(0, (4, 3)), f64(1, (2, 3)))), ()),
+    # The library's ops and layers (tests/ops_table.py): no check skipped.
+    **{name: (build, ()) for op in OPS for name, build in op.opcheck_cases.items()},
     "plain_custom_vjp": (
         lambda: (plain_vjp_linear, (f64(0, (4, 3)), f64(1, (2, 3)))),
         ("jvp", "jvp_vjp", "rev_over_fwd", "fwd_over_fwd"),
