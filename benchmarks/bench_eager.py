@@ -52,6 +52,7 @@ import jaxext  # noqa: E402
 
 sys.path.insert(0, str(HERE))
 import benchlib  # noqa: E402
+import report  # noqa: E402
 
 TARGETS = {"grad": 1.2, "jvp": 1.5}  # jaxext / reference, issue 19 item 7
 SIZES = [(32, 64, 64), (256, 512, 512)]
@@ -97,14 +98,6 @@ def _jvp(f: Callable[..., Any], args: tuple[jax.Array, ...]) -> Callable[[], Any
     return lambda: jax.block_until_ready(jax.jvp(f, args, tangents))
 
 
-def _max_rel_err(a: Any, b: Any) -> float:
-    errs = [
-        float(jnp.max(jnp.abs(x - y)) / (jnp.max(jnp.abs(y)) + 1e-30))
-        for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True)
-    ]
-    return max(errs)
-
-
 def bench_time(args: argparse.Namespace, log: Callable[[str], None]) -> list[dict[str, Any]]:
     ext, ref = _linear(jaxext.custom_vjp), _linear(jax.custom_vjp)
     rows = []
@@ -115,7 +108,7 @@ def bench_time(args: argparse.Namespace, log: Callable[[str], None]) -> list[dic
             "jvp": ({"jaxext": _jvp(ext, a), "reference": _jvp(_plain, a)}, "plain autodiff"),
         }
         for mode, (fns, against) in groups.items():
-            err = _max_rel_err(fns["jaxext"](), fns["reference"]())
+            err = benchlib.max_rel_err(fns["jaxext"](), fns["reference"]())
             load = list(os.getloadavg())
             res = benchlib.interleaved_times(
                 fns,
@@ -142,7 +135,8 @@ def bench_time(args: argparse.Namespace, log: Callable[[str], None]) -> list[dic
             }
             rows.append(row)
             log(
-                f"{mode} {_size(size)}: jaxext {row['time']['jaxext']['median_ms']:.3f} ms, "
+                f"{mode} {report.fm_size(size)}: "
+                f"jaxext {row['time']['jaxext']['median_ms']:.3f} ms, "
                 f"{against} {row['time']['reference']['median_ms']:.3f} ms, "
                 f"ratio {ratio['median']:.2f} (target <= {TARGETS[mode]})"
             )
@@ -219,69 +213,6 @@ def bench_memory(args: argparse.Namespace, log: Callable[[str], None]) -> list[d
     return rows
 
 
-def _size(size: list[int] | tuple[int, ...]) -> str:
-    return f"{size[0]}x{size[1]}->{size[2]}"
-
-
-def markdown(results: dict[str, Any]) -> str:
-    m = results["machine"]
-    load = ["/".join(f"{v:.1f}" for v in x or []) for x in (m["loadavg_start"], m["loadavg_end"])]
-    lines = [
-        "# Eager autodiff through jaxext.custom_vjp: benchmark results (cpu)",
-        "",
-        f"Command: `{results['command']}`  ",
-        f"Machine: {m['cpu_model']}, {m['usable_cpus']} usable of {m['logical_cpus']} logical "
-        f"CPUs; JAX backend `{m['jax_backend']}`; jax {m['jax']} / jaxlib {m['jaxlib']}; "
-        f"Python {m['python']}  ",
-        f"Date (UTC): {m['date_utc']}; wall time {results['wall_s']:.0f} s; load average "
-        f"(1/5/15 min) at start {load[0]}, at end {load[1]}.",
-        "",
-    ]
-    if results.get("note"):
-        lines += [f"Note: {results['note']}", ""]
-    lines += [
-        "Un-jitted calls on concrete float32 arrays, each ending in `block_until_ready`. "
-        "`grad`: `jax.grad` of `sum(linear(x, w, b))` w.r.t. x, w, b, with the same "
-        "`fwd`/`bwd` on `jaxext.custom_vjp` and on `jax.custom_vjp`. `jvp`: `jax.jvp` of "
-        "`linear` (all inputs perturbed) through `jaxext.custom_vjp` (forward mode derived "
-        "from `bwd`) against plain autodiff of `x @ w + b`. Ratio = median of per-round time "
-        "ratios of interleaved measurements [25th-75th percentile]; `min ratio` divides the "
-        "fastest measurements. The machine is shared: compare ratios, not milliseconds.",
-        "",
-        "| mode | size | against | jaxext ms | reference ms | ratio [p25-p75] | min ratio "
-        "| target | status | rounds | load | max rel err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results["time"]:
-        t, q = r["time"], r["ratio"]
-        lines.append(
-            f"| {r['mode']} | {_size(r['size'])} | {r['against']} "
-            f"| {t['jaxext']['median_ms']:.3f} | {t['reference']['median_ms']:.3f} "
-            f"| {q['median']:.2f} [{q['p25']:.2f}-{q['p75']:.2f}] | {r['min_ratio']:.2f} "
-            f"| <= {r['target']} | {'met' if r['met'] else 'NOT met'} | {r['rounds']} "
-            f"| {r['loadavg_before'][0]:.1f} | {r['max_rel_err']:.1e} |"
-        )
-    lines += [
-        "",
-        "## Memory: eager calls with a new Python constant each",
-        "",
-        "Resident set size growth after 20 warm-up calls; `trace` = (calls, MiB) at every "
-        "tenth of the run.",
-        "",
-        "| op | calls | RSS growth MiB | ms per call | trace |",
-        "|---|---|---|---|---|",
-    ]
-    for r in results["memory"]:
-        if "error" in r:
-            lines.append(f"| {r['op']} | - | - | - | not run: `{r['error']}` |")
-            continue
-        trace = ", ".join(f"{n}: {g:+}" for n, g in r["trace"])
-        lines.append(
-            f"| {r['op']} | {r['calls']} | {r['growth_mib']:+} | {r['ms_per_call']:.2f} | {trace} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds and calls")
@@ -297,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.render is not None:
         results = json.loads(args.render.read_text())
-        args.render.with_suffix(".md").write_text(markdown(results))
+        args.render.with_suffix(".md").write_text(report.render_eager(results))
         return results
     quick = args.quick
     args.rounds = args.rounds or (7 if quick else 21)
@@ -326,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.out.mkdir(parents=True, exist_ok=True)
     json_path = args.out / f"{args.stem}.json"
     json_path.write_text(json.dumps(results, indent=1) + "\n")
-    md = markdown(results)
+    md = report.render_eager(results)
     (args.out / f"{args.stem}.md").write_text(md)
     print(md)
     log(f"wrote {json_path} and {args.stem}.md")

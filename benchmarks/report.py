@@ -589,18 +589,26 @@ def _flops(h: dict[str, Any]) -> str:
     return "equal" if j == a else f"{j / max(a, 1.0):.3f}x"
 
 
-def render_forward_mode(results: dict[str, Any]) -> str:
-    m, s = results["machine"], results["settings"]
-    lines = [
-        "# Forward mode through jaxext ops: benchmark results (cpu)",
+def run_header(title: str, results: dict[str, Any], digits: int = 2, end: str = ".  ") -> list[str]:
+    """Title, command, machine and date lines of a results file (``end`` closes the last)."""
+    m = results["machine"]
+    start, stop = (fmt_load(m[k], digits) for k in ("loadavg_start", "loadavg_end"))
+    return [
+        title,
         "",
         f"Command: `{results['command']}`  ",
         f"Machine: {m['cpu_model']}, {m['usable_cpus']} usable of {m['logical_cpus']} logical "
         f"CPUs; JAX backend `{m['jax_backend']}`; jax {m['jax']} / jaxlib {m['jaxlib']}; "
         f"Python {m['python']}  ",
         f"Date (UTC): {m['date_utc']}; wall time {results['wall_s']:.0f} s; load average "
-        f"(1/5/15 min) at start {fmt_load(m['loadavg_start'])}, at end "
-        f"{fmt_load(m['loadavg_end'])}.  ",
+        f"(1/5/15 min) at start {start}, at end {stop}{end}",
+    ]
+
+
+def render_forward_mode(results: dict[str, Any]) -> str:
+    s = results["settings"]
+    lines = [
+        *run_header("# Forward mode through jaxext ops: benchmark results (cpu)", results),
         f"float32; up to {s['rounds']} interleaved rounds per comparison (at least "
         f"{s['min_rounds']}, fewer when {s['budget_s']:.0f} s of measurement are used up); "
         f"{s['warmup']} warm-up calls; ~{s['target_s'] * 1e3:.0f} ms per measurement.",
@@ -737,8 +745,57 @@ def render_forward_mode(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def fmt_load(load: list[float] | None) -> str:
-    return "n/a" if not load else "/".join(f"{v:.2f}" for v in load)
+def render_eager(results: dict[str, Any]) -> str:
+    """Markdown for ``bench_eager.py``'s results."""
+    title = "# Eager autodiff through jaxext.custom_vjp: benchmark results (cpu)"
+    lines = [*run_header(title, results, digits=1, end="."), ""]
+    if results.get("note"):
+        lines += [f"Note: {results['note']}", ""]
+    lines += [
+        "Un-jitted calls on concrete float32 arrays, each ending in `block_until_ready`. "
+        "`grad`: `jax.grad` of `sum(linear(x, w, b))` w.r.t. x, w, b, with the same "
+        "`fwd`/`bwd` on `jaxext.custom_vjp` and on `jax.custom_vjp`. `jvp`: `jax.jvp` of "
+        "`linear` (all inputs perturbed) through `jaxext.custom_vjp` (forward mode derived "
+        "from `bwd`) against plain autodiff of `x @ w + b`. Ratio = median of per-round time "
+        "ratios of interleaved measurements [25th-75th percentile]; `min ratio` divides the "
+        "fastest measurements. The machine is shared: compare ratios, not milliseconds.",
+        "",
+        "| mode | size | against | jaxext ms | reference ms | ratio [p25-p75] | min ratio "
+        "| target | status | rounds | load | max rel err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results["time"]:
+        t, q = r["time"], r["ratio"]
+        lines.append(
+            f"| {r['mode']} | {fm_size(r['size'])} | {r['against']} "
+            f"| {t['jaxext']['median_ms']:.3f} | {t['reference']['median_ms']:.3f} "
+            f"| {q['median']:.2f} [{q['p25']:.2f}-{q['p75']:.2f}] | {r['min_ratio']:.2f} "
+            f"| <= {r['target']} | {'met' if r['met'] else 'NOT met'} | {r['rounds']} "
+            f"| {r['loadavg_before'][0]:.1f} | {r['max_rel_err']:.1e} |"
+        )
+    lines += [
+        "",
+        "## Memory: eager calls with a new Python constant each",
+        "",
+        "Resident set size growth after 20 warm-up calls; `trace` = (calls, MiB) at every "
+        "tenth of the run.",
+        "",
+        "| op | calls | RSS growth MiB | ms per call | trace |",
+        "|---|---|---|---|---|",
+    ]
+    for r in results["memory"]:
+        if "error" in r:
+            lines.append(f"| {r['op']} | - | - | - | not run: `{r['error']}` |")
+            continue
+        trace = ", ".join(f"{n}: {g:+}" for n, g in r["trace"])
+        lines.append(
+            f"| {r['op']} | {r['calls']} | {r['growth_mib']:+} | {r['ms_per_call']:.2f} | {trace} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def fmt_load(load: list[float] | None, digits: int = 2) -> str:
+    return "n/a" if not load else "/".join(f"{v:.{digits}f}" for v in load)
 
 
 RENDERERS = {  # results file name prefix -> renderer (longest prefix first)
@@ -746,6 +803,7 @@ RENDERERS = {  # results file name prefix -> renderer (longest prefix first)
     "cpp_extension": render_cpp_extension,
     "forward_mode": render_forward_mode,
     "checks": render_checks,
+    "eager": render_eager,
     "linear": markdown,
 }
 
