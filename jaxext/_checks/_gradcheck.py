@@ -30,15 +30,9 @@ from ._compare import Mismatch, directional_mismatches, entry_mismatches, full_m
 from ._gradcheck_report import GradcheckError as GradcheckError
 from ._gradcheck_report import dtype_error, gradcheck_error
 from ._jacobians import FlatJacobians
+from ._leaves import float_dtype, private_copies
 from ._precision import float64_numerics
-from ._problem import (
-    Problem,
-    first_order,
-    float_dtype,
-    private_copies,
-    second_order,
-    second_order_forward,
-)
+from ._problem import Problem, first_order, second_order, second_order_forward
 
 __all__ = [
     "FULL_MAX_ENTRIES",

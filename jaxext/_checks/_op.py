@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._problem import float_dtype
+from ._leaves import FloatLeaves, output_label
 
 __all__ = ["CheckFailed", "OpUnderTest", "assert_trees_close"]
 
@@ -31,48 +31,30 @@ def _is_array(leaf: Any) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class OpUnderTest:
+class OpUnderTest(FloatLeaves):
     """``func(*args)`` as a function of the float array leaves of ``args``.
 
+    The ``FloatLeaves`` view, with ``args``' float array leaves converted to float64
+    JAX arrays (what a user's code receives: ``x.at[...]``, ``table[ids]`` with
+    traced ``ids`` and the like work); other leaves as given.
+
     Attributes:
-        func: the op.
-        args: its positional arguments, float array leaves converted to float64
-            JAX arrays (what a user's code receives: ``x.at[...]``, ``table[ids]``
-            with traced ``ids`` and the like work); other leaves as given.
-        positions: leaf positions (in ``args``' flattening) of the float arrays.
-        labels: how messages name those leaves, e.g. ``"input 1['w']"``.
         forward_error: why ``jax.jvp`` cannot differentiate the op (the
             ``TypeError`` a plain ``jax.custom_vjp`` raises), or ``None``.
         cache: results one check computes for another (``opcheck`` puts the
             names of the selected checks under ``"selected"``).
     """
 
-    func: Callable[..., Any]
-    args: tuple
-    positions: tuple[int, ...]
-    labels: tuple[str, ...]
     forward_error: str | None = None
     # results shared between checks (and the names of the checks selected)
     cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, func: Callable[..., Any], args: tuple) -> OpUnderTest:
-        flat, treedef = jax.tree_util.tree_flatten_with_path(args)
-        leaves, positions, labels = [], [], []
-        for position, (path, leaf) in enumerate(flat):
-            label = f"input {path[0].idx}{jax.tree_util.keystr(path[1:])}"
-            if float_dtype(leaf, label) is not None:
-                leaf = jnp.asarray(leaf, dtype=jnp.float64)
-                positions.append(position)
-                labels.append(label)
-            leaves.append(leaf)
-        if not positions:
-            raise ValueError(
-                "`args` holds no floating-point array to differentiate (Python and NumPy "
-                "scalars are constants: pass np.asarray(value) to differentiate one)."
-            )
-        new_args = tuple(jax.tree_util.tree_unflatten(treedef, leaves))
-        op = cls(func, new_args, tuple(positions), tuple(labels))
+        view = FloatLeaves.of(func, args, argument="args")
+        values = [jnp.asarray(leaf, dtype=jnp.float64) for leaf in view.values]
+        fields = {f.name: getattr(view, f.name) for f in dataclasses.fields(FloatLeaves)}
+        op = cls(**{**fields, "args": view.args_with(values)})
         _refuse_complex_outputs(op)
         return dataclasses.replace(op, forward_error=_forward_mode_error(op))
 
@@ -80,23 +62,7 @@ class OpUnderTest:
 
     @property
     def primals(self) -> list[jax.Array]:
-        leaves = jax.tree_util.tree_leaves(self.args)
-        return [leaves[p] for p in self.positions]
-
-    def args_with(self, values: Sequence[Any], args: tuple | None = None) -> tuple:
-        """``args`` (default: the op's) with its float leaves replaced by ``values``."""
-        leaves, treedef = jax.tree_util.tree_flatten(self.args if args is None else args)
-        for position, value in zip(self.positions, values, strict=True):
-            leaves[position] = value
-        return tuple(jax.tree_util.tree_unflatten(treedef, leaves))
-
-    def float_leaves(self, args: tuple) -> list[Any]:
-        leaves = jax.tree_util.tree_leaves(args)
-        return [leaves[p] for p in self.positions]
-
-    def call(self, *values: Any) -> Any:
-        """The op at the float leaves ``values`` (the other arguments as given)."""
-        return self.func(*self.args_with(values))
+        return self.values
 
     def with_only(self, subset: Sequence[int], fn: Callable | None = None) -> Callable:
         """A function of the float leaves in ``subset``; the others are constants."""
@@ -135,10 +101,8 @@ def _refuse_complex_outputs(op: OpUnderTest) -> None:
         return
     for position, (path, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(shapes)[0]):
         if _is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.complexfloating):
-            full = jax.tree_util.keystr(path)
-            shown = "" if full in ("", f"[{position}]") else full
             raise TypeError(
-                f"output {position}{shown} has complex dtype {leaf.dtype}; opcheck supports "
+                f"{output_label(position, path)} has complex dtype {leaf.dtype}; opcheck supports "
                 "real floating-point outputs only (return the real and imaginary parts as two "
                 "outputs)."
             )
