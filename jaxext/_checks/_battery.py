@@ -10,8 +10,10 @@ normwise relative tolerance far above float64 rounding and far below any bug.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,13 +21,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._backward import (
+    TIGHT,
+    BatchingError,
+    Refused,
+    batched_gradients,
+    gradient_dtypes,
+    refusal,
+    zero_like,
+)
+from ._backward import reentrancy as reentrancy_mismatches
+from ._backward import zero_cotangent as zero_cotangent_mismatches
 from ._gradcheck import Settings, check_gradients
 from ._kernels import disabled_safety_checks, kernel_targets, unchecked
-from ._op import CheckFailed, OpUnderTest, assert_trees_close, float_output_leaves
+from ._op import (
+    CheckFailed,
+    OpUnderTest,
+    assert_trees_close,
+    float_output_leaves,
+    mismatch_text,
+)
 
 __all__ = ["CHECKS", "TIGHT", "Skip"]
 
-TIGHT = 1e-9
 _BATCH = 3
 _POLICIES = {
     "default": None,
@@ -348,6 +366,10 @@ def jit(op: OpUnderTest, settings: Settings) -> str:
     return "values and gradients under jit equal eager ones"
 
 
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(int(i) for i in np.unravel_index(flat, shape))
+
+
 def _subsets(count: int) -> list[tuple[int, ...]]:
     if count <= 4:
         return [s for r in range(1, count + 1) for s in itertools.combinations(range(count), r)]
@@ -509,9 +531,14 @@ def vmap(op: OpUnderTest, settings: Settings) -> str:
             jax.jit(jax.vmap(apply))(batch), looped, what=f"{what}: output", rtol=TIGHT
         )
         us = [op.cotangent(rng) for _ in range(_BATCH)]
-        looped = stacked([jax.jit(gradient)(pick(batch, b), us[b]) for b in range(_BATCH)])
-        batched = jax.jit(jax.vmap(gradient))(batch, stacked(us))
-        assert_trees_close(batched, looped, what=f"{what}: gradients", rtol=TIGHT)
+        try:
+            found = batched_gradients(gradient, batch, us)
+        except BatchingError as err:
+            raise err.__cause__ from None
+        for m in found[:1]:
+            shape = (_BATCH, *op.primals[m.in_block].shape)
+            m = dataclasses.replace(m, in_element=m.direction * math.prod(shape[1:]) + m.in_element)
+            raise CheckFailed(mismatch_text(f"{what}: gradients[{m.in_block}]", m, shape))
         if forward:
             ts = [op.tangents(rng) for _ in range(_BATCH)]
             looped = stacked([jax.jit(tangent)(pick(batch, b), ts[b]) for b in range(_BATCH)])
@@ -527,26 +554,14 @@ def vmap(op: OpUnderTest, settings: Settings) -> str:
 
 def zero_cotangent(op: OpUnderTest, settings: Settings) -> str:
     primals = op.primals
-    zero = jax.tree_util.tree_map(
-        lambda leaf: (
-            np.zeros(leaf.shape, leaf.dtype)
-            if jnp.issubdtype(leaf.dtype, jnp.inexact)
-            else np.zeros(leaf.shape, jax.dtypes.float0)
-        ),
-        op.output_shapes(),
-    )
-    grads = jax.jit(lambda *p: _vjp(op.call, p, zero))(*primals)
-    for label, grad in zip(op.labels, grads, strict=True):
-        grad = np.asarray(grad, np.float64)
-        if np.any(grad != 0):
-            worst = np.unravel_index(
-                int(np.argmax(np.abs(np.nan_to_num(grad, nan=np.inf)))), grad.shape
-            )
-            raise CheckFailed(
-                f"gradient of {label} for a zero cotangent is not zero: element "
-                f"{tuple(int(i) for i in worst)} is {grad[worst]:.10g} "
-                f"({int(np.sum(grad != 0))} of {grad.size} elements nonzero)."
-            )
+    zero = jax.tree_util.tree_map(zero_like, op.output_shapes())
+    gradients = jax.jit(lambda *p: _vjp(op.call, p, zero))
+    for m in zero_cotangent_mismatches(lambda _: gradients(*primals), zero)[:1]:
+        element = _unravel(m.in_element, primals[m.in_block].shape)
+        raise CheckFailed(
+            f"gradient of {op.labels[m.in_block]} for a zero cotangent is not zero: element "
+            f"{element} is {m.actual:.10g} ({m.count} of {m.total} elements nonzero)."
+        )
     outputs = float_output_leaves(op.output_shapes())
     if len(outputs) < 2:
         return "a zero cotangent gives zero gradients"
@@ -585,57 +600,28 @@ def _only_float_leaf(tree: Any, keep: int) -> Any:
 
 
 def grad_dtypes(op: OpUnderTest, settings: Settings) -> str:
-    flat, treedef = jax.tree_util.tree_flatten_with_path(op.args)
-    arrays = [p for p, (_, leaf) in enumerate(flat) if isinstance(leaf, (jax.Array, np.ndarray))]
     checked, unsupported, not_taken = [], [], []
     for dtype in (jnp.float64, jnp.float32, jnp.bfloat16):
-        leaves = [leaf for _, leaf in flat]
-        for p in op.positions:
-            leaves[p] = jnp.asarray(leaves[p], dtype)
-        primals = [leaves[p] for p in arrays]
-
-        def fn(*values, leaves=leaves):
-            new = list(leaves)
-            for p, value in zip(arrays, values, strict=True):
-                new[p] = value
-            return op.func(*jax.tree_util.tree_unflatten(treedef, new))
-
-        def gradients(*values, fn=fn):
-            out, pullback = jax.vjp(fn, *values)
-            return pullback(jax.tree_util.tree_map(_zero_cotangent_like, out))
-
-        refused = None if dtype == jnp.float64 else _refused(fn, primals, dtype)
-        if refused is not None:  # nothing to check: every dtype the op takes is checked
+        try:
+            found = gradient_dtypes(op, dtype)
+        except Refused:  # nothing to check: every dtype the op takes is checked
             not_taken.append(jnp.dtype(dtype).name)
             continue
-        try:  # dtypes and shapes are decided when tracing: no need to compile or run
-            grads = jax.eval_shape(gradients, *primals)
         except NotImplementedError as err:  # no kernel for this dtype: what the op cannot do
             unsupported.append(_no_kernel(err, dtype))
             continue
-        for p, primal, grad in zip(arrays, primals, grads, strict=True):
-            path = flat[p][0]
-            label = f"input {path[0].idx}{jax.tree_util.keystr(path[1:])}"
-            inexact = jnp.issubdtype(primal.dtype, jnp.inexact)
-            expected = np.dtype(primal.dtype) if inexact else np.dtype(jax.dtypes.float0)
-            if np.dtype(grad.dtype) != expected or tuple(grad.shape) != tuple(primal.shape):
-                raise CheckFailed(
-                    f"gradient of {label} is {np.dtype(grad.dtype)}{tuple(grad.shape)} for an "
-                    f"input of {np.dtype(primal.dtype)}{tuple(primal.shape)}; expected "
-                    f"{expected}{tuple(primal.shape)} (JAX does not check a custom_vjp "
-                    "backward's dtypes)."
-                )
+        if found is not None:
+            primal, grad, shape = found.primal, found.grad, tuple(found.primal.shape)
+            raise CheckFailed(
+                f"gradient of {found.label} is {np.dtype(grad.dtype)}{tuple(grad.shape)} for an "
+                f"input of {np.dtype(primal.dtype)}{shape}; expected {found.expected}{shape} "
+                "(JAX does not check a custom_vjp backward's dtypes)."
+            )
         checked.append(jnp.dtype(dtype).name)
     if unsupported:
         raise Skip(f"{', '.join(checked)} checked; not run: {'; '.join(unsupported)}")
     refused = f"; the op does not take {', '.join(not_taken)}" if not_taken else ""
     return f"gradients have their inputs' dtypes and shapes ({', '.join(checked)} inputs{refused})"
-
-
-def _zero_cotangent_like(leaf: Any) -> Any:
-    if jnp.issubdtype(leaf.dtype, jnp.inexact):
-        return jnp.zeros(leaf.shape, leaf.dtype)
-    return np.zeros(leaf.shape, jax.dtypes.float0)
 
 
 # -- 8. reentrancy --------------------------------------------------------------------------
@@ -645,12 +631,12 @@ def reentrancy(op: OpUnderTest, settings: Settings) -> str:
     rng = np.random.default_rng(settings.seed + 7)
     primals, u = op.primals, op.cotangent(rng)
     jitted = jax.jit(lambda *p: _vjp(op.call, p, u))
-    runs = {"under jit": (jitted(*primals), jitted(*primals))}
-    runs["eagerly"] = (_vjp(op.call, primals, u), _vjp(op.call, primals, u))
-    for how, (first, second) in runs.items():
-        for label, a, b in zip(op.labels, first, second, strict=True):
-            what = f"gradient of {label}, second run of the backward {how} vs the first"
-            assert_trees_close(a, b, what=what, rtol=0.0, atol=settings.nondet_tol)
+    runs = {"under jit": lambda: jitted(*primals), "eagerly": lambda: _vjp(op.call, primals, u)}
+    found = reentrancy_mismatches(runs, settings.nondet_tol)
+    if found is not None:
+        how, (m, *_) = found
+        what = f"gradient of {op.labels[m.in_block]}, second run of the backward {how} vs the first"
+        raise CheckFailed(mismatch_text(what, m, primals[m.in_block].shape))
     return f"two runs of the backward agree within nondet_tol={settings.nondet_tol:g}"
 
 
@@ -751,21 +737,6 @@ def _no_kernel(err: Exception, dtype: Any) -> str:
     return f"{jnp.dtype(dtype).name}: the op has no kernel for it ({type(err).__name__}: {first})"
 
 
-def _refused(fn: Callable, values: list, dtype: Any) -> str | None:
-    """Why the op's forward refuses ``dtype`` when traced, or ``None``: a dtype the op does
-    not accept is not a bug. A refusal is a ``TypeError`` (or ``NotImplementedError``) whose
-    message names the dtype, as an op whose kernels have no handler for it should raise;
-    any other error is left for the check to report as a failure."""
-    name = jnp.dtype(dtype).name
-    try:
-        jax.eval_shape(fn, *values)
-    except (TypeError, NotImplementedError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        if name in first:
-            return f"{name}: the op does not take it ({type(err).__name__}: {first})"
-    return None
-
-
 def low_precision(op: OpUnderTest, settings: Settings) -> str:
     rng = np.random.default_rng(settings.seed + 10)
     primals, u = op.primals, op.cotangent(rng)
@@ -776,7 +747,7 @@ def low_precision(op: OpUnderTest, settings: Settings) -> str:
         rtol = 16 * float(jnp.finfo(dtype).eps)
         name = jnp.dtype(dtype).name
         low = [jnp.asarray(p, dtype) for p in primals]
-        refused = _refused(op.call, low, dtype)
+        refused = refusal(op.call, low, dtype)
         if refused is not None:
             unsupported.append(refused)
             continue

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["FloatLeaves", "float_dtype", "output_label", "private_copies"]
+__all__ = ["FloatLeaves", "float_dtype", "input_label", "output_label", "private_copies"]
 
 
 def private_copies(args: tuple) -> tuple:
@@ -42,6 +42,11 @@ def float_dtype(leaf: Any, label: str) -> np.dtype | None:
             "arrays only (split complex values into real and imaginary parts)."
         )
     return leaf.dtype if jnp.issubdtype(leaf.dtype, jnp.floating) else None
+
+
+def input_label(path: Any) -> str:
+    """How messages name the input leaf at key path ``path`` in ``args``: ``"input 1['w']"``."""
+    return f"input {path[0].idx}{jax.tree_util.keystr(path[1:])}"
 
 
 def output_label(position: int, path: Any) -> str:
@@ -77,8 +82,7 @@ class FloatLeaves:
         ``args``; ``ValueError`` naming ``argument`` if there is none."""
         found: dict[str, list] = {"positions": [], "labels": [], "indices": [], "paths": []}
         for position, (path, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(args)[0]):
-            index, sub = path[0].idx, jax.tree_util.keystr(path[1:])
-            label = f"input {index}{sub}"
+            index, sub, label = path[0].idx, jax.tree_util.keystr(path[1:]), input_label(path)
             if float_dtype(leaf, label) is None:
                 continue
             for name, value in zip(found, (position, label, index, sub), strict=True):

@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._compare import Mismatch, leaf_mismatches
 from ._leaves import FloatLeaves, output_label
 
-__all__ = ["CheckFailed", "OpUnderTest", "assert_trees_close"]
+__all__ = ["CheckFailed", "OpUnderTest", "assert_trees_close", "mismatch_text"]
 
 
 class CheckFailed(Exception):
@@ -162,18 +163,16 @@ def assert_trees_close(
         a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
         if a.shape != e.shape:
             raise CheckFailed(f"{what}{path}: shape {a.shape}, expected {e.shape}.")
-        if a.size == 0:
-            continue
-        error = np.abs(a - e)
-        allowed = atol + rtol * float(np.max(np.abs(e)))
-        with np.errstate(invalid="ignore"):
-            bad = ~(error <= allowed)
-        if bad.any():
-            worst = np.unravel_index(
-                int(np.argmax(np.where(bad, np.nan_to_num(error, nan=np.inf), -1))), a.shape
-            )
-            raise CheckFailed(
-                f"{what}{path}: element {tuple(int(i) for i in worst)} is {a[worst]:.10g}, "
-                f"expected {e[worst]:.10g} (abs error {error[worst]:.3e}, allowed "
-                f"{allowed:.3e}; {int(bad.sum())} of {a.size} elements differ)."
-            )
+        for m in leaf_mismatches([e], [a], atol=atol, rtol=rtol, normwise=True)[:1]:
+            raise CheckFailed(mismatch_text(f"{what}{path}", m, a.shape))
+
+
+def mismatch_text(what: str, mismatch: Mismatch, shape: tuple[int, ...]) -> str:
+    """The diagnostic of a ``leaf_mismatches`` record for a leaf of ``shape``."""
+    m = mismatch
+    worst = tuple(int(i) for i in np.unravel_index(m.in_element, shape))
+    return (
+        f"{what}: element {worst} is {m.actual:.10g}, expected {m.expected:.10g} (abs error "
+        f"{abs(m.actual - m.expected):.3e}, allowed {m.allowed:.3e}; {m.count} of {m.total} "
+        "elements differ)."
+    )
