@@ -162,7 +162,7 @@ def _assert_written(checked: Any, plain: Any, what: str, targets: list[str]) -> 
 
 def forward_rule(op: OpUnderTest, settings: Settings) -> str:
     primals = op.primals
-    plain = jax.jit(op.call)(*primals)
+    plain = op.jitted(*primals)
     via_vjp = jax.jit(lambda *p: jax.vjp(op.call, *p)[0])(*primals)
     assert_trees_close(via_vjp, plain, what="primal output of jax.vjp vs the op", rtol=TIGHT)
     if op.forward_error is not None:
@@ -357,7 +357,7 @@ def jit(op: OpUnderTest, settings: Settings) -> str:
     rng = np.random.default_rng(settings.seed + 2)
     primals, u = op.primals, op.cotangent(rng)
     eager = op.call(*primals)
-    jitted = jax.jit(op.call)(*primals)
+    jitted = op.jitted(*primals)
     assert_trees_close(jitted, eager, what="output under jit vs eager", rtol=TIGHT)
     eager_grads = _vjp(op.call, primals, u)
     jitted_grads = jax.jit(lambda *p: _vjp(op.call, p, u))(*primals)
@@ -691,9 +691,7 @@ def export(op: OpUnderTest, settings: Settings) -> str:
             f"the op cannot be exported with jax.export: {type(err).__name__}: "
             f"{str(err).splitlines()[0] if str(err) else ''}"
         ) from err
-    assert_trees_close(
-        call(*primals), jax.jit(op.call)(*primals), what="exported output", rtol=TIGHT
-    )
+    assert_trees_close(call(*primals), op.jitted(*primals), what="exported output", rtol=TIGHT)
     expected = jax.jit(gradient)(*primals)
     for label, a, e in zip(op.labels, call_gradient(*primals), expected, strict=True):
         assert_trees_close(a, e, what=f"exported gradient of {label}", rtol=TIGHT)
@@ -723,7 +721,7 @@ def export_symbolic(op: OpUnderTest, settings: Settings) -> str:
             f"({type(err).__name__}: {message[:200]})"
         ) from err
     assert_trees_close(
-        call(*primals), jax.jit(op.call)(*primals), what="output exported with a symbolic "
+        call(*primals), op.jitted(*primals), what="output exported with a symbolic "
         f"leading dimension of {op.labels[batched]}", rtol=TIGHT,
     )  # fmt: skip
     return f"exported with a symbolic leading dimension of {op.labels[batched]}: same values"
@@ -741,7 +739,7 @@ def low_precision(op: OpUnderTest, settings: Settings) -> str:
     rng = np.random.default_rng(settings.seed + 10)
     primals, u = op.primals, op.cotangent(rng)
     checked, unsupported = [], []
-    call = jax.jit(op.call)
+    call = op.jitted
     gradients = jax.jit(lambda p, u: _vjp(op.call, p, u))  # float64 compiles once
     for dtype in (jnp.float32, jnp.bfloat16):
         rtol = 16 * float(jnp.finfo(dtype).eps)

@@ -80,8 +80,19 @@ class OpUnderTest(FloatLeaves):
 
     # -- random data ---------------------------------------------------------------------
 
+    @property
+    def jitted(self) -> Callable[..., Any]:
+        """``jax.jit`` of ``call``, one for all checks (a bound method is a new function at
+        each access: jitting ``op.call`` afresh would compile the same program again)."""
+        if "jitted" not in self.cache:
+            self.cache["jitted"] = jax.jit(self.call)
+        return self.cache["jitted"]
+
     def output_shapes(self) -> Any:
-        return jax.eval_shape(self.call, *self.primals)
+        """The shapes and dtypes of the op's output (traced once)."""
+        if "output_shapes" not in self.cache:
+            self.cache["output_shapes"] = jax.eval_shape(self.call, *self.primals)
+        return self.cache["output_shapes"]
 
     def cotangent(self, rng: np.random.Generator, scale: float = 1.0) -> Any:
         """A random cotangent for the output (float0 zeros for non-float leaves)."""
@@ -97,7 +108,7 @@ def _refuse_complex_outputs(op: OpUnderTest) -> None:
     An op that fails to trace is left to the checks, which report it as their FAIL.
     """
     try:
-        shapes = jax.eval_shape(op.call, *op.primals)
+        shapes = op.output_shapes()
     except Exception:  # noqa: BLE001 -- reported by each check instead
         return
     for position, (path, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(shapes)[0]):
