@@ -3,9 +3,14 @@
 One idea per module; data flows down this list:
 
 * ``_precision``: float64 numerics on any backend.
+* ``_leaves``: the caller's function as a function of its float array leaves
+  (which are checked, how messages name them), for both entry points.
 * ``_problem``: the caller's function and pytrees as a flat ``R^n -> R^m``.
 * ``_jacobians``: numerical and automatic Jacobians, a chunk at a time.
-* ``_compare``: the entrywise comparison, block by block, into ``Mismatch`` records.
+* ``_compare``: the entrywise comparison, block by block, into ``Mismatch`` records
+  (one worst-entry scan for every check).
+* ``_backward``: the checks of a backward both entry points run (zero cotangent,
+  reentrancy, batched gradients, gradient dtypes), each once, with its tolerance rule.
 * ``_gradcheck_report``: ``GradcheckError`` and its message.
 * ``_gradcheck``: the ``gradcheck`` / ``gradgradcheck`` entry points.
 * ``_op``: the op under test, as a function of its float array leaves.

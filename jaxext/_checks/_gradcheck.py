@@ -140,9 +140,11 @@ def gradcheck(
         check_undefined_grad: check that a zero cotangent gives zero
             gradients (PyTorch's undefined output gradients).
         check_grad_dtypes: check each gradient's dtype and shape against its
-            input's (JAX itself accepts a float32 gradient for a float64 input).
+            input's (JAX itself accepts a float32 gradient for a float64 input;
+            an integer or boolean array input must get a ``float0`` gradient).
         check_batched_grad: check ``jax.vmap`` of the VJP over a batch of
-            cotangents against one VJP per cotangent.
+            cotangents against one VJP per cotangent (within a normwise relative
+            1e-9 per gradient, as ``opcheck``'s ``vmap``: the same math in float64).
         check_forward_ad: also check forward mode (adds ``"fwd"`` to ``modes``).
         check_backward_ad: check reverse mode (``False`` removes ``"rev"``).
         fast_mode: ``None`` picks by size as above; ``True`` forces the
