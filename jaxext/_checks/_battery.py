@@ -10,10 +10,8 @@ normwise relative tolerance far above float64 rounding and far below any bug.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,6 +30,7 @@ from ._backward import (
 )
 from ._backward import reentrancy as reentrancy_mismatches
 from ._backward import zero_cotangent as zero_cotangent_mismatches
+from ._compare import unravel
 from ._gradcheck import Settings, check_gradients
 from ._kernels import disabled_safety_checks, kernel_targets, unchecked
 from ._op import (
@@ -366,10 +365,6 @@ def jit(op: OpUnderTest, settings: Settings) -> str:
     return "values and gradients under jit equal eager ones"
 
 
-def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(int(i) for i in np.unravel_index(flat, shape))
-
-
 def _subsets(count: int) -> list[tuple[int, ...]]:
     if count <= 4:
         return [s for r in range(1, count + 1) for s in itertools.combinations(range(count), r)]
@@ -536,9 +531,8 @@ def vmap(op: OpUnderTest, settings: Settings) -> str:
         except BatchingError as err:
             raise err.__cause__ from None
         for m in found[:1]:
-            shape = (_BATCH, *op.primals[m.in_block].shape)
-            m = dataclasses.replace(m, in_element=m.direction * math.prod(shape[1:]) + m.in_element)
-            raise CheckFailed(mismatch_text(f"{what}: gradients[{m.in_block}]", m, shape))
+            element = (m.direction, *unravel(m.in_element, op.primals[m.in_block].shape))
+            raise CheckFailed(mismatch_text(f"{what}: gradients[{m.in_block}]", m, element))
         if forward:
             ts = [op.tangents(rng) for _ in range(_BATCH)]
             looped = stacked([jax.jit(tangent)(pick(batch, b), ts[b]) for b in range(_BATCH)])
@@ -557,7 +551,7 @@ def zero_cotangent(op: OpUnderTest, settings: Settings) -> str:
     zero = jax.tree_util.tree_map(zero_like, op.output_shapes())
     gradients = jax.jit(lambda *p: _vjp(op.call, p, zero))
     for m in zero_cotangent_mismatches(lambda _: gradients(*primals), zero)[:1]:
-        element = _unravel(m.in_element, primals[m.in_block].shape)
+        element = unravel(m.in_element, primals[m.in_block].shape)
         raise CheckFailed(
             f"gradient of {op.labels[m.in_block]} for a zero cotangent is not zero: element "
             f"{element} is {m.actual:.10g} ({m.count} of {m.total} elements nonzero)."
@@ -636,7 +630,7 @@ def reentrancy(op: OpUnderTest, settings: Settings) -> str:
     if found is not None:
         how, (m, *_) = found
         what = f"gradient of {op.labels[m.in_block]}, second run of the backward {how} vs the first"
-        raise CheckFailed(mismatch_text(what, m, primals[m.in_block].shape))
+        raise CheckFailed(mismatch_text(what, m, unravel(m.in_element, primals[m.in_block].shape)))
     return f"two runs of the backward agree within nondet_tol={settings.nondet_tol:g}"
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "entry_mismatches",
     "full_mismatches",
     "leaf_mismatches",
+    "unravel",
     "worst_entry",
 ]
 
@@ -204,6 +205,11 @@ def worst_entry(excess: np.ndarray, bad: np.ndarray) -> int:
     """Flat index of the failing entry (``bad``) furthest over its allowance (``excess``,
     ``error - allowed``); a NaN is the furthest of all."""
     return int(np.argmax(np.where(bad, np.nan_to_num(excess, nan=np.inf), -np.inf)))
+
+
+def unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The index in ``shape`` of the flat position ``flat`` (of a ``Mismatch``)."""
+    return tuple(int(i) for i in np.unravel_index(flat, shape))
 
 
 def block_mismatches(

@@ -6,9 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
-
-from ._compare import Mismatch
+from ._compare import Mismatch, unravel
 from ._problem import Problem, Segment
 
 __all__ = ["GradcheckError", "dtype_error", "gradcheck_error"]
@@ -141,8 +139,8 @@ def gradcheck_error(
     num, auto = worst.expected, worst.actual
     abs_error = abs(auto - num)
     rel_error = abs_error / abs(num) if num != 0 else math.inf
-    out_element = None if worst.out_element is None else _unravel(worst.out_element, out.shape)
-    in_element = None if worst.in_element is None else _unravel(worst.in_element, inp.shape)
+    out_element = None if worst.out_element is None else unravel(worst.out_element, out.shape)
+    in_element = None if worst.in_element is None else unravel(worst.in_element, inp.shape)
     direction = worst.direction
     ad_name = "jax.vjp" if mode == "rev" else "jax.linearize"
     if kind == "primal":
@@ -274,10 +272,6 @@ def _pair_label(out: Segment | None, inp: Segment | None) -> str:
     if out is None:
         return f"the gradient of {inp.label}"
     return f"{out.label} w.r.t. {inp.label}"
-
-
-def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(int(i) for i in np.unravel_index(flat, shape))
 
 
 # Tracebacks show the name users can import and catch (`jaxext.GradcheckError`), not this

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._compare import Mismatch, leaf_mismatches
+from ._compare import Mismatch, leaf_mismatches, unravel
 from ._leaves import FloatLeaves, output_label
 
 __all__ = ["CheckFailed", "OpUnderTest", "assert_trees_close", "mismatch_text"]
@@ -175,15 +175,14 @@ def assert_trees_close(
         if a.shape != e.shape:
             raise CheckFailed(f"{what}{path}: shape {a.shape}, expected {e.shape}.")
         for m in leaf_mismatches([e], [a], atol=atol, rtol=rtol, normwise=True)[:1]:
-            raise CheckFailed(mismatch_text(f"{what}{path}", m, a.shape))
+            raise CheckFailed(mismatch_text(f"{what}{path}", m, unravel(m.in_element, a.shape)))
 
 
-def mismatch_text(what: str, mismatch: Mismatch, shape: tuple[int, ...]) -> str:
-    """The diagnostic of a ``leaf_mismatches`` record for a leaf of ``shape``."""
+def mismatch_text(what: str, mismatch: Mismatch, element: tuple[int, ...]) -> str:
+    """The diagnostic of a ``leaf_mismatches`` record whose worst entry is ``element``."""
     m = mismatch
-    worst = tuple(int(i) for i in np.unravel_index(m.in_element, shape))
     return (
-        f"{what}: element {worst} is {m.actual:.10g}, expected {m.expected:.10g} (abs error "
+        f"{what}: element {element} is {m.actual:.10g}, expected {m.expected:.10g} (abs error "
         f"{abs(m.actual - m.expected):.3e}, allowed {m.allowed:.3e}; {m.count} of {m.total} "
         "elements differ)."
     )
