@@ -31,10 +31,9 @@ from ._leaves import FloatLeaves, input_label
 
 __all__ = [
     "TIGHT",
-    "BatchingError",
     "DtypeMismatch",
-    "Refused",
     "batched_gradients",
+    "dtype_refusal",
     "gradient_dtypes",
     "refusal",
     "reentrancy",
@@ -77,23 +76,17 @@ def reentrancy(
     return None
 
 
-class BatchingError(Exception):
-    """``jax.vmap`` of the gradient itself failed; the error is the ``__cause__``."""
-
-
 def batched_gradients(
     gradient: Callable[[Any, Any], Sequence[Any]], batch: Any, cotangents: Sequence[Any]
-) -> list[Mismatch]:
+) -> list[Mismatch] | Exception:
     """``gradient(item, u)`` under ``jax.vmap`` over ``batch`` (``None``: not batched;
     array leaves of rank 0 are not batched either) and ``cotangents``, against one call
     per batch entry.
 
     Returns:
         Per gradient leaf that differs, its worst entry: ``direction`` is the batch
-        entry, ``in_element`` the flat index inside the leaf, ``expected`` the loop's.
-
-    Raises:
-        BatchingError: from the error ``jax.vmap`` of the gradient raised.
+        entry, ``in_element`` the flat index inside the leaf, ``expected`` the loop's;
+        or the exception ``jax.vmap`` of the gradient raised (that is the finding).
     """
     size = len(cotangents)
 
@@ -111,7 +104,7 @@ def batched_gradients(
         vmapped = jax.vmap(gradient, in_axes=(None if batch is None else 0, 0))
         batched = jax.jit(vmapped)(batch, stacked(cotangents))
     except Exception as err:  # noqa: BLE001 -- any failure of vmap is the finding
-        raise BatchingError(f"{type(err).__name__}: {err}") from err
+        return err
     looped = [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(looped)]
     batched = [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(batched)]
     found = []
@@ -134,10 +127,6 @@ class DtypeMismatch:
     expected: np.dtype  # the dtype the gradient should have
 
 
-class Refused(Exception):
-    """The function does not take inputs of this dtype (the reason is the message)."""
-
-
 def refusal(fn: Callable, values: list, dtype: Any) -> str | None:
     """Why ``fn`` refuses ``values`` of ``dtype`` when traced, or ``None``: a dtype an op
     does not accept is not a bug. A refusal is a ``TypeError`` (or ``NotImplementedError``)
@@ -153,6 +142,30 @@ def refusal(fn: Callable, values: list, dtype: Any) -> str | None:
     return None
 
 
+def _in_dtype(view: FloatLeaves, dtype: Any) -> tuple[Callable, list, list]:
+    """The function of every array leaf of the arguments, those leaves (the float ones
+    cast to ``dtype``) and their key paths."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(view.args)
+    arrays = [p for p, (_, leaf) in enumerate(flat) if isinstance(leaf, (jax.Array, np.ndarray))]
+    leaves = [leaf for _, leaf in flat]
+    for p in view.positions:
+        leaves[p] = jnp.asarray(leaves[p], dtype)
+
+    def fn(*values):
+        new = list(leaves)
+        for p, value in zip(arrays, values, strict=True):
+            new[p] = value
+        return view.func(*jax.tree_util.tree_unflatten(treedef, new))
+
+    return fn, [leaves[p] for p in arrays], [flat[p][0] for p in arrays]
+
+
+def dtype_refusal(view: FloatLeaves, dtype: Any) -> str | None:
+    """Why the function refuses its float inputs in ``dtype`` (``refusal``), or ``None``."""
+    fn, primals, _ = _in_dtype(view, dtype)
+    return refusal(fn, primals, dtype)
+
+
 def gradient_dtypes(view: FloatLeaves, dtype: Any) -> DtypeMismatch | None:
     """The first gradient whose dtype or shape is not its input's, with the float inputs
     of ``view`` in ``dtype``; ``None`` if there is none.
@@ -162,36 +175,19 @@ def gradient_dtypes(view: FloatLeaves, dtype: Any) -> DtypeMismatch | None:
     ``float0`` gradient.
 
     Raises:
-        Refused: where the function refuses inputs of ``dtype`` (not float64) while
-            tracing (``refusal``).
         NotImplementedError: where the function has no kernel for ``dtype``.
     """
-    flat, treedef = jax.tree_util.tree_flatten_with_path(view.args)
-    arrays = [p for p, (_, leaf) in enumerate(flat) if isinstance(leaf, (jax.Array, np.ndarray))]
-    leaves = [leaf for _, leaf in flat]
-    for p in view.positions:
-        leaves[p] = jnp.asarray(leaves[p], dtype)
-    primals = [leaves[p] for p in arrays]
-
-    def fn(*values):
-        new = list(leaves)
-        for p, value in zip(arrays, values, strict=True):
-            new[p] = value
-        return view.func(*jax.tree_util.tree_unflatten(treedef, new))
+    fn, primals, paths = _in_dtype(view, dtype)
 
     def gradients(*values):
         out, pullback = jax.vjp(fn, *values)
         return pullback(jax.tree_util.tree_map(zero_like, out))
 
-    reason = None if jnp.dtype(dtype) == jnp.float64 else refusal(fn, primals, dtype)
-    if reason is not None:
-        raise Refused(reason)
     grads = jax.eval_shape(gradients, *primals)
-    for p, primal, grad in zip(arrays, primals, grads, strict=True):
+    for path, primal, grad in zip(paths, primals, grads, strict=True):
         inexact = jnp.issubdtype(primal.dtype, jnp.inexact)
         expected = np.dtype(primal.dtype) if inexact else np.dtype(jax.dtypes.float0)
         if np.dtype(grad.dtype) != expected or tuple(grad.shape) != tuple(primal.shape):
-            path = flat[p][0]
             index, sub = path[0].idx, jax.tree_util.keystr(path[1:])
             return DtypeMismatch(input_label(path), index, sub, primal, grad, expected)
     return None
