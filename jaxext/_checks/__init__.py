@@ -3,15 +3,21 @@
 One idea per module; data flows down this list:
 
 * ``_precision``: float64 numerics on any backend.
+* ``_leaves``: the caller's function as a function of its float array leaves
+  (which are checked, how messages name them), for both entry points.
 * ``_problem``: the caller's function and pytrees as a flat ``R^n -> R^m``.
 * ``_jacobians``: numerical and automatic Jacobians, a chunk at a time.
-* ``_compare``: the entrywise comparison, block by block, into ``Mismatch`` records.
-* ``_report``: ``GradcheckError`` and its message; ``OpcheckReport``, ``OpcheckError``.
+* ``_compare``: the entrywise comparison, block by block, into ``Mismatch`` records
+  (one worst-entry scan for every check).
+* ``_backward``: the checks of a backward both entry points run (zero cotangent,
+  reentrancy, batched gradients, gradient dtypes), each once, with its tolerance rule.
+* ``_gradcheck_report``: ``GradcheckError`` and its message.
 * ``_gradcheck``: the ``gradcheck`` / ``gradgradcheck`` entry points.
 * ``_op``: the op under test, as a function of its float array leaves.
 * ``_kernels``: the hook into ``jaxext.cpp_extension`` (its kernels in an op,
   checking mode, exporting their calls).
 * ``_battery``: the checks of ``opcheck``, one function each.
+* ``_opcheck_report``: ``CheckResult``, ``OpcheckReport``, ``OpcheckError``.
 * ``_opcheck``: the ``opcheck`` entry point.
 """
 
@@ -20,6 +26,6 @@ from ._gradcheck import gradcheck as gradcheck
 from ._gradcheck import gradgradcheck as gradgradcheck
 from ._opcheck import CHECK_NAMES as CHECK_NAMES
 from ._opcheck import opcheck as opcheck
-from ._report import CheckResult as CheckResult
-from ._report import OpcheckError as OpcheckError
-from ._report import OpcheckReport as OpcheckReport
+from ._opcheck_report import CheckResult as CheckResult
+from ._opcheck_report import OpcheckError as OpcheckError
+from ._opcheck_report import OpcheckReport as OpcheckReport

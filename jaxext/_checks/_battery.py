@@ -19,13 +19,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._backward import (
+    TIGHT,
+    batched_gradients,
+    dtype_refusal,
+    gradient_dtypes,
+    refusal,
+    zero_like,
+)
+from ._backward import reentrancy as reentrancy_mismatches
+from ._backward import zero_cotangent as zero_cotangent_mismatches
+from ._compare import unravel
 from ._gradcheck import Settings, check_gradients
 from ._kernels import disabled_safety_checks, kernel_targets, unchecked
-from ._op import CheckFailed, OpUnderTest, assert_trees_close, float_output_leaves
+from ._op import (
+    CheckFailed,
+    OpUnderTest,
+    assert_trees_close,
+    float_output_leaves,
+    mismatch_text,
+)
 
 __all__ = ["CHECKS", "TIGHT", "Skip"]
 
-TIGHT = 1e-9
 _BATCH = 3
 _POLICIES = {
     "default": None,
@@ -144,7 +160,7 @@ def _assert_written(checked: Any, plain: Any, what: str, targets: list[str]) -> 
 
 def forward_rule(op: OpUnderTest, settings: Settings) -> str:
     primals = op.primals
-    plain = jax.jit(op.call)(*primals)
+    plain = op.jitted(*primals)
     via_vjp = jax.jit(lambda *p: jax.vjp(op.call, *p)[0])(*primals)
     assert_trees_close(via_vjp, plain, what="primal output of jax.vjp vs the op", rtol=TIGHT)
     if op.forward_error is not None:
@@ -339,7 +355,7 @@ def jit(op: OpUnderTest, settings: Settings) -> str:
     rng = np.random.default_rng(settings.seed + 2)
     primals, u = op.primals, op.cotangent(rng)
     eager = op.call(*primals)
-    jitted = jax.jit(op.call)(*primals)
+    jitted = op.jitted(*primals)
     assert_trees_close(jitted, eager, what="output under jit vs eager", rtol=TIGHT)
     eager_grads = _vjp(op.call, primals, u)
     jitted_grads = jax.jit(lambda *p: _vjp(op.call, p, u))(*primals)
@@ -509,9 +525,12 @@ def vmap(op: OpUnderTest, settings: Settings) -> str:
             jax.jit(jax.vmap(apply))(batch), looped, what=f"{what}: output", rtol=TIGHT
         )
         us = [op.cotangent(rng) for _ in range(_BATCH)]
-        looped = stacked([jax.jit(gradient)(pick(batch, b), us[b]) for b in range(_BATCH)])
-        batched = jax.jit(jax.vmap(gradient))(batch, stacked(us))
-        assert_trees_close(batched, looped, what=f"{what}: gradients", rtol=TIGHT)
+        found = batched_gradients(gradient, batch, us)
+        if isinstance(found, Exception):
+            raise found
+        for m in found[:1]:
+            element = (m.direction, *unravel(m.in_element, op.primals[m.in_block].shape))
+            raise CheckFailed(mismatch_text(f"{what}: gradients[{m.in_block}]", m, element))
         if forward:
             ts = [op.tangents(rng) for _ in range(_BATCH)]
             looped = stacked([jax.jit(tangent)(pick(batch, b), ts[b]) for b in range(_BATCH)])
@@ -527,26 +546,14 @@ def vmap(op: OpUnderTest, settings: Settings) -> str:
 
 def zero_cotangent(op: OpUnderTest, settings: Settings) -> str:
     primals = op.primals
-    zero = jax.tree_util.tree_map(
-        lambda leaf: (
-            np.zeros(leaf.shape, leaf.dtype)
-            if jnp.issubdtype(leaf.dtype, jnp.inexact)
-            else np.zeros(leaf.shape, jax.dtypes.float0)
-        ),
-        op.output_shapes(),
-    )
-    grads = jax.jit(lambda *p: _vjp(op.call, p, zero))(*primals)
-    for label, grad in zip(op.labels, grads, strict=True):
-        grad = np.asarray(grad, np.float64)
-        if np.any(grad != 0):
-            worst = np.unravel_index(
-                int(np.argmax(np.abs(np.nan_to_num(grad, nan=np.inf)))), grad.shape
-            )
-            raise CheckFailed(
-                f"gradient of {label} for a zero cotangent is not zero: element "
-                f"{tuple(int(i) for i in worst)} is {grad[worst]:.10g} "
-                f"({int(np.sum(grad != 0))} of {grad.size} elements nonzero)."
-            )
+    zero = jax.tree_util.tree_map(zero_like, op.output_shapes())
+    gradients = jax.jit(lambda *p: _vjp(op.call, p, zero))
+    for m in zero_cotangent_mismatches(lambda _: gradients(*primals), zero)[:1]:
+        element = unravel(m.in_element, primals[m.in_block].shape)
+        raise CheckFailed(
+            f"gradient of {op.labels[m.in_block]} for a zero cotangent is not zero: element "
+            f"{element} is {m.actual:.10g} ({m.count} of {m.total} elements nonzero)."
+        )
     outputs = float_output_leaves(op.output_shapes())
     if len(outputs) < 2:
         return "a zero cotangent gives zero gradients"
@@ -585,57 +592,28 @@ def _only_float_leaf(tree: Any, keep: int) -> Any:
 
 
 def grad_dtypes(op: OpUnderTest, settings: Settings) -> str:
-    flat, treedef = jax.tree_util.tree_flatten_with_path(op.args)
-    arrays = [p for p, (_, leaf) in enumerate(flat) if isinstance(leaf, (jax.Array, np.ndarray))]
     checked, unsupported, not_taken = [], [], []
     for dtype in (jnp.float64, jnp.float32, jnp.bfloat16):
-        leaves = [leaf for _, leaf in flat]
-        for p in op.positions:
-            leaves[p] = jnp.asarray(leaves[p], dtype)
-        primals = [leaves[p] for p in arrays]
-
-        def fn(*values, leaves=leaves):
-            new = list(leaves)
-            for p, value in zip(arrays, values, strict=True):
-                new[p] = value
-            return op.func(*jax.tree_util.tree_unflatten(treedef, new))
-
-        def gradients(*values, fn=fn):
-            out, pullback = jax.vjp(fn, *values)
-            return pullback(jax.tree_util.tree_map(_zero_cotangent_like, out))
-
-        refused = None if dtype == jnp.float64 else _refused(fn, primals, dtype)
-        if refused is not None:  # nothing to check: every dtype the op takes is checked
-            not_taken.append(jnp.dtype(dtype).name)
+        if dtype != jnp.float64 and dtype_refusal(op, dtype) is not None:
+            not_taken.append(jnp.dtype(dtype).name)  # nothing to check: what the op takes is
             continue
-        try:  # dtypes and shapes are decided when tracing: no need to compile or run
-            grads = jax.eval_shape(gradients, *primals)
+        try:
+            found = gradient_dtypes(op, dtype)
         except NotImplementedError as err:  # no kernel for this dtype: what the op cannot do
             unsupported.append(_no_kernel(err, dtype))
             continue
-        for p, primal, grad in zip(arrays, primals, grads, strict=True):
-            path = flat[p][0]
-            label = f"input {path[0].idx}{jax.tree_util.keystr(path[1:])}"
-            inexact = jnp.issubdtype(primal.dtype, jnp.inexact)
-            expected = np.dtype(primal.dtype) if inexact else np.dtype(jax.dtypes.float0)
-            if np.dtype(grad.dtype) != expected or tuple(grad.shape) != tuple(primal.shape):
-                raise CheckFailed(
-                    f"gradient of {label} is {np.dtype(grad.dtype)}{tuple(grad.shape)} for an "
-                    f"input of {np.dtype(primal.dtype)}{tuple(primal.shape)}; expected "
-                    f"{expected}{tuple(primal.shape)} (JAX does not check a custom_vjp "
-                    "backward's dtypes)."
-                )
+        if found is not None:
+            primal, grad, shape = found.primal, found.grad, tuple(found.primal.shape)
+            raise CheckFailed(
+                f"gradient of {found.label} is {np.dtype(grad.dtype)}{tuple(grad.shape)} for an "
+                f"input of {np.dtype(primal.dtype)}{shape}; expected {found.expected}{shape} "
+                "(JAX does not check a custom_vjp backward's dtypes)."
+            )
         checked.append(jnp.dtype(dtype).name)
     if unsupported:
         raise Skip(f"{', '.join(checked)} checked; not run: {'; '.join(unsupported)}")
     refused = f"; the op does not take {', '.join(not_taken)}" if not_taken else ""
     return f"gradients have their inputs' dtypes and shapes ({', '.join(checked)} inputs{refused})"
-
-
-def _zero_cotangent_like(leaf: Any) -> Any:
-    if jnp.issubdtype(leaf.dtype, jnp.inexact):
-        return jnp.zeros(leaf.shape, leaf.dtype)
-    return np.zeros(leaf.shape, jax.dtypes.float0)
 
 
 # -- 8. reentrancy --------------------------------------------------------------------------
@@ -645,12 +623,12 @@ def reentrancy(op: OpUnderTest, settings: Settings) -> str:
     rng = np.random.default_rng(settings.seed + 7)
     primals, u = op.primals, op.cotangent(rng)
     jitted = jax.jit(lambda *p: _vjp(op.call, p, u))
-    runs = {"under jit": (jitted(*primals), jitted(*primals))}
-    runs["eagerly"] = (_vjp(op.call, primals, u), _vjp(op.call, primals, u))
-    for how, (first, second) in runs.items():
-        for label, a, b in zip(op.labels, first, second, strict=True):
-            what = f"gradient of {label}, second run of the backward {how} vs the first"
-            assert_trees_close(a, b, what=what, rtol=0.0, atol=settings.nondet_tol)
+    runs = {"under jit": lambda: jitted(*primals), "eagerly": lambda: _vjp(op.call, primals, u)}
+    found = reentrancy_mismatches(runs, settings.nondet_tol)
+    if found is not None:
+        how, (m, *_) = found
+        what = f"gradient of {op.labels[m.in_block]}, second run of the backward {how} vs the first"
+        raise CheckFailed(mismatch_text(what, m, unravel(m.in_element, primals[m.in_block].shape)))
     return f"two runs of the backward agree within nondet_tol={settings.nondet_tol:g}"
 
 
@@ -705,9 +683,7 @@ def export(op: OpUnderTest, settings: Settings) -> str:
             f"the op cannot be exported with jax.export: {type(err).__name__}: "
             f"{str(err).splitlines()[0] if str(err) else ''}"
         ) from err
-    assert_trees_close(
-        call(*primals), jax.jit(op.call)(*primals), what="exported output", rtol=TIGHT
-    )
+    assert_trees_close(call(*primals), op.jitted(*primals), what="exported output", rtol=TIGHT)
     expected = jax.jit(gradient)(*primals)
     for label, a, e in zip(op.labels, call_gradient(*primals), expected, strict=True):
         assert_trees_close(a, e, what=f"exported gradient of {label}", rtol=TIGHT)
@@ -737,7 +713,7 @@ def export_symbolic(op: OpUnderTest, settings: Settings) -> str:
             f"({type(err).__name__}: {message[:200]})"
         ) from err
     assert_trees_close(
-        call(*primals), jax.jit(op.call)(*primals), what="output exported with a symbolic "
+        call(*primals), op.jitted(*primals), what="output exported with a symbolic "
         f"leading dimension of {op.labels[batched]}", rtol=TIGHT,
     )  # fmt: skip
     return f"exported with a symbolic leading dimension of {op.labels[batched]}: same values"
@@ -751,32 +727,17 @@ def _no_kernel(err: Exception, dtype: Any) -> str:
     return f"{jnp.dtype(dtype).name}: the op has no kernel for it ({type(err).__name__}: {first})"
 
 
-def _refused(fn: Callable, values: list, dtype: Any) -> str | None:
-    """Why the op's forward refuses ``dtype`` when traced, or ``None``: a dtype the op does
-    not accept is not a bug. A refusal is a ``TypeError`` (or ``NotImplementedError``) whose
-    message names the dtype, as an op whose kernels have no handler for it should raise;
-    any other error is left for the check to report as a failure."""
-    name = jnp.dtype(dtype).name
-    try:
-        jax.eval_shape(fn, *values)
-    except (TypeError, NotImplementedError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        if name in first:
-            return f"{name}: the op does not take it ({type(err).__name__}: {first})"
-    return None
-
-
 def low_precision(op: OpUnderTest, settings: Settings) -> str:
     rng = np.random.default_rng(settings.seed + 10)
     primals, u = op.primals, op.cotangent(rng)
     checked, unsupported = [], []
-    call = jax.jit(op.call)
+    call = op.jitted
     gradients = jax.jit(lambda p, u: _vjp(op.call, p, u))  # float64 compiles once
     for dtype in (jnp.float32, jnp.bfloat16):
         rtol = 16 * float(jnp.finfo(dtype).eps)
         name = jnp.dtype(dtype).name
         low = [jnp.asarray(p, dtype) for p in primals]
-        refused = _refused(op.call, low, dtype)
+        refused = refusal(op.call, low, dtype)
         if refused is not None:
             unsupported.append(refused)
             continue

@@ -37,9 +37,13 @@ __all__ = [
     "NOISE_ULPS",
     "TILE_BYTES",
     "Mismatch",
+    "block_mismatches",
     "directional_mismatches",
     "entry_mismatches",
     "full_mismatches",
+    "leaf_mismatches",
+    "unravel",
+    "worst_entry",
 ]
 
 NOISE_ULPS = 4.0
@@ -130,26 +134,8 @@ class _Tally:
     def _scale_relative(self, row0, col0, expected, actual, error, relative) -> None:
         """Per block pair in this chunk: the largest ``|n|``, and the entries over ``rel``."""
         rows, cols = expected.shape
-        first_i = np.searchsorted(self.out_starts, row0, side="right") - 1
-        first_j = np.searchsorted(self.in_starts, col0, side="right") - 1
-        for i in range(first_i, len(self.out_starts)):
-            r0, r1 = (
-                max(self.out_starts[i], row0) - row0,
-                min(self.out_stops[i], row0 + rows) - row0,
-            )
-            if r0 >= rows:
-                break
-            if r1 <= r0:
-                continue
-            for j in range(first_j, len(self.in_starts)):
-                c0, c1 = (
-                    max(self.in_starts[j], col0) - col0,
-                    min(self.in_stops[j], col0 + cols) - col0,
-                )
-                if c0 >= cols:
-                    break
-                if c1 <= c0:
-                    continue
+        for i, r0, r1 in _overlaps(self.out_starts, self.out_stops, row0, rows):
+            for j, c0, c1 in _overlaps(self.in_starts, self.in_stops, col0, cols):
                 e = expected[r0:r1, c0:c1]
                 finite = np.isfinite(e)
                 scale = float(np.max(np.abs(e), where=finite, initial=0.0))
@@ -163,7 +149,7 @@ class _Tally:
                 kept = self.excess.setdefault((i, j), [])
                 if sum(v.size for v in kept) < self._KEPT:
                     kept.append(values)
-                k = np.unravel_index(int(np.argmax(np.where(keep, over, -np.inf))), over.shape)
+                k = np.unravel_index(worst_entry(over, keep), over.shape)
                 candidate = (
                     float(over[k]),
                     int(row0 + r0 + k[0] - self.out_starts[i]),
@@ -200,8 +186,77 @@ class _Tally:
         return [found[key] for key in sorted(found)]
 
 
+def _overlaps(starts: np.ndarray, stops: np.ndarray, first: int, count: int):
+    """``(block, lo, hi)`` for each block ``[starts[k], stops[k])`` that meets the chunk
+    ``[first, first + count)``: where it lies in the chunk, relative to ``first``."""
+    for k in range(np.searchsorted(starts, first, side="right") - 1, len(starts)):
+        lo, hi = max(starts[k], first) - first, min(stops[k], first + count) - first
+        if lo >= count:
+            break
+        if hi > lo:
+            yield k, lo, hi
+
+
 def _allowed(expected, atol: float, rtol: float, noise) -> np.ndarray:
     return atol + rtol * np.abs(expected) + noise
+
+
+def worst_entry(excess: np.ndarray, bad: np.ndarray) -> int:
+    """Flat index of the failing entry (``bad``) furthest over its allowance (``excess``,
+    ``error - allowed``); a NaN is the furthest of all."""
+    return int(np.argmax(np.where(bad, np.nan_to_num(excess, nan=np.inf), -np.inf)))
+
+
+def unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The index in ``shape`` of the flat position ``flat`` (of a ``Mismatch``)."""
+    return tuple(int(i) for i in np.unravel_index(flat, shape))
+
+
+def block_mismatches(
+    expected: np.ndarray,
+    actual: np.ndarray,
+    allowed: np.ndarray | float,
+    slices: Sequence[slice],
+    *,
+    on_inputs: bool,
+    nan_equal: bool = False,
+) -> list[Mismatch]:
+    """Blocks of two flat vectors where ``|actual - expected| > allowed`` somewhere.
+
+    Args:
+        expected, actual: flat vectors (a plain call and an AD primal; two
+            gradients ...).
+        allowed: the allowance, one for all entries or one per entry.
+        slices: the blocks.
+        on_inputs: whether the blocks are input blocks (else output blocks).
+        nan_equal: a NaN on both sides is the same value (``log(-1)`` is NaN
+            however it is computed); else a NaN always fails.
+
+    Returns:
+        One ``Mismatch`` per failing block, in order: its worst entry and count.
+    """
+    error = np.abs(actual - expected)
+    allowed = np.broadcast_to(np.asarray(allowed, np.float64), error.shape)
+    with np.errstate(invalid="ignore"):
+        bad = ~(error <= allowed)
+    if nan_equal:
+        bad &= ~(np.isnan(expected) & np.isnan(actual))
+    found = []
+    for index, block in enumerate(slices):
+        b = bad[block]
+        if not b.any():
+            continue
+        worst = worst_entry(error[block] - allowed[block], b)
+        e, a, tol = expected[block], actual[block], allowed[block]
+        out_block, in_block = (None, index) if on_inputs else (index, None)
+        out_element, in_element = (None, worst) if on_inputs else (worst, None)
+        found.append(
+            Mismatch(
+                out_block, in_block, out_element, in_element, None, float(e[worst]),
+                float(a[worst]), float(tol[worst]), int(b.sum()), int(b.size),
+            )
+        )  # fmt: skip
+    return found
 
 
 def entry_mismatches(
@@ -213,47 +268,39 @@ def entry_mismatches(
     rtol: float,
     on_inputs: bool,
 ) -> list[Mismatch]:
-    """Blocks of two flat vectors that differ by more than ``atol + rtol * |expected|``.
+    """Blocks of two flat vectors that differ by more than ``atol + rtol * |expected|``
+    (a NaN on both sides is the same value); see ``block_mismatches``."""
+    allowed = _allowed(expected, atol, rtol, 0.0)
+    return block_mismatches(expected, actual, allowed, slices, on_inputs=on_inputs, nan_equal=True)
 
-    Args:
-        expected, actual: flat vectors (a plain call and an AD primal; two
-            gradients ...).
-        slices: the blocks.
-        atol, rtol: tolerances.
-        on_inputs: whether the blocks are input blocks (else output blocks).
 
-    Returns:
-        One ``Mismatch`` per failing block, in order.
+def leaf_mismatches(
+    expected: Sequence[np.ndarray],
+    actual: Sequence[np.ndarray],
+    *,
+    atol: float,
+    rtol: float,
+    normwise: bool,
+    nan_equal: bool = False,
+) -> list[Mismatch]:
+    """``block_mismatches`` of two lists of arrays of the same shapes, one block per array.
+
+    The allowance is ``atol + rtol * |expected|`` entrywise, or with ``normwise``
+    ``atol + rtol * max |expected|`` over each array: two programs computing the
+    same math round differently, and normwise comparison does not punish entries
+    that are small by cancellation.
     """
-    found = []
-    for index, block in enumerate(slices):
-        e, a = expected[block], actual[block]
-        error = np.abs(a - e)
-        allowed = _allowed(e, atol, rtol, 0.0)
-        with np.errstate(invalid="ignore"):
-            # A NaN where the other side has a NaN too is the same value (log(-1) is NaN
-            # however it is computed).
-            bad = ~(error <= allowed) & ~(np.isnan(e) & np.isnan(a))
-        if not bad.any():
-            continue
-        worst = int(np.argmax(np.where(bad, np.nan_to_num(error - allowed, nan=np.inf), -np.inf)))
-        out_block, in_block = (None, index) if on_inputs else (index, None)
-        element = worst
-        found.append(
-            Mismatch(
-                out_block,
-                in_block,
-                None if on_inputs else element,
-                element if on_inputs else None,
-                None,
-                float(e[worst]),
-                float(a[worst]),
-                float(allowed[worst]),
-                int(bad.sum()),
-                int(e.size),
-            )
-        )
-    return found
+    e = [np.asarray(x, np.float64).ravel() for x in expected]
+    a = [np.asarray(x, np.float64).ravel() for x in actual]
+    stops = np.cumsum([x.size for x in e], dtype=np.int64)
+    slices = [slice(int(stop - x.size), int(stop)) for x, stop in zip(e, stops, strict=True)]
+    scale = [
+        np.full(x.size, np.max(np.abs(x)) if x.size else 0.0) if normwise else np.abs(x) for x in e
+    ]
+    flat_e = np.concatenate(e) if e else np.zeros(0)
+    flat_a = np.concatenate(a) if a else np.zeros(0)
+    allowed = atol + rtol * (np.concatenate(scale) if scale else np.zeros(0))
+    return block_mismatches(flat_e, flat_a, allowed, slices, on_inputs=True, nan_equal=nan_equal)
 
 
 class _Tile:
@@ -348,30 +395,10 @@ def full_mismatches(
     if linear is not None:
         u, expected, allowed = linear
         actual = jac.vjp(u)[1]
-        results["rev_cotangent"] = _within(expected, actual, allowed, in_slices)
+        results["rev_cotangent"] = block_mismatches(
+            expected, actual, allowed, in_slices, on_inputs=True
+        )
     return results
-
-
-def _within(expected, actual, allowed, slices: Sequence[slice]) -> list[Mismatch]:
-    """Input blocks where ``|actual - expected| > allowed`` (entrywise allowances)."""
-    found = []
-    error = np.abs(actual - expected)
-    with np.errstate(invalid="ignore"):
-        bad = ~(error <= allowed)
-    for index, block in enumerate(slices):
-        b = bad[block]
-        if not b.any():
-            continue
-        excess = np.where(b, np.nan_to_num(error[block] - allowed[block], nan=np.inf), -np.inf)
-        worst = int(np.argmax(excess))
-        e, a, tol = expected[block], actual[block], allowed[block]
-        found.append(
-            Mismatch(
-                None, index, None, worst, None, float(e[worst]), float(a[worst]),
-                float(tol[worst]), int(b.sum()), int(b.size),
-            )
-        )  # fmt: skip
-    return found
 
 
 def _stream_rows(jac, tile: _Tile, steps, noise, atol, rtol, tally: _Tally, linear) -> None:
@@ -447,7 +474,7 @@ def directional_mismatches(
             with np.errstate(invalid="ignore"):
                 bad = ~(error <= tol)
             if bad.any():
-                d = int(np.argmax(np.where(bad, np.nan_to_num(error - tol, nan=np.inf), -np.inf)))
+                d = worst_entry(error - tol, bad)
                 found.append(
                     Mismatch(
                         i, j, None, None, d, float(e[d]), float(a[d]), float(tol[d]),

@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._problem import float_dtype
+from ._compare import Mismatch, leaf_mismatches, unravel
+from ._leaves import FloatLeaves, output_label
 
-__all__ = ["CheckFailed", "OpUnderTest", "assert_trees_close"]
+__all__ = ["CheckFailed", "OpUnderTest", "assert_trees_close", "mismatch_text"]
 
 
 class CheckFailed(Exception):
@@ -31,48 +32,30 @@ def _is_array(leaf: Any) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class OpUnderTest:
+class OpUnderTest(FloatLeaves):
     """``func(*args)`` as a function of the float array leaves of ``args``.
 
+    The ``FloatLeaves`` view, with ``args``' float array leaves converted to float64
+    JAX arrays (what a user's code receives: ``x.at[...]``, ``table[ids]`` with
+    traced ``ids`` and the like work); other leaves as given.
+
     Attributes:
-        func: the op.
-        args: its positional arguments, float array leaves converted to float64
-            JAX arrays (what a user's code receives: ``x.at[...]``, ``table[ids]``
-            with traced ``ids`` and the like work); other leaves as given.
-        positions: leaf positions (in ``args``' flattening) of the float arrays.
-        labels: how messages name those leaves, e.g. ``"input 1['w']"``.
         forward_error: why ``jax.jvp`` cannot differentiate the op (the
             ``TypeError`` a plain ``jax.custom_vjp`` raises), or ``None``.
         cache: results one check computes for another (``opcheck`` puts the
             names of the selected checks under ``"selected"``).
     """
 
-    func: Callable[..., Any]
-    args: tuple
-    positions: tuple[int, ...]
-    labels: tuple[str, ...]
     forward_error: str | None = None
     # results shared between checks (and the names of the checks selected)
     cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, func: Callable[..., Any], args: tuple) -> OpUnderTest:
-        flat, treedef = jax.tree_util.tree_flatten_with_path(args)
-        leaves, positions, labels = [], [], []
-        for position, (path, leaf) in enumerate(flat):
-            label = f"input {path[0].idx}{jax.tree_util.keystr(path[1:])}"
-            if float_dtype(leaf, label) is not None:
-                leaf = jnp.asarray(leaf, dtype=jnp.float64)
-                positions.append(position)
-                labels.append(label)
-            leaves.append(leaf)
-        if not positions:
-            raise ValueError(
-                "`args` holds no floating-point array to differentiate (Python and NumPy "
-                "scalars are constants: pass np.asarray(value) to differentiate one)."
-            )
-        new_args = tuple(jax.tree_util.tree_unflatten(treedef, leaves))
-        op = cls(func, new_args, tuple(positions), tuple(labels))
+        view = FloatLeaves.of(func, args, argument="args")
+        values = [jnp.asarray(leaf, dtype=jnp.float64) for leaf in view.values]
+        fields = {f.name: getattr(view, f.name) for f in dataclasses.fields(FloatLeaves)}
+        op = cls(**{**fields, "args": view.args_with(values)})
         _refuse_complex_outputs(op)
         return dataclasses.replace(op, forward_error=_forward_mode_error(op))
 
@@ -80,23 +63,7 @@ class OpUnderTest:
 
     @property
     def primals(self) -> list[jax.Array]:
-        leaves = jax.tree_util.tree_leaves(self.args)
-        return [leaves[p] for p in self.positions]
-
-    def args_with(self, values: Sequence[Any], args: tuple | None = None) -> tuple:
-        """``args`` (default: the op's) with its float leaves replaced by ``values``."""
-        leaves, treedef = jax.tree_util.tree_flatten(self.args if args is None else args)
-        for position, value in zip(self.positions, values, strict=True):
-            leaves[position] = value
-        return tuple(jax.tree_util.tree_unflatten(treedef, leaves))
-
-    def float_leaves(self, args: tuple) -> list[Any]:
-        leaves = jax.tree_util.tree_leaves(args)
-        return [leaves[p] for p in self.positions]
-
-    def call(self, *values: Any) -> Any:
-        """The op at the float leaves ``values`` (the other arguments as given)."""
-        return self.func(*self.args_with(values))
+        return self.values
 
     def with_only(self, subset: Sequence[int], fn: Callable | None = None) -> Callable:
         """A function of the float leaves in ``subset``; the others are constants."""
@@ -113,8 +80,19 @@ class OpUnderTest:
 
     # -- random data ---------------------------------------------------------------------
 
+    @property
+    def jitted(self) -> Callable[..., Any]:
+        """``jax.jit`` of ``call``, one for all checks (a bound method is a new function at
+        each access: jitting ``op.call`` afresh would compile the same program again)."""
+        if "jitted" not in self.cache:
+            self.cache["jitted"] = jax.jit(self.call)
+        return self.cache["jitted"]
+
     def output_shapes(self) -> Any:
-        return jax.eval_shape(self.call, *self.primals)
+        """The shapes and dtypes of the op's output (traced once)."""
+        if "output_shapes" not in self.cache:
+            self.cache["output_shapes"] = jax.eval_shape(self.call, *self.primals)
+        return self.cache["output_shapes"]
 
     def cotangent(self, rng: np.random.Generator, scale: float = 1.0) -> Any:
         """A random cotangent for the output (float0 zeros for non-float leaves)."""
@@ -130,15 +108,13 @@ def _refuse_complex_outputs(op: OpUnderTest) -> None:
     An op that fails to trace is left to the checks, which report it as their FAIL.
     """
     try:
-        shapes = jax.eval_shape(op.call, *op.primals)
+        shapes = op.output_shapes()
     except Exception:  # noqa: BLE001 -- reported by each check instead
         return
     for position, (path, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(shapes)[0]):
         if _is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.complexfloating):
-            full = jax.tree_util.keystr(path)
-            shown = "" if full in ("", f"[{position}]") else full
             raise TypeError(
-                f"output {position}{shown} has complex dtype {leaf.dtype}; opcheck supports "
+                f"{output_label(position, path)} has complex dtype {leaf.dtype}; opcheck supports "
                 "real floating-point outputs only (return the real and imaginary parts as two "
                 "outputs)."
             )
@@ -198,18 +174,15 @@ def assert_trees_close(
         a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
         if a.shape != e.shape:
             raise CheckFailed(f"{what}{path}: shape {a.shape}, expected {e.shape}.")
-        if a.size == 0:
-            continue
-        error = np.abs(a - e)
-        allowed = atol + rtol * float(np.max(np.abs(e)))
-        with np.errstate(invalid="ignore"):
-            bad = ~(error <= allowed)
-        if bad.any():
-            worst = np.unravel_index(
-                int(np.argmax(np.where(bad, np.nan_to_num(error, nan=np.inf), -1))), a.shape
-            )
-            raise CheckFailed(
-                f"{what}{path}: element {tuple(int(i) for i in worst)} is {a[worst]:.10g}, "
-                f"expected {e[worst]:.10g} (abs error {error[worst]:.3e}, allowed "
-                f"{allowed:.3e}; {int(bad.sum())} of {a.size} elements differ)."
-            )
+        for m in leaf_mismatches([e], [a], atol=atol, rtol=rtol, normwise=True)[:1]:
+            raise CheckFailed(mismatch_text(f"{what}{path}", m, unravel(m.in_element, a.shape)))
+
+
+def mismatch_text(what: str, mismatch: Mismatch, element: tuple[int, ...]) -> str:
+    """The diagnostic of a ``leaf_mismatches`` record whose worst entry is ``element``."""
+    m = mismatch
+    return (
+        f"{what}: element {element} is {m.actual:.10g}, expected {m.expected:.10g} (abs error "
+        f"{abs(m.actual - m.expected):.3e}, allowed {m.allowed:.3e}; {m.count} of {m.total} "
+        "elements differ)."
+    )

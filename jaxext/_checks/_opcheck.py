@@ -16,10 +16,10 @@ from typing import Any
 from ._battery import CHECKS, Skip
 from ._gradcheck import Settings
 from ._kernels import checking_mode
+from ._leaves import private_copies
 from ._op import CheckFailed, OpUnderTest
+from ._opcheck_report import CheckResult, OpcheckError, OpcheckReport
 from ._precision import float64_numerics
-from ._problem import private_copies
-from ._report import CheckResult, OpcheckError, OpcheckReport
 
 __all__ = ["CHECK_NAMES", "opcheck"]
 

@@ -20,14 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = [
-    "Problem",
-    "Segment",
-    "first_order",
-    "float_dtype",
-    "second_order",
-    "second_order_forward",
-]
+from ._leaves import FloatLeaves, float_dtype, output_label
+
+__all__ = ["Problem", "Segment", "first_order", "second_order", "second_order_forward"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,30 +61,6 @@ class Problem:
     inner: str = "rev"  # order 2: the first derivative differentiated, VJP or JVP
 
 
-def private_copies(args: tuple) -> tuple:
-    """``args`` with every NumPy array copied, so the checks never hand JAX the caller's.
-
-    JAX remembers a NumPy array it converted with x64 on: after the checks (which run
-    with x64) the same object would come back from ``jnp.asarray`` as float64 with x64
-    off, and the caller's next ``jax.grad`` would see float64 where it expects float32.
-    """
-    return jax.tree_util.tree_map(
-        lambda leaf: leaf.copy() if isinstance(leaf, np.ndarray) else leaf, args
-    )
-
-
-def float_dtype(leaf: Any, label: str) -> np.dtype | None:
-    """The dtype of a checked (real floating array) leaf, else ``None``."""
-    if not isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
-        return None  # Python/NumPy scalars and other objects are static
-    if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
-        raise TypeError(
-            f"{label} has complex dtype {leaf.dtype}; gradcheck supports real floating-point "
-            "arrays only (split complex values into real and imaginary parts)."
-        )
-    return leaf.dtype if jnp.issubdtype(leaf.dtype, jnp.floating) else None
-
-
 def first_order(func: Callable[..., Any], args: tuple) -> tuple[Problem, list[str], list[str]]:
     """Flattens ``func`` at ``args`` into a ``Problem``.
 
@@ -97,36 +68,24 @@ def first_order(func: Callable[..., Any], args: tuple) -> tuple[Problem, list[st
     upcast) and of the float outputs that are not float64 (computed in lower
     precision by ``func`` itself), for the caller to warn about.
     """
-    flat, treedef = jax.tree_util.tree_flatten_with_path(args)
-    leaves = [leaf for _, leaf in flat]
-    segments, arrays, positions, low = [], [], [], []
+    view = FloatLeaves.of(func, args, argument="inputs")
+    segments, arrays, low = [], [], []
     offset = 0
-    for position, (path, leaf) in enumerate(flat):
-        index, sub = path[0].idx, jax.tree_util.keystr(path[1:])
-        label = f"input {index}{sub}"
-        dtype = float_dtype(leaf, label)
-        if dtype is None:
-            continue
+    for leaf, label, index, sub in zip(
+        view.values, view.labels, view.indices, view.paths, strict=True
+    ):
+        dtype = np.dtype(leaf.dtype)
         if dtype != np.float64:
             low.append(f"{label} ({dtype})")
         array = np.asarray(leaf).astype(np.float64)
         segments.append(Segment(index, sub, array.shape, offset, label))
         arrays.append(array.ravel())
-        positions.append(position)
         offset += array.size
-    if not segments:
-        raise ValueError(
-            "`inputs` holds no floating-point array to differentiate (Python and NumPy "
-            "scalars are constants: pass np.asarray(value) to differentiate one)."
-        )
     x0 = jnp.asarray(np.concatenate(arrays))
     out_positions: list[int] = []
 
     def f_tree(x):
-        new = list(leaves)
-        for position, segment in zip(positions, segments, strict=True):
-            new[position] = x[segment.slice].reshape(segment.shape)
-        return func(*jax.tree_util.tree_unflatten(treedef, new))
+        return view.call(*(x[segment.slice].reshape(segment.shape) for segment in segments))
 
     def flat_outputs(tree):
         outs = jax.tree_util.tree_leaves(tree)
@@ -136,15 +95,9 @@ def first_order(func: Callable[..., Any], args: tuple) -> tuple[Problem, list[st
     def f(x):
         return flat_outputs(f_tree(x))
 
-    def of_blocks(*blocks):
-        new = list(leaves)
-        for position, block in zip(positions, blocks, strict=True):
-            new[position] = block
-        return func(*jax.tree_util.tree_unflatten(treedef, new))
-
     def vjp(x):
         blocks = [x[segment.slice].reshape(segment.shape) for segment in segments]
-        out, vjp_fn = jax.vjp(of_blocks, *blocks)
+        out, vjp_fn = jax.vjp(view.call, *blocks)
         out_leaves, out_def = jax.tree_util.tree_flatten(out)
 
         def pullback(u):
@@ -161,14 +114,14 @@ def first_order(func: Callable[..., Any], args: tuple) -> tuple[Problem, list[st
     outputs, offset, low_out = [], 0, []
     example_leaves, out_treedef = jax.tree_util.tree_flatten_with_path(example)
     for position, (path, leaf) in enumerate(example_leaves):
-        full = jax.tree_util.keystr(path)
-        shown = "" if full in ("", f"[{position}]") else full
-        dtype = float_dtype(leaf, f"output {position}{shown}")
+        label = output_label(position, path)
+        dtype = float_dtype(leaf, label)
         if dtype is None:
             continue  # integer and boolean outputs are not checked
         if dtype != np.float64:
-            low_out.append(f"output {position}{shown} ({dtype})")
-        outputs.append(Segment(position, full, leaf.shape, offset, f"output {position}{shown}"))
+            low_out.append(f"{label} ({dtype})")
+        full = jax.tree_util.keystr(path)
+        outputs.append(Segment(position, full, leaf.shape, offset, label))
         out_positions.append(position)
         offset += math.prod(leaf.shape)
     if not outputs:
@@ -207,6 +160,30 @@ def _given_grad_outputs(grad_outputs: Any, first: Problem, low: list[str]) -> li
     return cotangents
 
 
+def _appended_inputs(
+    segments: tuple[Segment, ...], num_args: int, n_x: int, what: str
+) -> tuple[Segment, ...]:
+    """Input segments for one ``what`` (grad_outputs, tangent) per segment, after the ``n_x``
+    entries of the positional inputs; like PyTorch, they count as inputs after those."""
+    return tuple(
+        Segment(
+            num_args + s.index, s.path, s.shape, n_x + s.offset,
+            f"input {num_args + s.index} ({what} for {s.label})",
+        )
+        for s in segments
+    )  # fmt: skip
+
+
+def _flat_vjp(g: Callable[[jax.Array], jax.Array]) -> Callable:
+    """``z -> (g(z), u -> J_g(z)^T u)`` for a function of one flat vector."""
+
+    def vjp(z):
+        y, vjp_fn = jax.vjp(g, z)
+        return y, lambda u: vjp_fn(u)[0]
+
+    return vjp
+
+
 def second_order(
     first: Problem, grad_outputs: Any, num_args: int, seed: int
 ) -> tuple[Problem, list[str]]:
@@ -222,17 +199,7 @@ def second_order(
     else:
         cotangents = _given_grad_outputs(grad_outputs, first, low)
     n_x = first.x0.shape[0]
-    # Like PyTorch, grad_outputs count as inputs after the positional ones.
-    ct_inputs = tuple(
-        Segment(
-            num_args + s.index,
-            s.path,
-            s.shape,
-            n_x + s.offset,
-            f"input {num_args + s.index} (grad_outputs for {s.label})",
-        )
-        for s in first.outputs
-    )
+    ct_inputs = _appended_inputs(first.outputs, num_args, n_x, "grad_outputs")
     gradients = tuple(
         Segment(
             s.index,
@@ -247,12 +214,8 @@ def second_order(
     def g(z):
         return first.vjp(z[:n_x])[1](z[n_x:])
 
-    def vjp(z):
-        y, vjp_fn = jax.vjp(g, z)
-        return y, lambda u: vjp_fn(u)[0]
-
     z0 = jnp.concatenate([first.x0, jnp.asarray(np.concatenate([c.ravel() for c in cotangents]))])
-    return Problem(g, z0, vjp, first.inputs + ct_inputs, gradients, order=2), low
+    return Problem(g, z0, _flat_vjp(g), first.inputs + ct_inputs, gradients, order=2), low
 
 
 def second_order_forward(first: Problem, num_args: int, seed: int) -> Problem:
@@ -267,16 +230,7 @@ def second_order_forward(first: Problem, num_args: int, seed: int) -> Problem:
     rng = np.random.default_rng(seed)
     tangents = [rng.standard_normal(segment.shape) for segment in first.inputs]
     n_x = first.x0.shape[0]
-    t_inputs = tuple(
-        Segment(
-            num_args + s.index,
-            s.path,
-            s.shape,
-            n_x + s.offset,
-            f"input {num_args + s.index} (tangent for {s.label})",
-        )
-        for s in first.inputs
-    )
+    t_inputs = _appended_inputs(first.inputs, num_args, n_x, "tangent")
     outputs = tuple(
         Segment(s.index, s.path, s.shape, s.offset, f"{s.label} (its JVP)") for s in first.outputs
     )
@@ -284,10 +238,6 @@ def second_order_forward(first: Problem, num_args: int, seed: int) -> Problem:
     def g(z):
         return jax.jvp(first.f, (z[:n_x],), (z[n_x:],))[1]
 
-    def vjp(z):
-        y, vjp_fn = jax.vjp(g, z)
-        return y, lambda u: vjp_fn(u)[0]
-
     t0 = np.concatenate([t.ravel() for t in tangents]) if tangents else np.zeros(0)
     z0 = jnp.concatenate([first.x0, jnp.asarray(t0)])
-    return Problem(g, z0, vjp, first.inputs + t_inputs, outputs, order=2, inner="fwd")
+    return Problem(g, z0, _flat_vjp(g), first.inputs + t_inputs, outputs, order=2, inner="fwd")

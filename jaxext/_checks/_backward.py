@@ -1,0 +1,193 @@
+"""The checks of a backward that ``gradcheck`` and ``opcheck`` share, each written once.
+
+Zero cotangent, reentrancy, batched gradients and gradient dtypes, as in PyTorch's
+``gradcheck``. Each takes the backward in the form both entry points have (a
+pullback ``u -> one gradient per input leaf or block``, or the ``FloatLeaves``
+view of the function), applies its one tolerance rule, and returns ``Mismatch``
+records (or ``None``); the entry points word them in their own reports:
+
+* zero cotangent: the gradients of an all-zero cotangent are exactly zero;
+* reentrancy: two runs of the backward on the same cotangent differ by at most
+  ``nondet_tol`` entrywise (a NaN in both runs is the same value);
+* batched gradients: ``jax.vmap`` of the gradient over a batch equals one call per
+  batch entry within ``TIGHT``, normwise per gradient leaf (two float64 programs
+  computing the same math);
+* gradient dtypes: each gradient has its input's dtype and shape (``float0`` for
+  an integer or boolean array input).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._compare import Mismatch, leaf_mismatches
+from ._leaves import FloatLeaves, input_label
+
+__all__ = [
+    "TIGHT",
+    "DtypeMismatch",
+    "batched_gradients",
+    "dtype_refusal",
+    "gradient_dtypes",
+    "refusal",
+    "reentrancy",
+    "zero_cotangent",
+    "zero_like",
+]
+
+# Normwise relative tolerance between two float64 programs that compute the same math
+# (jit against eager, vmap against a loop ...): far above float64 rounding, far below a bug.
+TIGHT = 1e-9
+
+
+def zero_like(leaf: Any) -> Any:
+    """The zero cotangent of an output leaf (``float0`` for an integer or boolean one)."""
+    if jnp.issubdtype(leaf.dtype, jnp.inexact):
+        return jnp.zeros(leaf.shape, leaf.dtype)
+    return np.zeros(leaf.shape, jax.dtypes.float0)
+
+
+def zero_cotangent(pullback: Callable[[Any], Sequence[Any]], zero: Any) -> list[Mismatch]:
+    """The gradients of the zero cotangent ``zero`` that are not exactly zero."""
+    grads = [np.asarray(g, np.float64) for g in pullback(zero)]
+    zeros = [np.zeros(g.shape) for g in grads]
+    return leaf_mismatches(zeros, grads, atol=0.0, rtol=0.0, normwise=False)
+
+
+def reentrancy(
+    runs: dict[str, Callable[[], Sequence[Any]]], nondet_tol: float
+) -> tuple[str, list[Mismatch]] | None:
+    """Runs each backward of ``runs`` (``{how: run}``) twice: the first way whose two
+    runs differ by more than ``nondet_tol`` somewhere, with the mismatches (the first
+    run is ``expected``), or ``None``."""
+    for how, run in runs.items():
+        first, second = run(), run()
+        found = leaf_mismatches(
+            first, second, atol=nondet_tol, rtol=0.0, normwise=False, nan_equal=True
+        )
+        if found:
+            return how, found
+    return None
+
+
+def batched_gradients(
+    gradient: Callable[[Any, Any], Sequence[Any]], batch: Any, cotangents: Sequence[Any]
+) -> list[Mismatch] | Exception:
+    """``gradient(item, u)`` under ``jax.vmap`` over ``batch`` (``None``: not batched;
+    array leaves of rank 0 are not batched either) and ``cotangents``, against one call
+    per batch entry.
+
+    Returns:
+        Per gradient leaf that differs, its worst entry: ``direction`` is the batch
+        entry, ``in_element`` the flat index inside the leaf, ``expected`` the loop's;
+        or the exception ``jax.vmap`` of the gradient raised (that is the finding).
+    """
+    size = len(cotangents)
+
+    def pick(tree, b):
+        return jax.tree_util.tree_map(lambda leaf: leaf[b] if np.ndim(leaf) else leaf, tree)
+
+    def stacked(results):
+        return jax.tree_util.tree_map(lambda *leaves: np.stack(leaves), *results)
+
+    one = jax.jit(gradient)
+    looped = stacked(
+        [one(None if batch is None else pick(batch, b), u) for b, u in enumerate(cotangents)]
+    )
+    try:
+        vmapped = jax.vmap(gradient, in_axes=(None if batch is None else 0, 0))
+        batched = jax.jit(vmapped)(batch, stacked(cotangents))
+    except Exception as err:  # noqa: BLE001 -- any failure of vmap is the finding
+        return err
+    looped = [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(looped)]
+    batched = [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(batched)]
+    found = []
+    for mismatch in leaf_mismatches(looped, batched, atol=0.0, rtol=TIGHT, normwise=True):
+        per_entry = looped[mismatch.in_block].size // size
+        b, element = divmod(mismatch.in_element, per_entry)
+        found.append(dataclasses.replace(mismatch, in_element=element, direction=b))
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class DtypeMismatch:
+    """A gradient whose dtype or shape is not its input's."""
+
+    label: str  # the input, e.g. "input 1['w']"
+    index: int  # its positional argument
+    path: str  # its key path inside that argument
+    primal: Any  # the input (its dtype and shape)
+    grad: Any  # the gradient (its dtype and shape)
+    expected: np.dtype  # the dtype the gradient should have
+
+
+def refusal(fn: Callable, values: list, dtype: Any) -> str | None:
+    """Why ``fn`` refuses ``values`` of ``dtype`` when traced, or ``None``: a dtype an op
+    does not accept is not a bug. A refusal is a ``TypeError`` (or ``NotImplementedError``)
+    whose message names the dtype, as an op whose kernels have no handler for it should
+    raise; any other error is left for the check to report as a failure."""
+    name = jnp.dtype(dtype).name
+    try:
+        jax.eval_shape(fn, *values)
+    except (TypeError, NotImplementedError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        if name in first:
+            return f"{name}: the op does not take it ({type(err).__name__}: {first})"
+    return None
+
+
+def _in_dtype(view: FloatLeaves, dtype: Any) -> tuple[Callable, list, list]:
+    """The function of every array leaf of the arguments, those leaves (the float ones
+    cast to ``dtype``) and their key paths."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(view.args)
+    arrays = [p for p, (_, leaf) in enumerate(flat) if isinstance(leaf, (jax.Array, np.ndarray))]
+    leaves = [leaf for _, leaf in flat]
+    for p in view.positions:
+        leaves[p] = jnp.asarray(leaves[p], dtype)
+
+    def fn(*values):
+        new = list(leaves)
+        for p, value in zip(arrays, values, strict=True):
+            new[p] = value
+        return view.func(*jax.tree_util.tree_unflatten(treedef, new))
+
+    return fn, [leaves[p] for p in arrays], [flat[p][0] for p in arrays]
+
+
+def dtype_refusal(view: FloatLeaves, dtype: Any) -> str | None:
+    """Why the function refuses its float inputs in ``dtype`` (``refusal``), or ``None``."""
+    fn, primals, _ = _in_dtype(view, dtype)
+    return refusal(fn, primals, dtype)
+
+
+def gradient_dtypes(view: FloatLeaves, dtype: Any) -> DtypeMismatch | None:
+    """The first gradient whose dtype or shape is not its input's, with the float inputs
+    of ``view`` in ``dtype``; ``None`` if there is none.
+
+    Decided when tracing (``jax.eval_shape``): nothing is compiled or run. Every array
+    leaf of the arguments is an input here: an integer or boolean one must get a
+    ``float0`` gradient.
+
+    Raises:
+        NotImplementedError: where the function has no kernel for ``dtype``.
+    """
+    fn, primals, paths = _in_dtype(view, dtype)
+
+    def gradients(*values):
+        out, pullback = jax.vjp(fn, *values)
+        return pullback(jax.tree_util.tree_map(zero_like, out))
+
+    grads = jax.eval_shape(gradients, *primals)
+    for path, primal, grad in zip(paths, primals, grads, strict=True):
+        inexact = jnp.issubdtype(primal.dtype, jnp.inexact)
+        expected = np.dtype(primal.dtype) if inexact else np.dtype(jax.dtypes.float0)
+        if np.dtype(grad.dtype) != expected or tuple(grad.shape) != tuple(primal.shape):
+            index, sub = path[0].idx, jax.tree_util.keystr(path[1:])
+            return DtypeMismatch(input_label(path), index, sub, primal, grad, expected)
+    return None

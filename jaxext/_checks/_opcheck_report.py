@@ -1,0 +1,118 @@
+"""What ``opcheck`` reports: one ``CheckResult`` per check, gathered in an ``OpcheckReport``;
+``OpcheckError`` when a check failed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["CheckResult", "OpcheckError", "OpcheckReport"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckResult:
+    """The outcome of one ``opcheck`` check.
+
+    Attributes:
+        name: the check's name (``"gradcheck"``, ``"vmap"`` ...).
+        status: ``"PASS"``, ``"FAIL"`` or ``"SKIP"``.
+        detail: what was verified (PASS), the diagnostic (FAIL) or the reason
+            it does not apply (SKIP).
+        seconds: how long it took.
+    """
+
+    name: str
+    status: str
+    detail: str
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class OpcheckReport:
+    """What ``jaxext.opcheck`` found: one ``CheckResult`` per check, in run order.
+
+    ``str(report)`` is a table (check, PASS / FAIL / SKIP, detail); ``bool(report)``
+    is true when no check failed.
+
+    Attributes:
+        op: the name of the op checked.
+        results: the results, in the order the checks ran.
+
+    Example:
+        >>> import numpy as np
+        >>> import jaxext
+        >>> x, w = np.ones((2, 3)), np.ones((4, 3))
+        >>> report = jaxext.opcheck(jaxext.linear, (x, w), checks=["forward_rule", "jit"])
+        >>> print(report.statuses)
+        {'forward_rule': 'PASS', 'jit': 'PASS'}
+    """
+
+    op: str
+    results: tuple[CheckResult, ...]
+
+    @property
+    def statuses(self) -> dict[str, str]:
+        """``{check name: "PASS" | "FAIL" | "SKIP"}``."""
+        return {result.name: result.status for result in self.results}
+
+    @property
+    def failed(self) -> tuple[str, ...]:
+        """Names of the failed checks, in run order."""
+        return tuple(r.name for r in self.results if r.status == "FAIL")
+
+    @property
+    def skipped(self) -> tuple[str, ...]:
+        """Names of the skipped checks, in run order."""
+        return tuple(r.name for r in self.results if r.status == "SKIP")
+
+    def __getitem__(self, name: str) -> CheckResult:
+        for result in self.results:
+            if result.name == name:
+                return result
+        raise KeyError(f"no check named {name!r} in this report; ran {list(self.statuses)}")
+
+    def __bool__(self) -> bool:
+        return not self.failed
+
+    def table(self, width: int = 100) -> str:
+        """The report as a text table, details cut to fit ``width`` columns."""
+        name_width = max([len("check")] + [len(r.name) for r in self.results])
+        lines = [f"opcheck {self.op}", f"{'check':<{name_width}}  result  detail"]
+        for result in self.results:
+            detail = result.detail.splitlines()[0] if result.detail else ""
+            room = max(20, width - name_width - 10)
+            if len(detail) > room:
+                detail = detail[: room - 3] + "..."
+            lines.append(f"{result.name:<{name_width}}  {result.status:<6}  {detail}")
+        counts = {s: list(self.statuses.values()).count(s) for s in ("PASS", "FAIL", "SKIP")}
+        lines.append(", ".join(f"{n} {s}" for s, n in counts.items()))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+class OpcheckError(AssertionError):
+    """One or more ``jaxext.opcheck`` checks failed.
+
+    The message names each failed check with its full diagnostic (the output,
+    input and element for a gradient mismatch; the subset of differentiated
+    inputs, the vmapped input ...), after the report's table.
+
+    Attributes:
+        report: the ``OpcheckReport`` with every result.
+        failed: names of the failed checks, in run order.
+    """
+
+    def __init__(self, report: OpcheckReport) -> None:
+        self.report = report
+        self.failed = report.failed
+        sections = [str(report), ""]
+        for result in report.results:
+            if result.status == "FAIL":
+                sections.append(f"FAIL {result.name}:\n  " + result.detail.replace("\n", "\n  "))
+        super().__init__("\n".join(sections))
+
+
+# Tracebacks show the name users can import and catch (`jaxext.OpcheckError`), not this
+# private module's.
+OpcheckError.__module__ = "jaxext"
