@@ -723,6 +723,17 @@ def _sum_all(values):
     return np.broadcast_to(values.sum(), values.shape).copy()  # ignores a batch axis
 
 
+def test_check_batched_grad_holds_a_lower_precision_inside_to_the_callers_rtol():
+    # Correct, but computed in float32 inside: vmap and a loop round differently (~1e-7
+    # relative), which the caller's rtol admits; a batching bug is an error of order one.
+    def f(x, w):
+        inner = x.astype(jnp.float32) @ w.astype(jnp.float32).T
+        return jnp.tanh(inner).astype(jnp.float64)
+
+    inputs = (f64(0, (5, 7)), f64(1, (3, 7)))
+    assert jaxext.gradcheck(f, inputs, eps=1e-3, atol=1e-2, rtol=1e-2, check_batched_grad=True)
+
+
 def test_check_batched_grad_catches_a_wrong_batching_rule():
     # The backward's callback sums over all axes, batch included, under vmap.
     def bwd(x, c, g):

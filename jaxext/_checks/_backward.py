@@ -10,8 +10,8 @@ records (or ``None``); the entry points word them in their own reports:
 * reentrancy: two runs of the backward on the same cotangent differ by at most
   ``nondet_tol`` entrywise (a NaN in both runs is the same value);
 * batched gradients: ``jax.vmap`` of the gradient over a batch equals one call per
-  batch entry within ``TIGHT``, normwise per gradient leaf (two float64 programs
-  computing the same math);
+  batch entry within a relative bound, normwise per gradient leaf (``TIGHT`` for two
+  float64 programs computing the same math; gradcheck's ``rtol`` where larger);
 * gradient dtypes: each gradient has its input's dtype and shape (``float0`` for
   an integer or boolean array input).
 """
@@ -77,11 +77,16 @@ def reentrancy(
 
 
 def batched_gradients(
-    gradient: Callable[[Any, Any], Sequence[Any]], batch: Any, cotangents: Sequence[Any]
+    gradient: Callable[[Any, Any], Sequence[Any]],
+    batch: Any,
+    cotangents: Sequence[Any],
+    rtol: float = TIGHT,
 ) -> list[Mismatch] | Exception:
     """``gradient(item, u)`` under ``jax.vmap`` over ``batch`` (``None``: not batched;
     array leaves of rank 0 are not batched either) and ``cotangents``, against one call
-    per batch entry.
+    per batch entry, within ``rtol`` normwise per gradient leaf (``TIGHT``: two float64
+    programs; gradcheck passes its caller's ``rtol`` when larger, for a function that
+    computes in a lower precision inside).
 
     Returns:
         Per gradient leaf that differs, its worst entry: ``direction`` is the batch
@@ -108,7 +113,7 @@ def batched_gradients(
     looped = [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(looped)]
     batched = [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(batched)]
     found = []
-    for mismatch in leaf_mismatches(looped, batched, atol=0.0, rtol=TIGHT, normwise=True):
+    for mismatch in leaf_mismatches(looped, batched, atol=0.0, rtol=rtol, normwise=True):
         per_entry = looped[mismatch.in_block].size // size
         b, element = divmod(mismatch.in_element, per_entry)
         found.append(dataclasses.replace(mismatch, in_element=element, direction=b))

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._backward import (
+    TIGHT,
     batched_gradients,
     gradient_dtypes,
     reentrancy,
@@ -142,8 +143,9 @@ def gradcheck(
             input's (JAX itself accepts a float32 gradient for a float64 input;
             an integer or boolean array input must get a ``float0`` gradient).
         check_batched_grad: check ``jax.vmap`` of the VJP over a batch of
-            cotangents against one VJP per cotangent (within a normwise relative
-            1e-9 per gradient, as ``opcheck``'s ``vmap``: the same math in float64).
+            cotangents against one VJP per cotangent (normwise per gradient,
+            within ``rtol``, or 1e-9 if that is larger: a batching bug is an
+            error of order one, rounding of a lower precision inside is not).
         check_forward_ad: also check forward mode (adds ``"fwd"`` to ``modes``).
         check_backward_ad: check reverse mode (``False`` removes ``"rev"``).
         fast_mode: ``None`` picks by size as above; ``True`` forces the
@@ -506,7 +508,10 @@ def _check(
     if batched:
         cotangents = rng.standard_normal((_BATCH, jac.m))
         found = batched_gradients(
-            lambda _, u: blocks(jac.vjp_fn(jac.x0)[1](u)), None, list(cotangents)
+            lambda _, u: blocks(jac.vjp_fn(jac.x0)[1](u)),
+            None,
+            list(cotangents),
+            rtol=max(TIGHT, settings.rtol),
         )
         if isinstance(found, Exception):
             return gradcheck_error(problem, "batched_grad", "rev", None, [], cause=found)
