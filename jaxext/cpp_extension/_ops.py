@@ -1,6 +1,7 @@
 """jaxext's ops with C++ kernels: ``jaxext/csrc/jaxext_ops.cc`` loaded and given gradients.
 
-This module is also the template for your own kernels. It is in four steps:
+This module is also the template for your own kernels (it imports only public names).
+It is in five steps:
 
 1. build the handlers with the public :func:`~jaxext.cpp_extension.load`, at the
    first call (not at import);
@@ -16,7 +17,7 @@ This module is also the template for your own kernels. It is in four steps:
    backward, ``jvp``/``jacfwd`` the ``jvp`` rule. The C++ backward is itself a
    ``custom_vjp`` op whose rules call the C++ forward again, and every rule calls
    these ops rather than a bare FFI call, so derivatives of every order work.
-4. refuse, with a ``TypeError`` while tracing, the dtypes the kernels have no
+5. refuse, with a ``TypeError`` while tracing, the dtypes the kernels have no
    handler for: ``jaxext.opcheck`` reports such a dtype as a SKIP with that message.
 """
 
@@ -32,10 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from .. import check_array, custom_vjp
-from .._validation import is_static_scalar
-from ._load import load
-from ._module import Extension
+from jaxext import check_array, custom_vjp
+from jaxext.cpp_extension import Extension, load
 
 __all__ = ["SOURCE", "extension", "linear", "mul_constant"]
 
@@ -98,7 +97,8 @@ def mul_constant(x: ArrayLike, constant: float) -> jax.Array:
         Array([3., 3.], dtype=float32)
     """
     x = _float_array(x, "x")
-    if not is_static_scalar(constant) or isinstance(constant, (complex, np.complexfloating)):
+    real = isinstance(constant, (int, float, np.integer, np.floating))
+    if not real or isinstance(constant, (bool, np.bool_)):
         raise TypeError(
             f"`constant` must be a Python or NumPy real scalar; got {type(constant).__name__}."
         )
