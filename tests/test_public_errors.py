@@ -31,6 +31,7 @@ PUBLIC_ERRORS = {
 INTERNAL_ERRORS = {
     "CheckFailed": "opcheck records it as a FAIL row (OpcheckError reports the failures)",
     "Skip": "opcheck records it as a SKIP row",
+    "_Skip": "optimize_remat's signal inside run_fwd: fwd is then called as it is",
 }
 
 
