@@ -409,24 +409,12 @@ def _pick_partial_eval(saveable: Any, unks_in: Sequence[bool], inst_in: Sequence
             return eqn, None, [False] * n, [False] * n, []
         return None, eqn, [True] * n, [True] * n, needed(eqn.invars, unks_in, inst_in)
     params = {"n": n, "remat": False}
-    known = new_jaxpr_eqn(
-        list(eqn.invars[:n]),
-        list(eqn.outvars),
-        pick_p,
-        params,
-        no_effects,
-        eqn.source_info,
-        eqn.ctx,
-    )
-    staged = new_jaxpr_eqn(
-        list(eqn.invars[n:]),
-        list(eqn.outvars),
-        pick_p,
-        params,
-        no_effects,
-        eqn.source_info,
-        eqn.ctx,
-    )
+
+    def half(invars: Sequence[Any]) -> Any:
+        args = (pick_p, params, no_effects, eqn.source_info, eqn.ctx)
+        return new_jaxpr_eqn(list(invars), list(eqn.outvars), *args)
+
+    known, staged = half(eqn.invars[:n]), half(eqn.invars[n:])
     res = needed(eqn.invars[n:], unks_in[n:], inst_in[n:])
     return known, staged, [False] * n, [True] * n, res
 
