@@ -338,6 +338,12 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
     def __getattr__(self, name: str) -> Any:
         # `def*` methods of the wrapped function (custom_vmap's def_vmap, custom_jvp's
         # defjvp ...) are forwarded to it, as jax.custom_vjp forwards them.
+        if name in _JAX_ONLY_METHODS:
+            raise AttributeError(
+                f"jaxext.custom_vjp has no {name!r}: backward-pass logs and accumulators "
+                "(JAX 0.12) live in JAX's internal reverse-mode machinery, which jaxext's "
+                "rules do not go through. Use jax.custom_vjp for a function that needs them."
+            )
         if name.startswith("def") and "fun" in self.__dict__:
             return getattr(self.fun, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
@@ -380,6 +386,10 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         )
         primal.defjvp(op.jvp_rule, symbolic_zeros=True)
         return primal(*diff_args)
+
+
+# jax.custom_vjp methods (JAX 0.12) that jaxext.custom_vjp does not provide.
+_JAX_ONLY_METHODS = frozenset({"defvjp_with_logs", "defvjp_with_accums", "defremat_with_logs"})
 
 
 def _positions_of(signature: inspect.Signature | None, names: Sequence[str]) -> list[int]:

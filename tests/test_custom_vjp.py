@@ -714,6 +714,14 @@ def test_def_methods_are_forwarded_to_the_wrapped_function(impl, x64):
     np.testing.assert_allclose(jax.grad(wrapped)(0.5), np.cos(0.5))
 
 
+@pytest.mark.parametrize("name", ["defvjp_with_logs", "defvjp_with_accums", "defremat_with_logs"])
+def test_jax_only_methods_are_a_clear_attribute_error(name):
+    f = jaxext.custom_vjp(jnp.sin)
+    with pytest.raises(AttributeError, match=rf"no '{name}'.*Use jax.custom_vjp"):
+        getattr(f, name)
+    assert not hasattr(f, name)  # feature detection sees it missing
+
+
 @pytest.mark.parametrize("impl", DECORATORS)
 def test_keyword_only_parameter_with_a_default(impl):
     @DECORATORS[impl]
