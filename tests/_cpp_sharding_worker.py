@@ -70,9 +70,9 @@ def _handler_with(rule):
     def call(x):
         return ops.extension().jaxext_mul_constant(
             x,
+            np.asarray(CONSTANT, x.dtype),  # the constant: a 0-d operand of x's dtype
             result_shape_dtypes=jax.ShapeDtypeStruct(x.shape, x.dtype),
             partition=rule,
-            constant=CONSTANT,
         )
 
     return call

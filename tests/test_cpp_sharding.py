@@ -128,21 +128,22 @@ def test_rule_must_be_a_string():
 
 def test_rule_that_does_not_fit_the_call_is_a_value_error():
     x = jnp.ones((4, 3))
+    c = np.float32(2.0)
     handler = ops.extension().jaxext_mul_constant
     out = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    with pytest.raises(ValueError, match="2 operand"):
-        handler(x, result_shape_dtypes=out, partition="b, c -> b", constant=2.0)
+    with pytest.raises(ValueError, match="3 operand"):
+        handler(x, c, result_shape_dtypes=out, partition="b, c, d -> b")
     with pytest.raises(ValueError, match="rank 2"):
-        handler(x, result_shape_dtypes=out, partition="b -> b", constant=2.0)
+        handler(x, c, result_shape_dtypes=out, partition="b, -> b")
 
 
 def test_load_partition_names_loaded_handlers():
     with pytest.raises(ValueError, match="not loaded"):
         cpp_extension.load("jaxext_ops", [ops.SOURCE], partition={"nope": "batch"})
     ext = cpp_extension.load(
-        "jaxext_ops", [ops.SOURCE], partition={"jaxext_mul_constant": "... -> ..."}
+        "jaxext_ops", [ops.SOURCE], partition={"jaxext_mul_constant": "..., -> ..."}
     )
-    assert ext.jaxext_mul_constant.partition == "... -> ..."
+    assert ext.jaxext_mul_constant.partition == "..., -> ..."
     assert ext.jaxext_linear_forward.partition is None
 
 
@@ -150,6 +151,6 @@ def test_rule_on_one_device_gives_the_kernel_result():
     # No mesh: the rule changes nothing (the call runs whole).
     x = jnp.arange(6.0).reshape(2, 3)
     out = ops.extension().jaxext_mul_constant(
-        x, result_shape_dtypes=x, partition="batch", constant=3.0
+        x, np.float32(3.0), result_shape_dtypes=x, partition="batch"
     )
     np.testing.assert_array_equal(out, np.arange(6.0).reshape(2, 3) * 3.0)

@@ -50,6 +50,7 @@ _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 # split by rows. The features `_` are never split: the forward adds the bias once, and
 # grad_bias does not depend on them, so a sum over their shards would be wrong.
 _ELEMENTWISE = "... -> ..."
+_MUL_CONSTANT = "..., -> ..."  # x, its 0-d constant (on every device) -> x * constant
 _LINEAR = "b _, o _, o -> b o"  # y = x @ w.T + bias
 _LINEAR_BWD = "b _, o _, b o -> b _, o _, o"  # grad_x, grad_w, grad_bias from (x, w, g)
 
@@ -68,7 +69,7 @@ def extension() -> Extension:
         "jaxext_ops",
         [SOURCE],
         partition={
-            "jaxext_mul_constant": _ELEMENTWISE,
+            "jaxext_mul_constant": _MUL_CONSTANT,
             "jaxext_linear_forward": _LINEAR,
             "jaxext_linear_backward": _LINEAR_BWD,
         },
@@ -80,7 +81,9 @@ def mul_constant(x: ArrayLike, constant: float) -> jax.Array:
 
     Args:
         x: float32 or float64 array of any shape.
-        constant: a Python or NumPy real scalar, static and not differentiated.
+        constant: a Python or NumPy real scalar, not differentiated. It reaches the
+            kernel as a 0-d array of ``x``'s dtype (data, not part of the compiled
+            program), so eager calls with new values reuse one compiled program.
 
     Returns:
         ``x * constant`` in ``x``'s dtype.
@@ -102,7 +105,10 @@ def mul_constant(x: ArrayLike, constant: float) -> jax.Array:
         raise TypeError(
             f"`constant` must be a Python or NumPy real scalar; got {type(constant).__name__}."
         )
-    return _mul_constant(x, float(constant))
+    # A 0-d operand of x's dtype (as the kernel multiplies in x's dtype), never an
+    # FFI attribute: an attribute is compiled into the program, so each new value
+    # would compile, and keep, a program of its own.
+    return _mul_constant(x, np.asarray(float(constant), x.dtype))
 
 
 def linear(x: ArrayLike, weight: ArrayLike, bias: ArrayLike | None = None) -> jax.Array:
@@ -169,9 +175,9 @@ def _float_array(value: Any, arg: str) -> jax.Array:
 def _call_mul_constant(x, constant):
     return extension().jaxext_mul_constant(
         x,
+        constant,  # a 0-d array of x's dtype: an operand, not an attribute
         result_shape_dtypes=jax.ShapeDtypeStruct(x.shape, x.dtype),
         vmap_method="expand_dims",
-        constant=constant,  # a Python float: the handler's float64 attribute
     )
 
 
@@ -199,21 +205,24 @@ def _call_linear_backward(x, weight, g):
 # the same kernels with other arguments.
 
 
-@functools.partial(custom_vjp, nondiff_argnums=(1,))
+@custom_vjp
 def _mul_constant(x, constant):
+    # `constant` is an array argument (so eager calls with new values reuse one
+    # program), built by mul_constant from a Python/NumPy scalar: never traced by
+    # the caller, so it gets no gradient (None: zero).
     return _call_mul_constant(x, constant)
 
 
 def _mul_constant_fwd(x, constant):
-    return _mul_constant(x, constant), None
+    return _mul_constant(x, constant), constant
 
 
-def _mul_constant_bwd(constant, _, g):
-    return (_mul_constant(g, constant),)
+def _mul_constant_bwd(constant, g):
+    return _mul_constant(g, constant), None
 
 
-def _mul_constant_jvp(constant, _, tangents):
-    (x_dot,) = tangents
+def _mul_constant_jvp(constant, tangents):
+    x_dot, _ = tangents
     return _mul_constant(x_dot, constant)
 
 
