@@ -482,6 +482,44 @@ def test_ops_mul_constant_nested_vmap_and_jvp(constant, x64):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_ops_mul_constant_traced_constant(dtype, x64):
+    """A 0-d array constant is an operand of one jitted program for every value, and
+    receives its gradient sum(g * x) (float64 autodiff of x * c as the reference)."""
+    x = rand(18, (3, 4), dtype)
+    f = jax.jit(lambda x, c: ops.mul_constant(x, c))
+    for c in _CONSTANTS[:5]:
+        np.testing.assert_array_equal(f(x, c), x * dtype(c))
+    assert f._cache_size() == 1
+    with CompileCounter() as compiles:
+        for c in _CONSTANTS[5:10]:
+            f(x, c).block_until_ready()
+    assert compiles.count == 0
+
+    def loss(f, x, c):
+        return jnp.sum(jnp.sin(f(x, c)))
+
+    x64_, c = np.asarray(x, np.float64), np.float64(-1.75)
+    want = jax.grad(lambda x, c: loss(jnp.multiply, x, c), (0, 1))(x64_, c)
+    got = jax.grad(lambda x, c: loss(ops.mul_constant, x, c), (0, 1))(x, jnp.asarray(c, dtype))
+    assert got[1].dtype == dtype
+    tol = 8 * x.size * np.finfo(dtype).eps  # sum(g * x) over x.size terms
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
+    # Forward mode, second order and vmap over the constant.
+    hess = jax.hessian(lambda c: loss(ops.mul_constant, x, c))(jnp.asarray(c, dtype))
+    want_h = jax.hessian(lambda c: loss(jnp.multiply, x64_, c))(c)
+    np.testing.assert_allclose(hess, want_h, rtol=tol, atol=tol)
+    cs = jnp.asarray(_CONSTANTS[:4], dtype)
+    out = jax.vmap(lambda c: ops.mul_constant(x, c))(cs)
+    np.testing.assert_array_equal(out, np.asarray(cs)[:, None, None] * x[None])
+    # A float64 constant with float32 x multiplies in x's dtype; its gradient keeps its own.
+    if dtype == np.float32:
+        g = jax.grad(lambda c: jnp.sum(ops.mul_constant(x, c)))(jnp.float64(2.0))
+        assert g.dtype == np.float64
+        np.testing.assert_allclose(g, x64_.sum(), rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_kernel_broadcasts_a_batched_constant(dtype, x64):
     """The handler called directly under vmap over its constant operand (x unbatched, and
     both batched): each batch entry multiplies by its own constant."""
@@ -591,7 +629,15 @@ def test_ops_refuse_bad_input(x64):
     with pytest.raises(ValueError, match=r"`bias` must have shape \(4,\)"):
         ops.linear(x, w, jnp.ones(3, jnp.float32))
     with pytest.raises(TypeError, match="`constant` must be a Python or NumPy real scalar"):
-        ops.mul_constant(x, jnp.array(2.0))
+        ops.mul_constant(x, [2.0])
+    with pytest.raises(TypeError, match="`constant` must be a Python or NumPy real scalar"):
+        ops.mul_constant(x, True)
+    with pytest.raises(TypeError, match="`constant` must have a real dtype; got complex64"):
+        ops.mul_constant(x, jnp.array(2.0 + 1j, jnp.complex64))
+    with pytest.raises(TypeError, match="`constant`"):
+        ops.mul_constant(x, jnp.array(True))
+    with pytest.raises(ValueError, match=r"`constant` must be 0-d \(a scalar\); got shape \(3,\)"):
+        jax.jit(ops.mul_constant)(x, jnp.ones(3))
 
 
 def test_ops_kernels_refuse_buffers_that_do_not_fit(x64):

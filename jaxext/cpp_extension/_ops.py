@@ -81,15 +81,20 @@ def mul_constant(x: ArrayLike, constant: float) -> jax.Array:
 
     Args:
         x: float32 or float64 array of any shape.
-        constant: a Python or NumPy real scalar, not differentiated. It reaches the
-            kernel as a 0-d array of ``x``'s dtype (data, not part of the compiled
-            program), so eager calls with new values reuse one compiled program.
+        constant: a Python or NumPy real scalar (not differentiated), or a 0-d real
+            array, traced or not (differentiable: it receives ``sum(g * x)``), so
+            ``jax.jit(lambda x, c: ops.mul_constant(x, c))`` compiles once for every
+            value of ``c``. Either way it reaches the kernel as a 0-d array of ``x``'s
+            dtype (data, not part of the compiled program), so eager calls with new
+            values reuse one compiled program.
 
     Returns:
         ``x * constant`` in ``x``'s dtype.
 
     Raises:
-        TypeError: if ``x`` is not float32/float64 or ``constant`` is not a real scalar.
+        TypeError: if ``x`` is not float32/float64 or ``constant`` is not a real scalar
+            or a real array.
+        ValueError: if ``constant`` is an array that is not 0-d.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -98,17 +103,29 @@ def mul_constant(x: ArrayLike, constant: float) -> jax.Array:
         Array([0., 2., 4.], dtype=float32)
         >>> jax.grad(lambda x: ops.mul_constant(x, 3.0).sum())(jnp.ones(2))
         Array([3., 3.], dtype=float32)
+        >>> jax.grad(lambda c: ops.mul_constant(jnp.arange(3.0), c).sum())(2.0)
+        Array(3., dtype=float32, weak_type=True)
     """
     x = _float_array(x, "x")
-    real = isinstance(constant, (int, float, np.integer, np.floating))
-    if not real or isinstance(constant, (bool, np.bool_)):
-        raise TypeError(
-            f"`constant` must be a Python or NumPy real scalar; got {type(constant).__name__}."
-        )
-    # A 0-d operand of x's dtype (as the kernel multiplies in x's dtype), never an
-    # FFI attribute: an attribute is compiled into the program, so each new value
-    # would compile, and keep, a program of its own.
-    return _mul_constant(x, np.asarray(float(constant), x.dtype))
+    # The constant reaches the kernel as a 0-d operand of x's dtype (the kernel
+    # multiplies in x's dtype), never as an FFI attribute: an attribute is compiled
+    # into the program, so each new value would compile, and keep, a program of its own.
+    if isinstance(constant, (bool, np.bool_)):
+        pass  # refused below
+    elif isinstance(constant, (int, float, np.integer, np.floating)):
+        return _mul_constant(x, np.asarray(float(constant), x.dtype))
+    elif isinstance(constant, (jax.Array, np.ndarray)):
+        c = check_array(constant, "constant")
+        real = jnp.issubdtype(c.dtype, jnp.integer) or jnp.issubdtype(c.dtype, jnp.floating)
+        if not real:
+            raise TypeError(f"`constant` must have a real dtype; got {c.dtype}.")
+        if c.ndim != 0:
+            raise ValueError(f"`constant` must be 0-d (a scalar); got shape {c.shape}.")
+        return _mul_traced(x, c.astype(x.dtype))
+    raise TypeError(
+        "`constant` must be a Python or NumPy real scalar or a 0-d real array; "
+        f"got {type(constant).__name__}."
+    )
 
 
 def linear(x: ArrayLike, weight: ArrayLike, bias: ArrayLike | None = None) -> jax.Array:
@@ -227,6 +244,32 @@ def _mul_constant_jvp(constant, tangents):
 
 
 _mul_constant.defvjp(_mul_constant_fwd, _mul_constant_bwd, jvp=_mul_constant_jvp)
+
+
+@custom_vjp
+def _mul_traced(x, constant):
+    # An array constant (a tracer under jit or grad): differentiable in both inputs.
+    return _call_mul_constant(x, constant)
+
+
+def _mul_traced_fwd(x, constant):
+    return _mul_traced(x, constant), (x, constant)
+
+
+def _mul_traced_bwd(residuals, g):
+    # y = c x: grad_x = c g (the C++ kernel), grad_c = sum(g x) (a jnp reduction,
+    # which XLA splits over a mesh itself), both differentiable again.
+    x, constant = residuals
+    return _mul_traced(g, constant), jnp.sum(g * x)
+
+
+def _mul_traced_jvp(residuals, tangents):
+    x, constant = residuals
+    x_dot, constant_dot = tangents
+    return _mul_traced(x_dot, constant) + _mul_traced(x, constant_dot)
+
+
+_mul_traced.defvjp(_mul_traced_fwd, _mul_traced_bwd, jvp=_mul_traced_jvp)
 
 
 def _matmul_t(a, b):
