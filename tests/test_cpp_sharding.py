@@ -32,7 +32,9 @@ RULE_CASES = [
 ]
 FALLBACK_CASES = [f"{op}_auto_jit" for op in OPS]  # auto axes under jit: replicated
 HANDLER_CASES = ["batch_rule_explicit_jit", "load_rule_explicit_jit"]
-ALL_CASES = RULE_CASES + FALLBACK_CASES + HANDLER_CASES + ["no_rule_explicit_jit"]
+# ops.mul_constant with a 0-d array constant (replicated, differentiable) on split x.
+TRACED_CASES = ["mul_traced_explicit_jit", "mul_traced_explicit_eager"]
+ALL_CASES = RULE_CASES + FALLBACK_CASES + HANDLER_CASES + TRACED_CASES + ["no_rule_explicit_jit"]
 # float32 results of these small problems (sums of up to 16 * 6 terms) against float64.
 TOL = rounding_tolerance(np.float32, n=128)
 
@@ -67,29 +69,32 @@ def test_values_and_gradients_match_unsharded_reference(worker_results, name):
     _assert_values(_check(worker_results, name))
 
 
-@pytest.mark.parametrize("name", RULE_CASES + HANDLER_CASES)
+@pytest.mark.parametrize("name", RULE_CASES + HANDLER_CASES + TRACED_CASES)
 def test_output_keeps_batch_sharding(worker_results, name):
     result = _check(worker_results, name)
     assert result["out_spec"].startswith("('data',")
 
 
-@pytest.mark.parametrize("name", RULE_CASES)
+@pytest.mark.parametrize("name", RULE_CASES + TRACED_CASES)
 def test_gradients_keep_parameter_shardings(worker_results, name):
     result = _check(worker_results, name)
     assert result["grad_specs"] == result["param_specs"]
 
 
-@pytest.mark.parametrize("name", [c for c in RULE_CASES + HANDLER_CASES if "jit" in c])
+@pytest.mark.parametrize(
+    "name", [c for c in RULE_CASES + HANDLER_CASES + TRACED_CASES if "jit" in c]
+)
 def test_compiled_forward_and_backward_gather_nothing(worker_results, name):
     result = _check(worker_results, name)
     assert result["forward_collectives"]["all-gather"] == 0
     assert result["forward_collectives"]["all-reduce"] == 0
     if "backward_collectives" in result:
         # As plain autodiff: no gather, and the one reduction of the weight gradients
-        # across the batch (none for mul_constant, which has no parameter).
+        # across the batch (none for mul_constant with a Python constant, which has no
+        # parameter; the array constant's gradient sum(g * x) is one).
         assert result["backward_collectives"] == result["plain_backward_collectives"]
         assert result["backward_collectives"]["all-gather"] == 0
-        expected = 1 if name.startswith("linear") else 0
+        expected = 1 if name.startswith(("linear", "mul_traced")) else 0
         assert result["backward_collectives"]["all-reduce"] == expected
 
 
