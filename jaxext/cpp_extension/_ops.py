@@ -17,6 +17,8 @@ It is in five steps:
    backward, ``jvp``/``jacfwd`` the ``jvp`` rule. The C++ backward is itself a
    ``custom_vjp`` op whose rules call the C++ forward again, and every rule calls
    these ops rather than a bare FFI call, so derivatives of every order work.
+   (An array ``constant`` of ``mul_constant`` gets its gradient ``sum(g * x)``
+   from ``jnp``.)
 5. refuse, with a ``TypeError`` while tracing, the dtypes the kernels have no
    handler for: ``jaxext.opcheck`` reports such a dtype as a SKIP with that message.
 """
@@ -76,7 +78,7 @@ def extension() -> Extension:
     )
 
 
-def mul_constant(x: ArrayLike, constant: float) -> jax.Array:
+def mul_constant(x: ArrayLike, constant: float | ArrayLike) -> jax.Array:
     """``x * constant`` computed by a C++ kernel, with a C++ backward.
 
     Args:
