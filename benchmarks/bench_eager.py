@@ -20,8 +20,10 @@ returns ``g @ w.T, x.T @ g, g.sum(0)``), sizes ``B x I -> O``:
 Memory: the resident set size (``VmRSS``) over eager calls each with a new Python
 constant, of ``jaxext.mul_constant(x, c)``, of ``jax.jvp`` through it (which goes
 through the custom_vjp call path and its per-function cache), and of the C++
-``jaxext.cpp_extension.ops.mul_constant(x, c)`` (its constant is an FFI attribute, so
-every new value compiles a program; fewer calls by default, see ``--cpp-calls``).
+``jaxext.cpp_extension.ops.mul_constant(x, c)`` (its constant is a 0-d operand; it was
+an FFI attribute before, so every new value compiled a program: measure such a version
+with a smaller ``--cpp-calls``), with the number of XLA compilations during each run
+(``jax.monitoring``'s backend-compile events). ``--no-time`` runs the memory part only.
 
 ``JAXEXT_BENCH_ROOT=<dir>`` imports ``jaxext`` from ``<dir>`` instead of this checkout
 (to measure another version, e.g. an export of the previous commit). Writes
@@ -151,16 +153,29 @@ def _rss_mib() -> float:
     return float("nan")
 
 
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
 def _rss_run(name: str, call: Callable[[float], Any], calls: int, log) -> dict[str, Any]:
-    """RSS before, at every tenth of the calls and after ``calls`` calls of ``call(c_i)``."""
+    """RSS before, at every tenth of the calls and after ``calls`` calls of ``call(c_i)``,
+    and the number of XLA compilations during the calls."""
     for i in range(20):  # warm-up: first compilations, caches filled
         call(1000.0 + i)
+    compiles = [0]
+
+    def count(event: str, duration: float, **kwargs: Any) -> None:
+        compiles[0] += event == _COMPILE_EVENT
+
+    jax.monitoring.register_event_duration_secs_listener(count)
     start_rss, start = _rss_mib(), time.perf_counter()
     trace = []
-    for i in range(calls):
-        call(1.0 + i * 1e-3)
-        if (i + 1) % max(1, calls // 10) == 0:
-            trace.append([i + 1, round(_rss_mib() - start_rss, 1)])
+    try:
+        for i in range(calls):
+            call(1.0 + i * 1e-3)
+            if (i + 1) % max(1, calls // 10) == 0:
+                trace.append([i + 1, round(_rss_mib() - start_rss, 1)])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
     wall = time.perf_counter() - start
     row = {
         "op": name,
@@ -168,9 +183,13 @@ def _rss_run(name: str, call: Callable[[float], Any], calls: int, log) -> dict[s
         "rss_start_mib": round(start_rss, 1),
         "growth_mib": round(_rss_mib() - start_rss, 1),
         "ms_per_call": wall / calls * 1e3,
+        "compiles": compiles[0],
         "trace": trace,
     }
-    log(f"RSS {name}: {row['growth_mib']:+} MiB over {calls} calls, {row['ms_per_call']:.2f} ms")
+    log(
+        f"RSS {name}: {row['growth_mib']:+} MiB over {calls} calls, "
+        f"{row['ms_per_call']:.2f} ms, {row['compiles']} compilations"
+    )
     return row
 
 
@@ -221,6 +240,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--jvp-calls", type=int, default=None, help="eager jvp calls")
     parser.add_argument("--cpp-calls", type=int, default=None, help="C++ op calls (0: skip)")
     parser.add_argument("--no-memory", action="store_true", help="skip the RSS runs")
+    parser.add_argument("--no-time", action="store_true", help="skip the time comparison")
     parser.add_argument("--out", type=Path, default=HERE / "results", help="output directory")
     parser.add_argument("--stem", default="eager_cpu", help="output file name without extension")
     parser.add_argument("--note", default="", help="free text stored with the results")
@@ -236,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.calls = args.calls or (1000 if quick else 10_000)
     args.jvp_calls = args.jvp_calls or (200 if quick else 2000)
     if args.cpp_calls is None:
-        args.cpp_calls = 50 if quick else 300
+        args.cpp_calls = args.calls
     start = time.perf_counter()
 
     def log(msg: str) -> None:
@@ -250,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "command": " ".join([Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)]),
     }
     log(f"load average at start {results['machine']['loadavg_start']}")
-    results["time"] = bench_time(args, log)
+    results["time"] = [] if args.no_time else bench_time(args, log)
     results["memory"] = [] if args.no_memory else bench_memory(args, log)
     results["machine"]["loadavg_end"] = list(os.getloadavg())
     results["wall_s"] = time.perf_counter() - start

@@ -764,6 +764,8 @@ def render_eager(results: dict[str, Any]) -> str:
         "| target | status | rounds | load | max rel err |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    if not results["time"]:
+        lines.append("| (not run: `--no-time`) | | | | | | | | | | | |")
     for r in results["time"]:
         t, q = r["time"], r["ratio"]
         lines.append(
@@ -777,19 +779,20 @@ def render_eager(results: dict[str, Any]) -> str:
         "",
         "## Memory: eager calls with a new Python constant each",
         "",
-        "Resident set size growth after 20 warm-up calls; `trace` = (calls, MiB) at every "
-        "tenth of the run.",
+        "Resident set size growth after 20 warm-up calls; `compiles` = XLA compilations "
+        "during the calls; `trace` = (calls, MiB) at every tenth of the run.",
         "",
-        "| op | calls | RSS growth MiB | ms per call | trace |",
-        "|---|---|---|---|---|",
+        "| op | calls | RSS growth MiB | ms per call | compiles | trace |",
+        "|---|---|---|---|---|---|",
     ]
     for r in results["memory"]:
         if "error" in r:
-            lines.append(f"| {r['op']} | - | - | - | not run: `{r['error']}` |")
+            lines.append(f"| {r['op']} | - | - | - | - | not run: `{r['error']}` |")
             continue
         trace = ", ".join(f"{n}: {g:+}" for n, g in r["trace"])
         lines.append(
-            f"| {r['op']} | {r['calls']} | {r['growth_mib']:+} | {r['ms_per_call']:.2f} | {trace} |"
+            f"| {r['op']} | {r['calls']} | {r['growth_mib']:+} | {r['ms_per_call']:.2f} "
+            f"| {r.get('compiles', '-')} | {trace} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -56,6 +56,14 @@ def _mul_ref(x):
     return x * CONSTANT
 
 
+def _mul_traced(x, c):
+    return ops.mul_constant(x, c)  # c: a 0-d array, differentiable
+
+
+def _mul_traced_ref(x, c):
+    return x * c
+
+
 def _linear(x, w, b):
     return ops.linear(x, w, b)
 
@@ -70,9 +78,9 @@ def _handler_with(rule):
     def call(x):
         return ops.extension().jaxext_mul_constant(
             x,
+            np.asarray(CONSTANT, x.dtype),  # the constant: a 0-d operand of x's dtype
             result_shape_dtypes=jax.ShapeDtypeStruct(x.shape, x.dtype),
             partition=rule,
-            constant=CONSTANT,
         )
 
     return call
@@ -98,6 +106,7 @@ def _loaded_rule_ref(x, w):
 
 FUNCTIONS = {
     "mul_constant": (_mul, _mul_ref, 1),
+    "mul_traced": (_mul_traced, _mul_traced_ref, 2),  # the constant replicated, P()
     "linear": (_linear, _linear_ref, 3),
     "batch_rule": (_handler_with("batch"), _mul_ref, 1),  # forward only: no gradient
     "no_rule": (_handler_with(None), _mul_ref, 1),  # what a kernel that says nothing costs
@@ -109,6 +118,8 @@ def arrays_for(name, batch_shape=(BATCH,)):
     x = rand(0, (*batch_shape, N_IN))
     if name in ("mul_constant", "batch_rule", "no_rule"):
         return [x, rand(3, x.shape)]
+    if name == "mul_traced":
+        return [x, np.asarray(-1.25, np.float32), rand(3, x.shape)]
     params = [rand(1, (N_OUT, N_IN)) / np.sqrt(N_IN)]
     if name == "linear":
         params.append(rand(2, (N_OUT,)))
@@ -122,7 +133,7 @@ def check(name, axes, jit=True, batch_shape=(BATCH,)):
     ``"auto"`` (plain ``NamedSharding`` inputs on an auto-axes mesh, no mesh context).
     """
     op, reference, n_params = FUNCTIONS[name]
-    differentiable = name in ("mul_constant", "linear")
+    differentiable = name in ("mul_constant", "mul_traced", "linear")
     axis_type = AxisType.Explicit if axes == "explicit" else AxisType.Auto
     mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
     arrays = arrays_for(name, batch_shape)
@@ -173,6 +184,8 @@ CHECKS.update(
         "linear_explicit_jit_3d": lambda: check("linear", "explicit", batch_shape=(BATCH, 3)),
         "batch_rule_explicit_jit": lambda: check("batch_rule", "explicit"),
         "no_rule_explicit_jit": lambda: check("no_rule", "explicit"),
+        "mul_traced_explicit_jit": lambda: check("mul_traced", "explicit"),
+        "mul_traced_explicit_eager": lambda: check("mul_traced", "explicit", jit=False),
         "load_rule_explicit_jit": lambda: check("load_rule", "explicit"),
     }
 )

@@ -308,3 +308,31 @@ def run_json_worker(worker, out, what):
     )
     assert proc.returncode == 0, f"{what} worker failed:\n{proc.stdout}\n{proc.stderr}"
     return json.loads(Path(out).read_text())
+
+
+class CompileCounter:
+    """Counts XLA compilations (``jax.monitoring``'s backend-compile events) while active.
+
+    Example::
+
+        with CompileCounter() as compiles:
+            f(x)
+        assert compiles.count == 0
+    """
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count = 0
+
+    def _listener(self, event, duration, **kwargs):
+        del duration, kwargs
+        if event == self.EVENT:
+            self.count += 1
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self._listener)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._listener)

@@ -313,7 +313,8 @@ def _kernel_scale(x, constant):
     from jaxext.cpp_extension import ops
 
     out = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    return ops.extension().jaxext_mul_constant(x, result_shape_dtypes=out, constant=constant)
+    c = np.asarray(constant, x.dtype)  # a 0-d operand of x's dtype
+    return ops.extension().jaxext_mul_constant(x, c, result_shape_dtypes=out)
 
 
 class KernelScale(jaxext.Function):

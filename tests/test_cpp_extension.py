@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import rand, rounding_tolerance
+from helpers import CompileCounter, rand, rounding_tolerance
 from ops_table import CPP_OPS, OPS_BY_NAME
 
 import jaxext
@@ -434,6 +434,119 @@ def test_ops_mul_constant_vmap(x64):
     np.testing.assert_allclose(out, 3.0 * np.cos(3.0 * x), rtol=1e-14)
 
 
+# -- mul_constant's constant is a 0-d operand, not an FFI attribute (issue 19 item 7) ----
+
+_CONSTANTS = [1.0 + 0.37 * i for i in range(40)]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_ops_mul_constant_eager_new_constants_compile_nothing(dtype, x64):
+    """Eager calls, each with a new Python constant, reuse one compiled program.
+
+    As an FFI attribute the constant was compiled into the program: every new value
+    compiled (and kept) one more, +425 MiB over 300 calls.
+    """
+    x = rand(11, (3, 5), dtype)
+    ops.mul_constant(x, 0.5).block_until_ready()  # compiles once
+    with CompileCounter() as compiles:
+        outs = [ops.mul_constant(x, c) for c in _CONSTANTS]
+    assert compiles.count == 0
+    for c, out in zip(_CONSTANTS, outs, strict=True):
+        assert out.dtype == dtype
+        np.testing.assert_array_equal(out, x * dtype(c))  # one rounded product each
+
+
+def test_ops_mul_constant_eager_grad_and_vmap_new_constants_compile_nothing(x64):
+    x = rand(12, (4, 3), np.float64)
+    grad = jax.grad(lambda x, c: jnp.sum(jnp.sin(ops.mul_constant(x, c))))
+    vmapped = jax.vmap(ops.mul_constant, in_axes=(0, None))
+    grad(x, 0.5).block_until_ready(), vmapped(x, 0.5).block_until_ready()
+    with CompileCounter() as compiles:
+        got = [(grad(x, c), vmapped(x, c)) for c in _CONSTANTS[:10]]
+    assert compiles.count == 0
+    x64_ = np.asarray(x, np.float64)
+    for c, (g, v) in zip(_CONSTANTS[:10], got, strict=True):
+        np.testing.assert_allclose(g, c * np.cos(c * x64_), rtol=1e-14)
+        np.testing.assert_array_equal(v, x64_ * c)
+
+
+@pytest.mark.parametrize("constant", [-3.25, 0.0, 1e-30, np.float32(7.5), np.int64(-4)])
+def test_ops_mul_constant_nested_vmap_and_jvp(constant, x64):
+    """Under two vmaps the constant operand gets two size-1 dims; values and jvp stay right."""
+    x = rand(13, (2, 3, 4), np.float64)
+    f = jax.vmap(jax.vmap(lambda x: ops.mul_constant(x, constant)))
+    np.testing.assert_array_equal(f(x), x * float(constant))
+    t = rand(14, x.shape, np.float64)
+    y, y_dot = jax.jvp(f, (x,), (t,))
+    np.testing.assert_array_equal(y_dot, t * float(constant))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_ops_mul_constant_traced_constant(dtype, x64):
+    """A 0-d array constant is an operand of one jitted program for every value, and
+    receives its gradient sum(g * x) (float64 autodiff of x * c as the reference)."""
+    x = rand(18, (3, 4), dtype)
+    f = jax.jit(lambda x, c: ops.mul_constant(x, c))
+    for c in _CONSTANTS[:5]:
+        np.testing.assert_array_equal(f(x, c), x * dtype(c))
+    assert f._cache_size() == 1
+    with CompileCounter() as compiles:
+        for c in _CONSTANTS[5:10]:
+            f(x, c).block_until_ready()
+    assert compiles.count == 0
+
+    def loss(f, x, c):
+        return jnp.sum(jnp.sin(f(x, c)))
+
+    x64_, c = np.asarray(x, np.float64), np.float64(-1.75)
+    want = jax.grad(lambda x, c: loss(jnp.multiply, x, c), (0, 1))(x64_, c)
+    got = jax.grad(lambda x, c: loss(ops.mul_constant, x, c), (0, 1))(x, jnp.asarray(c, dtype))
+    assert got[1].dtype == dtype
+    tol = 8 * x.size * np.finfo(dtype).eps  # sum(g * x) over x.size terms
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
+    # Forward mode, second order and vmap over the constant.
+    hess = jax.hessian(lambda c: loss(ops.mul_constant, x, c))(jnp.asarray(c, dtype))
+    want_h = jax.hessian(lambda c: loss(jnp.multiply, x64_, c))(c)
+    np.testing.assert_allclose(hess, want_h, rtol=tol, atol=tol)
+    cs = jnp.asarray(_CONSTANTS[:4], dtype)
+    out = jax.vmap(lambda c: ops.mul_constant(x, c))(cs)
+    np.testing.assert_array_equal(out, np.asarray(cs)[:, None, None] * x[None])
+    # A float64 constant with float32 x multiplies in x's dtype; its gradient keeps its own.
+    if dtype == np.float32:
+        g = jax.grad(lambda c: jnp.sum(ops.mul_constant(x, c)))(jnp.float64(2.0))
+        assert g.dtype == np.float64
+        np.testing.assert_allclose(g, x64_.sum(), rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_kernel_broadcasts_a_batched_constant(dtype, x64):
+    """The handler called directly under vmap over its constant operand (x unbatched, and
+    both batched): each batch entry multiplies by its own constant."""
+    ext = ops.extension()
+    x = rand(15, (3, 4), dtype)
+    cs = np.asarray([0.5, -2.0, 3.25, 1e3], dtype)
+    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    def call(x, c):
+        return ext.jaxext_mul_constant(x, c, result_shape_dtypes=out, vmap_method="expand_dims")
+
+    want = cs[:, None, None] * x[None]
+    np.testing.assert_array_equal(jax.vmap(call, (None, 0))(x, cs), want)
+    xs = rand(16, (4, 3, 4), dtype)
+    np.testing.assert_array_equal(jax.vmap(call)(xs, cs), cs[:, None, None] * xs)
+    nested = jax.vmap(jax.vmap(call, (None, 0)), (0, None))(xs, cs)
+    np.testing.assert_array_equal(nested, cs[None, :, None, None] * xs[:, None])
+
+
+def test_kernel_refuses_a_constant_of_another_dtype(x64):
+    x = rand(17, (3,), np.float64)
+    with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match="scalar of `x`'s dtype"):
+        jax.block_until_ready(
+            ops.extension().jaxext_mul_constant(x, np.float32(2.0), result_shape_dtypes=x)
+        )
+
+
 @pytest.mark.parametrize("batch", [(), (3,), (2, 2)])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_ops_gradcheck(batch, with_bias, x64):
@@ -516,7 +629,15 @@ def test_ops_refuse_bad_input(x64):
     with pytest.raises(ValueError, match=r"`bias` must have shape \(4,\)"):
         ops.linear(x, w, jnp.ones(3, jnp.float32))
     with pytest.raises(TypeError, match="`constant` must be a Python or NumPy real scalar"):
-        ops.mul_constant(x, jnp.array(2.0))
+        ops.mul_constant(x, [2.0])
+    with pytest.raises(TypeError, match="`constant` must be a Python or NumPy real scalar"):
+        ops.mul_constant(x, True)
+    with pytest.raises(TypeError, match="`constant` must have a real dtype; got complex64"):
+        ops.mul_constant(x, jnp.array(2.0 + 1j, jnp.complex64))
+    with pytest.raises(TypeError, match="`constant`"):
+        ops.mul_constant(x, jnp.array(True))
+    with pytest.raises(ValueError, match=r"`constant` must be 0-d \(a scalar\); got shape \(3,\)"):
+        jax.jit(ops.mul_constant)(x, jnp.ones(3))
 
 
 def test_ops_kernels_refuse_buffers_that_do_not_fit(x64):
@@ -548,7 +669,7 @@ def test_ops_kernels_refuse_buffers_that_do_not_fit(x64):
     with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match="result must match"):
         y = jax.ShapeDtypeStruct((5,), np.float64)
         jax.block_until_ready(
-            ext.jaxext_mul_constant(x[0], result_shape_dtypes=y, constant=2.0, partition=None)
+            ext.jaxext_mul_constant(x[0], np.float64(2.0), result_shape_dtypes=y, partition=None)
         )
 
 
@@ -575,7 +696,7 @@ def test_portable_and_threaded_kernel_paths(build_dir, dtype, x64):
         "jaxext_ops_portable", [ops.SOURCE], extra_cflags=flags, build_directory=build_dir
     )
     x = rand(8, (2, 1001), dtype)
-    y = ext.jaxext_mul_constant(x, result_shape_dtypes=x, constant=0.1)
+    y = ext.jaxext_mul_constant(x, dtype(0.1), result_shape_dtypes=x)
     np.testing.assert_array_equal(y, x * dtype(0.1))
     rows, n_in, n_out = 9, 300, 37
     x, w, b = _linear_inputs((rows,), (n_in, n_out), dtype)

@@ -32,7 +32,9 @@ RULE_CASES = [
 ]
 FALLBACK_CASES = [f"{op}_auto_jit" for op in OPS]  # auto axes under jit: replicated
 HANDLER_CASES = ["batch_rule_explicit_jit", "load_rule_explicit_jit"]
-ALL_CASES = RULE_CASES + FALLBACK_CASES + HANDLER_CASES + ["no_rule_explicit_jit"]
+# ops.mul_constant with a 0-d array constant (replicated, differentiable) on split x.
+TRACED_CASES = ["mul_traced_explicit_jit", "mul_traced_explicit_eager"]
+ALL_CASES = RULE_CASES + FALLBACK_CASES + HANDLER_CASES + TRACED_CASES + ["no_rule_explicit_jit"]
 # float32 results of these small problems (sums of up to 16 * 6 terms) against float64.
 TOL = rounding_tolerance(np.float32, n=128)
 
@@ -67,29 +69,32 @@ def test_values_and_gradients_match_unsharded_reference(worker_results, name):
     _assert_values(_check(worker_results, name))
 
 
-@pytest.mark.parametrize("name", RULE_CASES + HANDLER_CASES)
+@pytest.mark.parametrize("name", RULE_CASES + HANDLER_CASES + TRACED_CASES)
 def test_output_keeps_batch_sharding(worker_results, name):
     result = _check(worker_results, name)
     assert result["out_spec"].startswith("('data',")
 
 
-@pytest.mark.parametrize("name", RULE_CASES)
+@pytest.mark.parametrize("name", RULE_CASES + TRACED_CASES)
 def test_gradients_keep_parameter_shardings(worker_results, name):
     result = _check(worker_results, name)
     assert result["grad_specs"] == result["param_specs"]
 
 
-@pytest.mark.parametrize("name", [c for c in RULE_CASES + HANDLER_CASES if "jit" in c])
+@pytest.mark.parametrize(
+    "name", [c for c in RULE_CASES + HANDLER_CASES + TRACED_CASES if "jit" in c]
+)
 def test_compiled_forward_and_backward_gather_nothing(worker_results, name):
     result = _check(worker_results, name)
     assert result["forward_collectives"]["all-gather"] == 0
     assert result["forward_collectives"]["all-reduce"] == 0
     if "backward_collectives" in result:
         # As plain autodiff: no gather, and the one reduction of the weight gradients
-        # across the batch (none for mul_constant, which has no parameter).
+        # across the batch (none for mul_constant with a Python constant, which has no
+        # parameter; the array constant's gradient sum(g * x) is one).
         assert result["backward_collectives"] == result["plain_backward_collectives"]
         assert result["backward_collectives"]["all-gather"] == 0
-        expected = 1 if name.startswith("linear") else 0
+        expected = 1 if name.startswith(("linear", "mul_traced")) else 0
         assert result["backward_collectives"]["all-reduce"] == expected
 
 
@@ -128,21 +133,22 @@ def test_rule_must_be_a_string():
 
 def test_rule_that_does_not_fit_the_call_is_a_value_error():
     x = jnp.ones((4, 3))
+    c = np.float32(2.0)
     handler = ops.extension().jaxext_mul_constant
     out = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    with pytest.raises(ValueError, match="2 operand"):
-        handler(x, result_shape_dtypes=out, partition="b, c -> b", constant=2.0)
+    with pytest.raises(ValueError, match="3 operand"):
+        handler(x, c, result_shape_dtypes=out, partition="b, c, d -> b")
     with pytest.raises(ValueError, match="rank 2"):
-        handler(x, result_shape_dtypes=out, partition="b -> b", constant=2.0)
+        handler(x, c, result_shape_dtypes=out, partition="b, -> b")
 
 
 def test_load_partition_names_loaded_handlers():
     with pytest.raises(ValueError, match="not loaded"):
         cpp_extension.load("jaxext_ops", [ops.SOURCE], partition={"nope": "batch"})
     ext = cpp_extension.load(
-        "jaxext_ops", [ops.SOURCE], partition={"jaxext_mul_constant": "... -> ..."}
+        "jaxext_ops", [ops.SOURCE], partition={"jaxext_mul_constant": "..., -> ..."}
     )
-    assert ext.jaxext_mul_constant.partition == "... -> ..."
+    assert ext.jaxext_mul_constant.partition == "..., -> ..."
     assert ext.jaxext_linear_forward.partition is None
 
 
@@ -150,6 +156,6 @@ def test_rule_on_one_device_gives_the_kernel_result():
     # No mesh: the rule changes nothing (the call runs whole).
     x = jnp.arange(6.0).reshape(2, 3)
     out = ops.extension().jaxext_mul_constant(
-        x, result_shape_dtypes=x, partition="batch", constant=3.0
+        x, np.float32(3.0), result_shape_dtypes=x, partition="batch"
     )
     np.testing.assert_array_equal(out, np.arange(6.0).reshape(2, 3) * 3.0)

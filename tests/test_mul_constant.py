@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
+    CompileCounter,
     assert_close,
     assert_close_to_float64,
     assert_first_and_second_order_close,
@@ -470,3 +471,24 @@ def test_eager_calls_with_new_constants_reuse_one_program(caplog):
     for c, out in zip(constants, outs, strict=True):
         assert out.dtype == jnp.float32
         np.testing.assert_allclose(out, np.asarray(x, np.float64) * c, rtol=1e-6)
+
+
+def test_eager_grad_jvp_vmap_with_new_constants_compile_nothing(x64):
+    """Eager grad, jvp and vmap, each call with a new Python constant: after one warm-up
+    call, no compilation (counted by jax.monitoring's compile events)."""
+    x = np.linspace(-1.0, 1.0, 12).reshape(3, 4)
+    grad = jax.grad(lambda x, c: jnp.sum(jnp.sin(jaxext.mul_constant(x, c))))
+    jvp = lambda c: jax.jvp(lambda v: jaxext.mul_constant(v, c), (x,), (x,))  # noqa: E731
+    vmapped = jax.vmap(jaxext.mul_constant, in_axes=(0, None))
+    calls = (lambda c: grad(x, c), jvp, lambda c: vmapped(x, c))
+    for call in calls:
+        jax.block_until_ready(call(0.5))
+    constants = [1.0 + 0.37 * i for i in range(15)]
+    with CompileCounter() as compiles:
+        outs = [[jax.block_until_ready(call(c)) for call in calls] for c in constants]
+    assert compiles.count == 0
+    for c, (g, (y, y_dot), v) in zip(constants, outs, strict=True):
+        np.testing.assert_allclose(g, c * np.cos(c * x), rtol=1e-14)
+        np.testing.assert_allclose(y, c * x, rtol=1e-15)
+        np.testing.assert_allclose(y_dot, c * x, rtol=1e-15)
+        np.testing.assert_allclose(v, c * x, rtol=1e-15)

@@ -17,6 +17,8 @@ It is in five steps:
    backward, ``jvp``/``jacfwd`` the ``jvp`` rule. The C++ backward is itself a
    ``custom_vjp`` op whose rules call the C++ forward again, and every rule calls
    these ops rather than a bare FFI call, so derivatives of every order work.
+   (An array ``constant`` of ``mul_constant`` gets its gradient ``sum(g * x)``
+   from ``jnp``.)
 5. refuse, with a ``TypeError`` while tracing, the dtypes the kernels have no
    handler for: ``jaxext.opcheck`` reports such a dtype as a SKIP with that message.
 """
@@ -50,6 +52,7 @@ _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 # split by rows. The features `_` are never split: the forward adds the bias once, and
 # grad_bias does not depend on them, so a sum over their shards would be wrong.
 _ELEMENTWISE = "... -> ..."
+_MUL_CONSTANT = "..., -> ..."  # x, its 0-d constant (on every device) -> x * constant
 _LINEAR = "b _, o _, o -> b o"  # y = x @ w.T + bias
 _LINEAR_BWD = "b _, o _, b o -> b _, o _, o"  # grad_x, grad_w, grad_bias from (x, w, g)
 
@@ -68,25 +71,32 @@ def extension() -> Extension:
         "jaxext_ops",
         [SOURCE],
         partition={
-            "jaxext_mul_constant": _ELEMENTWISE,
+            "jaxext_mul_constant": _MUL_CONSTANT,
             "jaxext_linear_forward": _LINEAR,
             "jaxext_linear_backward": _LINEAR_BWD,
         },
     )
 
 
-def mul_constant(x: ArrayLike, constant: float) -> jax.Array:
+def mul_constant(x: ArrayLike, constant: float | ArrayLike) -> jax.Array:
     """``x * constant`` computed by a C++ kernel, with a C++ backward.
 
     Args:
         x: float32 or float64 array of any shape.
-        constant: a Python or NumPy real scalar, static and not differentiated.
+        constant: a Python or NumPy real scalar (not differentiated), or a 0-d real
+            array, traced or not (differentiable: it receives ``sum(g * x)``), so
+            ``jax.jit(lambda x, c: ops.mul_constant(x, c))`` compiles once for every
+            value of ``c``. Either way it reaches the kernel as a 0-d array of ``x``'s
+            dtype (data, not part of the compiled program), so eager calls with new
+            values reuse one compiled program.
 
     Returns:
         ``x * constant`` in ``x``'s dtype.
 
     Raises:
-        TypeError: if ``x`` is not float32/float64 or ``constant`` is not a real scalar.
+        TypeError: if ``x`` is not float32/float64 or ``constant`` is not a real scalar
+            or a real array.
+        ValueError: if ``constant`` is an array that is not 0-d.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -95,14 +105,29 @@ def mul_constant(x: ArrayLike, constant: float) -> jax.Array:
         Array([0., 2., 4.], dtype=float32)
         >>> jax.grad(lambda x: ops.mul_constant(x, 3.0).sum())(jnp.ones(2))
         Array([3., 3.], dtype=float32)
+        >>> jax.grad(lambda c: ops.mul_constant(jnp.arange(3.0), c).sum())(2.0)
+        Array(3., dtype=float32, weak_type=True)
     """
     x = _float_array(x, "x")
-    real = isinstance(constant, (int, float, np.integer, np.floating))
-    if not real or isinstance(constant, (bool, np.bool_)):
-        raise TypeError(
-            f"`constant` must be a Python or NumPy real scalar; got {type(constant).__name__}."
-        )
-    return _mul_constant(x, float(constant))
+    # The constant reaches the kernel as a 0-d operand of x's dtype (the kernel
+    # multiplies in x's dtype), never as an FFI attribute: an attribute is compiled
+    # into the program, so each new value would compile, and keep, a program of its own.
+    if isinstance(constant, (bool, np.bool_)):
+        pass  # refused below
+    elif isinstance(constant, (int, float, np.integer, np.floating)):
+        return _mul_constant(x, np.asarray(float(constant), x.dtype))
+    elif isinstance(constant, (jax.Array, np.ndarray)):
+        c = check_array(constant, "constant")
+        real = jnp.issubdtype(c.dtype, jnp.integer) or jnp.issubdtype(c.dtype, jnp.floating)
+        if not real:
+            raise TypeError(f"`constant` must have a real dtype; got {c.dtype}.")
+        if c.ndim != 0:
+            raise ValueError(f"`constant` must be 0-d (a scalar); got shape {c.shape}.")
+        return _mul_traced(x, c.astype(x.dtype))
+    raise TypeError(
+        "`constant` must be a Python or NumPy real scalar or a 0-d real array; "
+        f"got {type(constant).__name__}."
+    )
 
 
 def linear(x: ArrayLike, weight: ArrayLike, bias: ArrayLike | None = None) -> jax.Array:
@@ -169,9 +194,9 @@ def _float_array(value: Any, arg: str) -> jax.Array:
 def _call_mul_constant(x, constant):
     return extension().jaxext_mul_constant(
         x,
+        constant,  # a 0-d array of x's dtype: an operand, not an attribute
         result_shape_dtypes=jax.ShapeDtypeStruct(x.shape, x.dtype),
         vmap_method="expand_dims",
-        constant=constant,  # a Python float: the handler's float64 attribute
     )
 
 
@@ -199,25 +224,54 @@ def _call_linear_backward(x, weight, g):
 # the same kernels with other arguments.
 
 
-@functools.partial(custom_vjp, nondiff_argnums=(1,))
+@custom_vjp
 def _mul_constant(x, constant):
+    # `constant` is an array argument (so eager calls with new values reuse one
+    # program), built by mul_constant from a Python/NumPy scalar: never traced by
+    # the caller, so it gets no gradient (None: zero).
     return _call_mul_constant(x, constant)
 
 
 def _mul_constant_fwd(x, constant):
-    return _mul_constant(x, constant), None
+    return _mul_constant(x, constant), constant
 
 
-def _mul_constant_bwd(constant, _, g):
-    return (_mul_constant(g, constant),)
+def _mul_constant_bwd(constant, g):
+    return _mul_constant(g, constant), None
 
 
-def _mul_constant_jvp(constant, _, tangents):
-    (x_dot,) = tangents
+def _mul_constant_jvp(constant, tangents):
+    x_dot, _ = tangents
     return _mul_constant(x_dot, constant)
 
 
 _mul_constant.defvjp(_mul_constant_fwd, _mul_constant_bwd, jvp=_mul_constant_jvp)
+
+
+@custom_vjp
+def _mul_traced(x, constant):
+    # An array constant (a tracer under jit or grad): differentiable in both inputs.
+    return _call_mul_constant(x, constant)
+
+
+def _mul_traced_fwd(x, constant):
+    return _mul_traced(x, constant), (x, constant)
+
+
+def _mul_traced_bwd(residuals, g):
+    # y = c x: grad_x = c g (the C++ kernel), grad_c = sum(g x) (a jnp reduction,
+    # which XLA splits over a mesh itself), both differentiable again.
+    x, constant = residuals
+    return _mul_traced(g, constant), jnp.sum(g * x)
+
+
+def _mul_traced_jvp(residuals, tangents):
+    x, constant = residuals
+    x_dot, constant_dot = tangents
+    return _mul_traced(x_dot, constant) + _mul_traced(x, constant_dot)
+
+
+_mul_traced.defvjp(_mul_traced_fwd, _mul_traced_bwd, jvp=_mul_traced_jvp)
 
 
 def _matmul_t(a, b):

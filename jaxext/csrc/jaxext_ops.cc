@@ -9,7 +9,11 @@
 // arrays, and linear large products (by blocks of rows), over XLA's intra-op thread
 // pool.
 //
-// Batching: the linear handlers are called with vmap_method="expand_dims", so
+// mul_constant takes its constant as a 0-d operand of x's dtype, not as an FFI
+// attribute: an attribute is part of the compiled program, so every new value would
+// compile (and keep) a new one; an operand is data, so one program serves all values.
+//
+// Batching: the handlers are called with vmap_method="expand_dims", so
 // under jax.vmap every operand gets the same number of extra leading dimensions,
 // each either the full batch size or 1 (an operand that is not batched). The
 // results always have the full batch shape. Batch::offset maps a flat batch
@@ -115,30 +119,54 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t min_chunk, Body body)
 #endif
 constexpr int64_t kMinChunk = JAXEXT_MIN_CHUNK;  // elements per task, at least
 
-ffi::Error MulConstantImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                           double constant) {
-  if (x.element_type() != y->element_type() || x.element_count() != y->element_count()) {
+// y = x * c in T, over the batch entries of a vmapped call (c is 0-d, or under vmap
+// has one dimension per vmap level, each 1 or the batch size; so does x in front of
+// its own dims). An unbatched call is one entry, split over the thread pool.
+template <typename T>
+void MulConstantTyped(ffi::ThreadPool& pool, const Batch& batch, const T* x,
+                      const std::vector<int64_t>& sx, const T* c,
+                      const std::vector<int64_t>& sc, T* y, int64_t block) {
+  const int64_t entries = batch.size();
+  for (int64_t k = 0; k < entries; ++k) {
+    const T* in = x + batch.offset(k, sx);
+    T* out = y + k * block;
+    const T ck = c[batch.offset(k, sc)];
+    ParallelFor(pool, block, kMinChunk,
+                [=](int64_t b, int64_t e) { MulConstantKernel(in + b, out + b, e - b, ck); });
+  }
+}
+
+ffi::Error MulConstantImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer c,
+                           ffi::Result<ffi::AnyBuffer> y) {
+  const ffi::DataType t = x.element_type();
+  auto xd = x.dimensions(), cd = c.dimensions(), yd = y->dimensions();
+  if (t != y->element_type() || xd.size() != yd.size() || cd.size() > yd.size()) {
     return ffi::Error::InvalidArgument("jaxext_mul_constant: result must match `x`");
   }
-  const int64_t n = static_cast<int64_t>(x.element_count());
-  switch (x.element_type()) {
-    case ffi::DataType::F32: {
-      const float* in = x.typed_data<float>();
-      float* out = y->typed_data<float>();
-      const float c = static_cast<float>(constant);
-      ParallelFor(pool, n, kMinChunk, [=](int64_t b, int64_t e) {
-        MulConstantKernel(in + b, out + b, e - b, c);
-      });
+  if (c.element_type() != t) {
+    return ffi::Error::InvalidArgument(
+        "jaxext_mul_constant: the constant must be a scalar of `x`'s dtype");
+  }
+  // The constant's dims are the batch dims (none outside vmap); the rest are x's own.
+  const size_t core_rank = yd.size() - cd.size();
+  Batch batch(yd, core_rank);
+  auto sx = batch.strides(xd, core_rank), sc = batch.strides(cd, 0);
+  bool fits = !sx.empty() && !sc.empty();
+  int64_t block = 1;
+  for (size_t i = cd.size(); fits && i < yd.size(); ++i) {
+    fits = xd[i] == yd[i];
+    block *= yd[i];
+  }
+  if (!fits) return ffi::Error::InvalidArgument("jaxext_mul_constant: result must match `x`");
+  switch (t) {
+    case ffi::DataType::F32:
+      MulConstantTyped(pool, batch, x.typed_data<float>(), sx, c.typed_data<float>(), sc,
+                       y->typed_data<float>(), block);
       return ffi::Error::Success();
-    }
-    case ffi::DataType::F64: {
-      const double* in = x.typed_data<double>();
-      double* out = y->typed_data<double>();
-      ParallelFor(pool, n, kMinChunk, [=](int64_t b, int64_t e) {
-        MulConstantKernel(in + b, out + b, e - b, constant);
-      });
+    case ffi::DataType::F64:
+      MulConstantTyped(pool, batch, x.typed_data<double>(), sx, c.typed_data<double>(), sc,
+                       y->typed_data<double>(), block);
       return ffi::Error::Success();
-    }
     default:
       return UnsupportedDtype("jaxext_mul_constant");
   }
@@ -410,9 +438,9 @@ ffi::Error LinearBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBu
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxext_mul_constant, MulConstantImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<double>("constant"));
+                                  .Arg<ffi::AnyBuffer>()   // x
+                                  .Arg<ffi::AnyBuffer>()   // the constant, x's dtype
+                                  .Ret<ffi::AnyBuffer>()); // x * constant
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxext_linear_forward, LinearForwardImpl,
                               ffi::Ffi::Bind()
