@@ -699,13 +699,37 @@ class _Op:
         except jax.errors.UnexpectedTracerError:
             return self.spec.fwd(*self.merge(fwd_args))
 
-    def jax_fwd_phrase(self) -> str:
-        """JAX's wording of a wrong fwd output, which users' code may match on."""
+    def jax_fwd_phrase(self, instead: str = "") -> str:
+        """JAX's wording of a wrong fwd output, which users' code may match on.
+
+        ``instead`` completes JAX's sentence (what fwd's output was instead); without it, the
+        sentence stops after its key phrase.
+        """
         fwd_name = getattr(self.spec.fwd, "__name__", "fwd")
-        return (
-            f"(JAX: Custom VJP fwd rule {fwd_name} for function {self.name} must produce a pair "
+        sentence = (
+            f"Custom VJP fwd rule {fwd_name} for function {self.name} must produce a pair "
             "(list or tuple of length two) where the first element represents the primal "
-            "output.)"
+            "output"
+        )
+        if not instead:
+            return f"(JAX: {sentence}.)"
+        return (
+            f"(JAX: {sentence} (equal to the output of the custom_vjp-decorated function "
+            f"{self.name}) and the second element represents residuals (i.e. values stored "
+            "from the forward pass for use on the backward pass), but instead the fwd rule "
+            f"output's first element had {instead})"
+        )
+
+    def jax_fwd_mismatch(self, what: str, got: Any, expected: Any) -> str:
+        """JAX's full sentence for a fwd output of the wrong ``what`` (structure or type)."""
+        kind = "container/pytree structure:" if what == "structure" else "shapes/dtypes of:"
+        got_s, exp_s = (
+            str(jax.tree_util.tree_map(_short, tree)).replace("'", "") for tree in (got, expected)
+        )
+        end = "." if what == "structure" else ""
+        return self.jax_fwd_phrase(
+            f"{kind}\n    {got_s}\nwhile the custom_vjp-decorated function {self.name} had "
+            f"output {kind}\n    {exp_s}{end}"
         )
 
     def expected_output(self, primals: tuple) -> Any:
@@ -765,16 +789,18 @@ class _Op:
         if exp_tree != got_tree:
             raise TypeError(
                 f"`{self.name}`: fwd's output must have the primal's structure {exp_tree}; "
-                f"got {got_tree}. {self.jax_fwd_phrase()}"
+                f"got {got_tree}. {self.jax_fwd_mismatch('structure', got, expected)}"
             )
-        for e, g in zip(
-            jax.tree_util.tree_leaves(expected), jax.tree_util.tree_leaves(got), strict=True
-        ):
+        exp_leaves = jax.tree_util.tree_flatten_with_path(expected)[0]
+        for (path, e), g in zip(exp_leaves, jax.tree_util.tree_leaves(got), strict=True):
             if e.shape != g.shape or jnp.dtype(e.dtype) != jnp.dtype(g.dtype):
+                # JAX's sentence, then its newer custom_vjp's wording of the same mismatch.
                 raise TypeError(
                     f"`{self.name}`: fwd's output must have the primal's shapes and dtypes "
                     f"{e.dtype}{list(e.shape)}; got {g.dtype}{list(g.shape)}. "
-                    f"{self.jax_fwd_phrase()}"
+                    f"{self.jax_fwd_mismatch('type', got, expected)} (JAX: at output"
+                    f"{jax.tree_util.keystr(path)}, got fwd output type {_short(g)} which "
+                    f"doesn't match primal output type {_short(e)}.)"
                 )
 
 
@@ -983,6 +1009,10 @@ class _Linear:
             return grad
         if not _is_array_leaf(grad):
             if isinstance(grad, (int, float)) and not isinstance(grad, bool) and aval.shape == ():
+                if rule == "bwd" and isinstance(grad, float) and aval.dtype == _PY_FLOAT():
+                    # As jax.custom_vjp: a Python float gradient is returned as bwd made it
+                    # (a float from an eager grad or vjp; an array under jit).
+                    return grad
                 return jnp.asarray(grad, aval.dtype)
             raise RuleTypeError(
                 f"`{name}`: {rule}'s {value} for {label} must be an array or None; got "
@@ -1093,6 +1123,11 @@ class _Linear:
             if is_float:
                 result.append(self.finish(t, aval.to_tangent_aval(), "the output", "jvp"))
         return result
+
+
+def _PY_FLOAT() -> Any:  # noqa: N802 -- reads like the constant it stands for
+    """The dtype a Python float takes (float32, or float64 with ``jax_enable_x64``)."""
+    return jnp.result_type(float)
 
 
 def _short(value: Any) -> str:
