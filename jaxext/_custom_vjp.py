@@ -1327,6 +1327,9 @@ def _eager_jvp_key(
 def _stage_jvp(op: _Op, in_leaves: list[Any], in_tree: Any, perturbed: tuple, t_in: list) -> Any:
     """The compiled program for :func:`_eager_jvp`, or ``_UNSTAGED``."""
     n_in, meta = len(in_leaves), {}
+    # The program keeps the op (in its tangent's parameters): not this call's arrays.
+    args = tuple(None if i in op.diff else a for i, a in enumerate(op.args))
+    op = _Op(op.spec, op.name, args, op.diff)
 
     def staged(*args: Any) -> list[Any]:
         leaves = list(args[:n_in])

@@ -11,6 +11,8 @@ with an independent float64 reference. No timing is asserted.
 from __future__ import annotations
 
 import functools
+import gc
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -331,3 +333,18 @@ def test_eager_jvp_keeps_raising_for_a_wrong_fwd():
     for _ in range(REPEAT):
         with pytest.raises(TypeError, match="fwd's output must have the primal's"):
             jax.jvp(f, (x,), (x,))
+
+
+def test_eager_jvp_program_does_not_keep_the_calls_arrays_alive():
+    """The cached program holds the rules and static values, not the arrays it was built on."""
+    calls = []
+    f = _sin_mul(calls)
+    xs = [jnp.full(3, float(i)) for i in range(REPEAT + 1)]
+    refs = [weakref.ref(x) for x in xs]
+    w = jnp.ones(3)
+    for x in xs:
+        assert_close(jax.jvp(f, (x, w), (w, w))[1], np.cos(np.asarray(x)) + np.sin(np.asarray(x)))
+    assert len(calls) == 2  # the program was built (on the second array) and served
+    del xs, x
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
