@@ -521,6 +521,11 @@ def _is_array_leaf(leaf: Any) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.core.Tracer))
 
 
+def _dtype(value: Any) -> Any:
+    """``jnp.result_type(value)``, read directly off an array."""
+    return value.dtype if isinstance(value, jax.Array) else jnp.result_type(value)
+
+
 def _is_float(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.inexact)
 
@@ -628,10 +633,17 @@ class _Op:
     def jvp_rule(self, primals: tuple, tangents: tuple) -> tuple[Any, Any]:
         in_leaves, in_tree = jax.tree_util.tree_flatten(primals)
         t_leaves = in_tree.flatten_up_to(tangents)
-        perturbed = [
-            not isinstance(t, SymbolicZero) and _is_float(jnp.result_type(p))
+        perturbed = tuple(
+            not isinstance(t, SymbolicZero) and _is_float(_dtype(p))
             for p, t in zip(in_leaves, t_leaves, strict=True)
-        ]
+        )
+        t_in = [t for t, q in zip(t_leaves, perturbed, strict=True) if q]
+        return _eager_jvp(self, primals, in_leaves, in_tree, perturbed, t_in)
+
+    def traced_jvp(
+        self, primals: tuple, in_leaves: list[Any], in_tree: Any, perturbed: tuple, t_in: list
+    ) -> tuple[Any, Any]:
+        """The JVP rule's work: ``fwd``, then the output tangent as ``tangent_p``."""
         if self.spec.symbolic_zeros:
             wrapped = [CustomVJPPrimal(p, q) for p, q in zip(in_leaves, perturbed, strict=True)]
             fwd_args = jax.tree_util.tree_unflatten(in_tree, wrapped)
@@ -658,7 +670,7 @@ class _Op:
             op=self,
             in_tree=in_tree,
             in_avals=tuple(jax.typeof(p) for p in in_leaves),
-            perturbed=tuple(perturbed),
+            perturbed=perturbed,
             res_tree=res_tree,
             res_is_array=res_is_array,
             res_static=res_static,
@@ -666,7 +678,6 @@ class _Op:
             out_avals=tuple(jax.typeof(o) for o in out_leaves),
             out_float=out_float,
         )
-        t_in = [t for t, q in zip(t_leaves, perturbed, strict=True) if q]
         staged = any(isinstance(v, jax.core.Tracer) for v in [*in_leaves, *res_arrays])
         if t_in and staged and self.spec.hoist_closures:
             res_arrays = [*res_arrays, *lin.hoist(res_arrays)]  # staged: see _Linear.hoist
@@ -698,13 +709,37 @@ class _Op:
         except jax.errors.UnexpectedTracerError:
             return self.spec.fwd(*self.merge(fwd_args))
 
-    def jax_fwd_phrase(self) -> str:
-        """JAX's wording of a wrong fwd output, which users' code may match on."""
+    def jax_fwd_phrase(self, instead: str = "") -> str:
+        """JAX's wording of a wrong fwd output, which users' code may match on.
+
+        ``instead`` completes JAX's sentence (what fwd's output was instead); without it, the
+        sentence stops after its key phrase.
+        """
         fwd_name = getattr(self.spec.fwd, "__name__", "fwd")
-        return (
-            f"(JAX: Custom VJP fwd rule {fwd_name} for function {self.name} must produce a pair "
+        sentence = (
+            f"Custom VJP fwd rule {fwd_name} for function {self.name} must produce a pair "
             "(list or tuple of length two) where the first element represents the primal "
-            "output.)"
+            "output"
+        )
+        if not instead:
+            return f"(JAX: {sentence}.)"
+        return (
+            f"(JAX: {sentence} (equal to the output of the custom_vjp-decorated function "
+            f"{self.name}) and the second element represents residuals (i.e. values stored "
+            "from the forward pass for use on the backward pass), but instead the fwd rule "
+            f"output's first element had {instead})"
+        )
+
+    def jax_fwd_mismatch(self, what: str, got: Any, expected: Any) -> str:
+        """JAX's full sentence for a fwd output of the wrong ``what`` (structure or type)."""
+        kind = "container/pytree structure:" if what == "structure" else "shapes/dtypes of:"
+        got_s, exp_s = (
+            str(jax.tree_util.tree_map(_short, tree)).replace("'", "") for tree in (got, expected)
+        )
+        end = "." if what == "structure" else ""
+        return self.jax_fwd_phrase(
+            f"{kind}\n    {got_s}\nwhile the custom_vjp-decorated function {self.name} had "
+            f"output {kind}\n    {exp_s}{end}"
         )
 
     def expected_output(self, primals: tuple) -> Any:
@@ -764,16 +799,18 @@ class _Op:
         if exp_tree != got_tree:
             raise TypeError(
                 f"`{self.name}`: fwd's output must have the primal's structure {exp_tree}; "
-                f"got {got_tree}. {self.jax_fwd_phrase()}"
+                f"got {got_tree}. {self.jax_fwd_mismatch('structure', got, expected)}"
             )
-        for e, g in zip(
-            jax.tree_util.tree_leaves(expected), jax.tree_util.tree_leaves(got), strict=True
-        ):
+        exp_leaves = jax.tree_util.tree_flatten_with_path(expected)[0]
+        for (path, e), g in zip(exp_leaves, jax.tree_util.tree_leaves(got), strict=True):
             if e.shape != g.shape or jnp.dtype(e.dtype) != jnp.dtype(g.dtype):
+                # JAX's sentence, then its newer custom_vjp's wording of the same mismatch.
                 raise TypeError(
                     f"`{self.name}`: fwd's output must have the primal's shapes and dtypes "
                     f"{e.dtype}{list(e.shape)}; got {g.dtype}{list(g.shape)}. "
-                    f"{self.jax_fwd_phrase()}"
+                    f"{self.jax_fwd_mismatch('type', got, expected)} (JAX: at output"
+                    f"{jax.tree_util.keystr(path)}, got fwd output type {_short(g)} which "
+                    f"doesn't match primal output type {_short(e)}.)"
                 )
 
 
@@ -982,6 +1019,10 @@ class _Linear:
             return grad
         if not _is_array_leaf(grad):
             if isinstance(grad, (int, float)) and not isinstance(grad, bool) and aval.shape == ():
+                if rule == "bwd" and isinstance(grad, float) and aval.dtype == _PY_FLOAT():
+                    # As jax.custom_vjp: a Python float gradient is returned as bwd made it
+                    # (a float from an eager grad or vjp; an array under jit).
+                    return grad
                 return jnp.asarray(grad, aval.dtype)
             raise RuleTypeError(
                 f"`{name}`: {rule}'s {value} for {label} must be an array or None; got "
@@ -1094,6 +1135,11 @@ class _Linear:
         return result
 
 
+def _PY_FLOAT() -> Any:  # noqa: N802 -- reads like the constant it stands for
+    """The dtype a Python float takes (float32, or float64 with ``jax_enable_x64``)."""
+    return jnp.result_type(float)
+
+
 def _short(value: Any) -> str:
     """``float32[3]``: a value's dtype and shape, as JAX's messages write them."""
     return f"{jnp.dtype(value.dtype).name}[{','.join(str(d) for d in value.shape)}]"
@@ -1200,6 +1246,133 @@ def _eager_tangent(args: Sequence[Any], lin: _Linear) -> Callable[..., Any] | No
 
 
 _SEEN_ONCE, _UNSTAGED = object(), object()
+
+
+def _eager_jvp(
+    op: _Op, primals: tuple, in_leaves: list[Any], in_tree: Any, perturbed: tuple, t_in: list
+) -> tuple[Any, Any]:
+    """The JVP rule: eagerly, one compiled program per call signature seen twice.
+
+    An eager ``jax.jvp`` otherwise runs ``fwd`` operation by operation and then the
+    compiled tangent (see :func:`_eager_tangent`). Where every primal and tangent is a
+    concrete array and no transformation is under way (the JVP's parent is the top-level
+    evaluation), the rule's work -- ``fwd`` and ``J t`` -- is compiled into one program,
+    built the second time a signature is seen from the traced rule (the program
+    ``jax.jit`` would make of it), and run at every later call. A signature whose rule
+    cannot be staged (Python control flow on values, closed-over arrays) or whose eager
+    outputs are not all arrays (a Python number) keeps running as is, as do ``fwd`` rules
+    with ``optimize_remat`` and calls inside other transformations.
+    """
+    key = _eager_jvp_key(op, in_leaves, in_tree, perturbed, t_in)
+    if key is None:
+        return op.traced_jvp(primals, in_leaves, in_tree, perturbed, t_in)
+    cache = _call_cache(op.spec)
+    entry = cache.get(key)
+    if entry is None:  # first sighting: run as is, and note whether the outputs are arrays
+        out, out_t = op.traced_jvp(primals, in_leaves, in_tree, perturbed, t_in)
+        arrays = all(isinstance(o, jax.Array) for o in jax.tree_util.tree_leaves(out))
+        _cache_put(cache, key, _SEEN_ONCE if arrays else _UNSTAGED)
+        return out, out_t
+    cache.move_to_end(key)
+    if entry is _SEEN_ONCE:
+        entry = _stage_jvp(op, in_leaves, in_tree, perturbed, t_in)
+        if entry is not _UNSTAGED:
+            try:  # compiles it: a rule that cannot be lowered (see _eager_tangent) fails here
+                result = entry.run(in_leaves, t_in)
+            except Exception:  # noqa: BLE001 -- the uncached path raises the error itself
+                entry = _UNSTAGED
+        _cache_put(cache, key, entry)
+        if entry is not _UNSTAGED:
+            return result
+    if entry is _UNSTAGED:
+        return op.traced_jvp(primals, in_leaves, in_tree, perturbed, t_in)
+    return entry.run(in_leaves, t_in)
+
+
+class _CompiledJvp:
+    """One eager JVP signature's compiled ``fwd`` and ``J t`` (see :func:`_eager_jvp`)."""
+
+    def __init__(self, program: Callable[..., Any], out_tree: Any, out_float: tuple):
+        self.program, self.out_tree, self.out_float = program, out_tree, out_float
+
+    def run(self, in_leaves: Sequence[Any], t_in: Sequence[Any]) -> tuple[Any, Any]:
+        flat = self.program(*in_leaves, *t_in)
+        out_leaves = flat[: len(self.out_float)]
+        tangents = iter(flat[len(self.out_float) :])
+        out_t = [
+            next(tangents) if f else np.zeros(np.shape(o), jax.dtypes.float0)
+            for o, f in zip(out_leaves, self.out_float, strict=True)
+        ]
+        return (
+            jax.tree_util.tree_unflatten(self.out_tree, out_leaves),
+            jax.tree_util.tree_unflatten(self.out_tree, out_t),
+        )
+
+
+def _eager_jvp_key(
+    op: _Op, in_leaves: list[Any], in_tree: Any, perturbed: tuple, t_in: list
+) -> Any:
+    """The key of an eager JVP's compiled program, or ``None`` where it runs as is."""
+    spec = op.spec
+    if spec.optimize_remat or not _at_top_level():
+        return None
+    for leaf in (*in_leaves, *t_in):
+        if not isinstance(leaf, (jax.Array, np.ndarray)) or isinstance(leaf, jax.core.Tracer):
+            return None
+    nondiff = _static_key(op.nondiff())
+    static = _static_key([spec.forward_mode_hint, spec.no_derivatives_message])
+    if nondiff is None or static is None:
+        return None
+    rules = (spec.fun, spec.fwd, spec.bwd, spec.jvp, spec.symbolic_zeros, spec.hoist_closures)
+    key = ("jvp", rules, len(op.args), op.diff, nondiff, static, in_tree, perturbed)
+    flags = (_bwd_checks_disabled(), bool(jax.config.jax_enable_x64))
+    try:
+        key = (*key, flags, tuple(jax.typeof(leaf) for leaf in (*in_leaves, *t_in)))
+        hash(key)
+    except TypeError:  # a type JAX cannot hash: not cached
+        return None
+    return key
+
+
+def _stage_jvp(op: _Op, in_leaves: list[Any], in_tree: Any, perturbed: tuple, t_in: list) -> Any:
+    """The compiled program for :func:`_eager_jvp`, or ``_UNSTAGED``."""
+    n_in, meta = len(in_leaves), {}
+    # The program keeps the op (in its tangent's parameters): not this call's arrays.
+    args = tuple(None if i in op.diff else a for i, a in enumerate(op.args))
+    op = _Op(op.spec, op.name, args, op.diff)
+
+    def staged(*args: Any) -> list[Any]:
+        leaves = list(args[:n_in])
+        primals = jax.tree_util.tree_unflatten(in_tree, leaves)
+        out, out_t = op.traced_jvp(primals, leaves, in_tree, perturbed, list(args[n_in:]))
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+        out_float = tuple(_is_float(jnp.result_type(o)) for o in out_leaves)
+        t_leaves = out_tree.flatten_up_to(out_t)
+        meta["out"] = out_tree, out_float
+        return [*out_leaves, *(t for t, f in zip(t_leaves, out_float, strict=True) if f)]
+
+    try:
+        closed = jax.make_jaxpr(staged)(*in_leaves, *t_in)
+    except Exception:  # noqa: BLE001 -- the uncached path raises the error itself
+        return _UNSTAGED
+    if closed.consts:  # arrays read other than the arguments, which may be rebound
+        return _UNSTAGED
+    return _CompiledJvp(jax.jit(jaxpr_as_fun(closed)), *meta["out"])
+
+
+_TOP_TRACE: list[Any] = []
+
+
+def _at_top_level() -> bool:
+    """Whether no transformation is under way (JAX's evaluation is the current trace)."""
+    find = getattr(getattr(jax.extend, "core", None), "find_top_trace", None)
+    eval_context = getattr(jax.core, "eval_context", None)
+    if find is None or eval_context is None:
+        return False
+    if not _TOP_TRACE:
+        with eval_context():
+            _TOP_TRACE.append(find(()))
+    return find(()) is _TOP_TRACE[0]
 
 
 def _tangent_abstract_eval(*args: Any, lin: _Linear) -> list[Any]:

@@ -992,6 +992,75 @@ def test_errors_keep_jax_key_phrases(case):
             jax.jit(jax.grad(lambda x, y, op=op: op(x, y).sum(), argnums=(0, 1)))(x, y)
 
 
+_JAX_FWD_SENTENCE = (
+    "Custom VJP fwd rule scale_fwd for function scale must produce a pair (list or tuple of "
+    "length two) where the first element represents the primal output (equal to the output "
+    "of the custom_vjp-decorated function scale) and the second element represents "
+    "residuals (i.e. values stored from the forward pass for use on the backward pass), but "
+    "instead the fwd rule output's first element had "
+)
+FWD_MISMATCHES = {
+    # fwd's primal output, our explanation, the rest of JAX's sentence, then vjp3's wording
+    "shape": (
+        lambda x: jnp.stack([x, x]),
+        "fwd's output must have the primal's shapes and dtypes float32[3]; got float32[2, 3]",
+        "shapes/dtypes of:\n    float32[2,3]\nwhile the custom_vjp-decorated function scale "
+        "had output shapes/dtypes of:\n    float32[3])",
+        "at output, got fwd output type float32[2,3] which doesn't match primal output type "
+        "float32[3]",
+    ),
+    "dtype_in_a_tuple": (
+        lambda x: (x, x.astype(jnp.float16)),
+        "fwd's output must have the primal's shapes and dtypes float32[3]; got float16[3]",
+        "shapes/dtypes of:\n    (float32[3], float16[3])\nwhile the custom_vjp-decorated "
+        "function scale had output shapes/dtypes of:\n    (float32[3], float32[3]))",
+        "at output[1], got fwd output type float16[3] which doesn't match primal output type "
+        "float32[3]",
+    ),
+    "structure": (
+        lambda x: [x, x],
+        "fwd's output must have the primal's structure PyTreeDef((*, *)); got PyTreeDef([*, *])",
+        "container/pytree structure:\n    [float32[3], float32[3]]\nwhile the "
+        "custom_vjp-decorated function scale had output container/pytree structure:\n"
+        "    (float32[3], float32[3]).)",
+        None,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(FWD_MISMATCHES))
+@pytest.mark.parametrize("mode", ["grad", "jvp", "jit_grad"])
+def test_fwd_output_mismatch_explains_then_keeps_jax_sentence(case, mode):
+    """Our explanation first, then JAX's whole sentence (and its newer wording) verbatim."""
+    make_out, ours, jax_rest, vjp3 = FWD_MISMATCHES[case]
+    two = case != "shape"
+
+    @jaxext.custom_vjp
+    def scale(x):
+        return (x * 2.0, x * 3.0) if two else x * 2.0
+
+    def scale_fwd(x):
+        return make_out(x), None
+
+    scale.defvjp(scale_fwd, lambda _, g: (jnp.zeros(3),))
+
+    def loss(x):
+        return sum(jnp.sum(o) for o in jax.tree.leaves(scale(x)))
+
+    x = jnp.array([1.0, 2.0, 3.0])
+    run = {
+        "grad": lambda: jax.grad(loss)(x),
+        "jvp": lambda: jax.jvp(scale, (x,), (x,)),
+        "jit_grad": lambda: jax.jit(jax.grad(loss))(x),
+    }[mode]
+    with pytest.raises(TypeError) as info:
+        run()
+    message = str(info.value)
+    assert message.startswith(f"`scale`: {ours}. (JAX: {_JAX_FWD_SENTENCE}{jax_rest}")
+    if vjp3 is not None:
+        assert message.endswith(f" (JAX: {vjp3}.)")
+
+
 @pytest.mark.parametrize("impl", DECORATORS)
 def test_bwd_gradient_pytree_is_not_rebuilt_with_placeholders(impl):
     """A pytree whose unflatten refuses None children, as a bwd gradient: not rebuilt."""
@@ -1012,3 +1081,44 @@ def test_bwd_gradient_pytree_is_not_rebuilt_with_placeholders(impl):
     first.defvjp(lambda p: (p[0] * 2.0, None), lambda _, g: (Pair([2.0 * g, jnp.zeros(())]),))
     grad = jax.grad(first)(Pair([jnp.asarray(1.5), jnp.asarray(3.0)]))
     assert isinstance(grad, Pair) and float(grad[0]) == 2.0 and float(grad[1]) == 0.0
+
+
+@pytest.mark.parametrize("mode", ["vjp", "grad", "jit_grad"])
+@pytest.mark.parametrize("x", [4.0, np.float32(4.0)], ids=["python_float", "float32"])
+def test_python_float_gradient_returned_as_jax_returns_it(mode, x):
+    """A bwd returning a Python float: a float from eager grad/vjp, a weak array under jit."""
+    results = {}
+    for impl, decorator in DECORATORS.items():
+
+        @decorator
+        def f(x):
+            return x * 2.0
+
+        f.defvjp(lambda x: (f(x), None), lambda _, g: (99.0,))
+        run = {
+            "vjp": lambda f=f: jax.vjp(f, x)[1](7.0)[0],
+            "grad": lambda f=f: jax.grad(f)(x),
+            "jit_grad": lambda f=f: jax.jit(jax.grad(f))(x),
+        }[mode]
+        results[impl] = run()
+    got, ref = results["jaxext"], results["jax"]
+    assert type(got) is type(ref)
+    assert type(got) is (float if mode != "jit_grad" else type(jnp.ones(())))
+    assert got == 99.0
+    if mode == "jit_grad":
+        assert got.dtype == ref.dtype == jnp.float32
+        assert got.weak_type == ref.weak_type
+
+
+def test_python_float_gradient_for_a_low_precision_input_takes_its_dtype():
+    """Where JAX returns the float32 Python float as is, a float16 input gets a float16 array."""
+
+    @jaxext.custom_vjp
+    def f(x):
+        return x * 2
+
+    f.defvjp(lambda x: (f(x), None), lambda _, g: (99.0,))
+    got = jax.grad(f)(jnp.float16(4.0))
+    assert isinstance(got, jax.Array)
+    assert got.dtype == jnp.float16
+    assert float(got) == 99.0

@@ -11,12 +11,14 @@ with an independent float64 reference. No timing is asserted.
 from __future__ import annotations
 
 import functools
+import gc
+import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, in_float64, rand
+from helpers import assert_close, count_primitive, in_float64, rand
 
 import jaxext
 from jaxext import _custom_vjp
@@ -235,3 +237,114 @@ def test_rules_reading_a_rebound_global_array_run_afresh():
         for _ in range(REPEAT):
             assert_close(jax.jvp(f, (x,), (x,))[1], np.full(3, value))
             assert_close(jax.grad(lambda v: f(v).sum())(x), np.full(3, value))
+
+
+def _sin_mul(calls):
+    """``sin(x) * w``, whose ``fwd`` records each run in ``calls``."""
+
+    @jaxext.custom_vjp
+    def f(x, w):
+        return jnp.sin(x) * w
+
+    def fwd(x, w):
+        calls.append(1)
+        return f(x, w), (jnp.cos(x), jnp.sin(x), w)
+
+    f.defvjp(fwd, lambda res, g: (g * res[0] * res[2], g * res[1]))
+    return f
+
+
+def _sin_mul_jvp_reference(x, w, tx, tw):
+    return in_float64(lambda *a: jax.jvp(lambda x, w: jnp.sin(x) * w, a[:2], a[2:]), x, w, tx, tw)
+
+
+def test_eager_jvp_runs_one_compiled_program_per_signature():
+    """Eager jvp: fwd runs in Python the first time, is traced the second, then not at all."""
+    calls = []
+    f = _sin_mul(calls)
+    x, w, tx, tw = (jnp.asarray(rand(k, (5,))) for k in (11, 12, 13, 14))
+    ref_out, ref_t = _sin_mul_jvp_reference(x, w, tx, tw)
+    for _ in range(5):
+        out, t = jax.jvp(f, (x, w), (tx, tw))
+        assert out.dtype == t.dtype == jnp.float32
+        assert_close(out, ref_out)
+        assert_close(t, ref_t)
+    assert len(calls) == 2
+    # A new shape is a new signature: run as is, then compiled again.
+    x2, w2 = jnp.ones((2, 3)), jnp.full((2, 3), 0.5)
+    ref2 = _sin_mul_jvp_reference(x2, w2, w2, x2)
+    for _ in range(3):
+        for got, ref in zip(jax.jvp(f, (x2, w2), (w2, x2)), ref2, strict=True):
+            assert_close(got, ref)
+    assert len(calls) == 4
+
+
+@pytest.mark.parametrize("where", ["jit", "vmap", "grad"])
+def test_eager_jvp_program_is_not_used_inside_transformations(where):
+    """Inside jit/vmap/grad the JVP rule is traced as before, even with concrete inputs."""
+    calls = []
+    f = _sin_mul(calls)
+    x, w = jnp.asarray(rand(15, (4,))), jnp.asarray(rand(16, (4,)))
+    for _ in range(REPEAT):  # fills the eager cache
+        jax.jvp(f, (x, w), (w, x))
+    ref = _sin_mul_jvp_reference(x, w, w, x)[1]
+    if where == "jit":
+        # x and w are constants of the jitted function: the tangent stays a staged primitive.
+        g = jax.jit(lambda: jax.jvp(f, (x, w), (w, x))[1])
+        assert count_primitive(jax.make_jaxpr(g)(), "jaxext_custom_vjp_tangent") == 1
+        assert_close(g(), ref)
+    elif where == "vmap":
+        got = jax.vmap(lambda s: jax.jvp(f, (x, w), (w, x))[1] * s)(jnp.arange(3.0))
+        assert_close(got, np.outer(np.arange(3.0), ref))
+    else:
+        # The tangent is cos(x) * w * v + sin(x) * x: its gradient in v is cos(x) * w.
+        got = jax.grad(lambda v: jax.jvp(f, (x, w), (v, x))[1].sum())(w)
+        assert_close(got, np.cos(np.asarray(x, np.float64)) * np.asarray(w, np.float64))
+
+
+def test_eager_jvp_fwd_branching_on_a_value_runs_as_is():
+    """A fwd with Python control flow on an input's value cannot be compiled: it runs each time."""
+
+    @jaxext.custom_vjp
+    def f(x):
+        return x * 2.0
+
+    def fwd(x):
+        scale = 2.0 if float(x.sum()) > 0 else 2.0
+        return x * scale, None
+
+    f.defvjp(fwd, lambda _, g: (g * 2.0,))
+    for sign in (1.0, -1.0) * REPEAT:
+        x = jnp.full(3, sign)
+        out, t = jax.jvp(f, (x,), (jnp.ones(3),))
+        assert_close(out, np.full(3, 2 * sign))
+        assert_close(t, np.full(3, 2.0))
+
+
+def test_eager_jvp_keeps_raising_for_a_wrong_fwd():
+    """A fwd whose output does not match the primal raises at every eager call."""
+
+    @jaxext.custom_vjp
+    def f(x):
+        return x * 2.0
+
+    f.defvjp(lambda x: ((x * 2.0).astype(jnp.float16), None), lambda _, g: (g * 2.0,))
+    x = jnp.ones(3)
+    for _ in range(REPEAT):
+        with pytest.raises(TypeError, match="fwd's output must have the primal's"):
+            jax.jvp(f, (x,), (x,))
+
+
+def test_eager_jvp_program_does_not_keep_the_calls_arrays_alive():
+    """The cached program holds the rules and static values, not the arrays it was built on."""
+    calls = []
+    f = _sin_mul(calls)
+    xs = [jnp.full(3, float(i)) for i in range(REPEAT + 1)]
+    refs = [weakref.ref(x) for x in xs]
+    w = jnp.ones(3)
+    for x in xs:
+        assert_close(jax.jvp(f, (x, w), (w, w))[1], np.cos(np.asarray(x)) + np.sin(np.asarray(x)))
+    assert len(calls) == 2  # the program was built (on the second array) and served
+    del xs, x
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
