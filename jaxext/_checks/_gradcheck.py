@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 # The full (entrywise) method covers Jacobians up to this many entries (1.3e8).
-FULL_MAX_ENTRIES = 2**27
+FULL_MAX_ENTRIES = 2**30
 _BATCH = 3  # cotangents in the batched-gradient check
 _TINY = 2.0**-100  # smallest input scale the finite-difference step follows
 # Inputs whose entries are all below this in magnitude get a step scaled to them.
