@@ -457,6 +457,8 @@ def render_checks(results: dict[str, Any]) -> str:
     lines += ["", "| check | status | median s |", "|---|---|---|"]
     for name, seconds in o["per_check_s"].items():
         lines.append(f"| {name} | {o['statuses'][name]} | {seconds:.2f} |")
+    if results.get("sweep"):
+        lines += _render_sweep(results["sweep"])
     if results.get("large"):
         lines += ["", "## gradcheck on large problems (full element-by-element method)", ""]
         lines += ["| problem | inputs x outputs | Jacobian entries | s | peak RSS so far (GiB) |"]
@@ -467,6 +469,46 @@ def render_checks(results: dict[str, Any]) -> str:
                 f"{row['entries']:.2e} | {row['seconds']:.1f} | {row['peak_rss_gib_so_far']:.2f} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _render_sweep(rows: list[dict[str, Any]]) -> list[str]:
+    def seconds(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    lines = [
+        "",
+        "## Size sweep: full element-by-element check, jaxext vs torch (linear, float64)",
+        "",
+        "x s x s, w 1.5s x s: `jaxext.gradcheck(jaxext.linear, (x, w), fast_mode=False)` and "
+        "`torch.autograd.gradcheck(F.linear, (x, w), fast_mode=False)`, both comparing every "
+        "Jacobian entry. Each cell is a fresh process, jaxext's then torch's at each size "
+        "(interleaved: both see the same machine load, given as the 1-minute load average "
+        "when the process started). Cold: the process's first call; warm: a second call "
+        "(run only after a short first one). Ratio: torch time / jaxext time. Peak RSS: "
+        "the whole process's, JAX or torch included. torch is not run (-) where its time, "
+        "extrapolated from the previous size by the number of entries, exceeds the limit.",
+        "",
+        "| s | inputs x outputs | entries | jaxext cold s | jaxext warm s | torch cold s | "
+        "torch warm s | ratio cold | ratio warm | jaxext peak RSS GiB | torch peak RSS GiB | "
+        "load (jaxext / torch) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        j, t = row["jaxext"], row.get("torch")
+        ratio_cold = f"{t['cold_s'] / j['cold_s']:.1f}x" if t else "-"
+        ratio_warm = (
+            f"{t['warm_s'] / j['warm_s']:.1f}x" if t and t["warm_s"] and j["warm_s"] else "-"
+        )
+        s = row["problem"].split(" ")[2].split("x")[0]
+        lines.append(
+            f"| {s} | {row['inputs']} x {row['outputs']} | {row['entries']:.2e} | "
+            f"{seconds(j['cold_s'])} | {seconds(j['warm_s'])} | "
+            f"{seconds(t['cold_s'] if t else None)} | {seconds(t['warm_s'] if t else None)} | "
+            f"{ratio_cold} | {ratio_warm} | {j['peak_rss_gib']:.2f} | "
+            f"{t['peak_rss_gib'] if t else float('nan'):.2f} | "
+            f"{j['load_before']:.1f} / {t['load_before'] if t else float('nan'):.1f} |"
+        )
+    return lines
 
 
 # -- bench_cpp_extension.py ---------------------------------------------------------------
