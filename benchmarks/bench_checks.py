@@ -53,6 +53,7 @@ from benchlib import machine_info  # noqa: E402
 import jaxext  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+TORCH_THREADS = 1
 
 
 def _times(fn, repeats: int) -> list[float]:
@@ -70,6 +71,23 @@ def _peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
 
 
+def _own_peak_rss_gib() -> float:
+    """This process's own peak RSS (``VmHWM``: ``ru_maxrss`` keeps the parent's across exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2**20  # KiB
+    return _peak_rss_gib()
+
+
+def _torch_threads():
+    """torch with one intra-op thread: on a loaded 2-core machine its default (2 threads,
+    spinning while they wait) made gradcheck several times slower."""
+    import torch
+
+    torch.set_num_threads(TORCH_THREADS)
+    return torch
+
+
 def _gradcheck_problem() -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0)
     return rng.standard_normal((20, 20)), rng.standard_normal((30, 20))
@@ -82,7 +100,7 @@ def _gradcheck_call(checker: str):
     if checker == "jaxext":
         jaxext.linear(np.ones((1, 1)), np.ones((1, 1)))  # JAX's backend is up
         return lambda: jaxext.gradcheck(jaxext.linear, (x, w))
-    import torch
+    torch = _torch_threads()
     import torch.nn.functional as F  # noqa: N812
 
     tx, tw = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
@@ -115,6 +133,7 @@ def bench_gradcheck(repeats: int, torch_repeats: int) -> dict[str, Any]:
         if torch is not None:
             checkers.append("torch")
             result["torch_version"] = torch.__version__
+            result["torch_threads"] = TORCH_THREADS
     for checker in checkers:
         runs = repeats if checker == "jaxext" else torch_repeats
         result[f"{checker}_cold_s"] = _cold_times(checker, runs)
@@ -196,7 +215,7 @@ def _sweep_one(checker: str, s: int, warm_max_s: float) -> dict[str, Any]:
         def call():
             return jaxext.gradcheck(jaxext.linear, (x, w), fast_mode=False)
     else:
-        import torch
+        torch = _torch_threads()
         import torch.nn.functional as F  # noqa: N812
 
         tx, tw = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
@@ -207,7 +226,7 @@ def _sweep_one(checker: str, s: int, warm_max_s: float) -> dict[str, Any]:
 
     cold = _times(call, 1)[0]
     warm = _times(call, 1)[0] if cold < warm_max_s else None
-    return {"cold_s": cold, "warm_s": warm, "peak_rss_gib": _peak_rss_gib()}
+    return {"cold_s": cold, "warm_s": warm, "peak_rss_gib": _own_peak_rss_gib()}
 
 
 def bench_sweep(torch_max_s: float, warm_max_s: float, sizes=SWEEP_SIZES) -> list[dict[str, Any]]:

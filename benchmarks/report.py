@@ -436,7 +436,8 @@ def render_checks(results: dict[str, Any]) -> str:
     ]
     names = {"jaxext": "jaxext.gradcheck"}
     if "torch_version" in g:
-        names["torch"] = f"torch.autograd.gradcheck ({g['torch_version']})"
+        threads = f", {g['torch_threads']} thread" if "torch_threads" in g else ""
+        names["torch"] = f"torch.autograd.gradcheck ({g['torch_version']}{threads})"
     for key, name in names.items():
         cold, warm = g[f"{key}_cold_s"], g[f"{key}_warm_s"]
         lines.append(f"| {name} | {med(cold):.3f} | {med(warm):.3f} | {len(cold)} |")
@@ -486,7 +487,10 @@ def _render_sweep(rows: list[dict[str, Any]]) -> list[str]:
         "when the process started). Cold: the process's first call; warm: a second call "
         "(run only after a short first one). Ratio: torch time / jaxext time. Peak RSS: "
         "the whole process's, JAX or torch included. torch is not run (-) where its time, "
-        "extrapolated from the previous size by the number of entries, exceeds the limit.",
+        "extrapolated from the previous size by the number of entries, exceeds the limit. "
+        "torch runs with one intra-op thread (`torch.set_num_threads(1)`): on this loaded "
+        "machine its default of 2 was several times slower (1.7 s against 4.5 s at s = 13 "
+        "in one measurement); JAX keeps its defaults.",
         "",
         "| s | inputs x outputs | entries | jaxext cold s | jaxext warm s | torch cold s | "
         "torch warm s | ratio cold | ratio warm | jaxext peak RSS GiB | torch peak RSS GiB | "
