@@ -9,8 +9,16 @@ since every call of a checker compiles the function it checks):
   cold (the first call of a fresh process) and warm (later calls);
 * opcheck: the whole battery on ``jaxext.linear`` with small inputs (x 4x3, w 2x3, b 2),
   with the time of each check;
-* large: ``jaxext.gradcheck`` on problems of about 1e4 inputs by 1e4 outputs, with the
-  process's peak resident memory (which includes JAX itself, about 0.3 GB).
+* sweep: ``jaxext.gradcheck`` (full method, ``fast_mode=False``) against
+  ``torch.autograd.gradcheck(..., fast_mode=False)`` on linear with x s x s, w 1.5s x s in
+  float64, from 1e5 to 1e9 Jacobian entries. Each size runs in fresh processes, jaxext's
+  then torch's (interleaved, so both see the same machine load): cold is the first call,
+  warm a second one in the same process (for first calls under ``--warm-max-s``), with
+  the process's peak resident memory (JAX or torch itself included). torch runs while
+  its time, extrapolated from the previous size by the number of entries, stays under
+  ``--torch-max-s``;
+* large (``--large``): ``jaxext.gradcheck`` on problems of about 1e4 inputs by 1e4
+  outputs, with the process's peak resident memory (which includes JAX itself, about 0.3 GB).
 
 Usage::
 
@@ -45,6 +53,7 @@ from benchlib import machine_info  # noqa: E402
 import jaxext  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+TORCH_THREADS = 1
 
 
 def _times(fn, repeats: int) -> list[float]:
@@ -62,6 +71,23 @@ def _peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
 
 
+def _own_peak_rss_gib() -> float:
+    """This process's own peak RSS (``VmHWM``: ``ru_maxrss`` keeps the parent's across exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2**20  # KiB
+    return _peak_rss_gib()
+
+
+def _torch_threads():
+    """torch with one intra-op thread: on a loaded 2-core machine its default (2 threads,
+    spinning while they wait) made gradcheck several times slower."""
+    import torch
+
+    torch.set_num_threads(TORCH_THREADS)
+    return torch
+
+
 def _gradcheck_problem() -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0)
     return rng.standard_normal((20, 20)), rng.standard_normal((30, 20))
@@ -74,7 +100,7 @@ def _gradcheck_call(checker: str):
     if checker == "jaxext":
         jaxext.linear(np.ones((1, 1)), np.ones((1, 1)))  # JAX's backend is up
         return lambda: jaxext.gradcheck(jaxext.linear, (x, w))
-    import torch
+    torch = _torch_threads()
     import torch.nn.functional as F  # noqa: N812
 
     tx, tw = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
@@ -107,6 +133,7 @@ def bench_gradcheck(repeats: int, torch_repeats: int) -> dict[str, Any]:
         if torch is not None:
             checkers.append("torch")
             result["torch_version"] = torch.__version__
+            result["torch_threads"] = TORCH_THREADS
     for checker in checkers:
         runs = repeats if checker == "jaxext" else torch_repeats
         result[f"{checker}_cold_s"] = _cold_times(checker, runs)
@@ -168,6 +195,74 @@ def bench_large() -> list[dict[str, Any]]:
     return rows
 
 
+SWEEP_SIZES = (13, 20, 30, 40, 60, 80, 100, 128)  # s: 1.1e5 .. 1.0e9 Jacobian entries
+
+
+def _sweep_shapes(s: int) -> tuple[tuple[int, int], tuple[int, int], int, int]:
+    x_shape, w_shape = (s, s), (3 * s // 2, s)
+    n, m = s * s + w_shape[0] * s, s * w_shape[0]
+    return x_shape, w_shape, n, m
+
+
+def _sweep_one(checker: str, s: int, warm_max_s: float) -> dict[str, Any]:
+    """In a fresh process: the first (cold) and, if it was short, a second (warm) call."""
+    x_shape, w_shape, _, _ = _sweep_shapes(s)
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
+    if checker == "jaxext":
+        jaxext.linear(np.ones((1, 1)), np.ones((1, 1)))  # JAX's backend is up
+
+        def call():
+            return jaxext.gradcheck(jaxext.linear, (x, w), fast_mode=False)
+    else:
+        torch = _torch_threads()
+        import torch.nn.functional as F  # noqa: N812
+
+        tx, tw = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
+        F.linear(tx, tw).sum().backward()  # torch's autograd is up
+
+        def call():
+            return torch.autograd.gradcheck(F.linear, (tx, tw), fast_mode=False)
+
+    cold = _times(call, 1)[0]
+    warm = _times(call, 1)[0] if cold < warm_max_s else None
+    return {"cold_s": cold, "warm_s": warm, "peak_rss_gib": _own_peak_rss_gib()}
+
+
+def bench_sweep(torch_max_s: float, warm_max_s: float, sizes=SWEEP_SIZES) -> list[dict[str, Any]]:
+    rows, torch_estimate, previous = [], 0.0, None
+    for s in sizes:
+        x_shape, w_shape, n, m = _sweep_shapes(s)
+        row: dict[str, Any] = {
+            "problem": f"linear, x {x_shape[0]}x{x_shape[1]}, w {w_shape[0]}x{w_shape[1]}",
+            "inputs": n,
+            "outputs": m,
+            "entries": n * m,
+        }
+        checkers = ["jaxext"]
+        if previous is not None:
+            torch_estimate = previous[0] * (n * m) / previous[1]
+        if torch_max_s > 0 and torch_estimate < torch_max_s:
+            checkers.append("torch")
+        for checker in checkers:
+            load = os.getloadavg()[0]
+            out = subprocess.run(
+                [sys.executable, __file__, "--sweep-one", checker, str(s), str(warm_max_s)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            row[checker] = json.loads(out.stdout.strip().splitlines()[-1])
+            row[checker]["load_before"] = load
+            print(checker, row["problem"], row[checker], flush=True)
+        if "torch" in row:
+            previous = (row["torch"]["cold_s"], n * m)
+        else:
+            row["torch_skipped_estimate_s"] = torch_estimate
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="no torch, no large problems")
@@ -175,10 +270,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-repeats", type=int, default=3, help="runs of torch's gradcheck")
     parser.add_argument("--out", type=Path, default=RESULTS, help="output folder")
     parser.add_argument("--note", default="", help="stored with the results")
+    parser.add_argument("--large", action="store_true", help="also the large-problem section")
+    parser.add_argument(
+        "--torch-max-s", type=float, default=60.0, help="sweep: longest torch call to run"
+    )
+    parser.add_argument(
+        "--warm-max-s", type=float, default=20.0, help="sweep: a second call after a shorter one"
+    )
+    parser.add_argument(
+        "--sizes", type=int, nargs="*", default=list(SWEEP_SIZES), help="sweep: values of s"
+    )
     parser.add_argument("--cold-one", choices=["jaxext", "torch"], help=argparse.SUPPRESS)
+    parser.add_argument("--sweep-one", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.cold_one:  # child process of _cold_times: time one first call, print seconds
         print(_times(_gradcheck_call(args.cold_one), 1)[0])
+        return 0
+    if args.sweep_one:  # child process of bench_sweep: print its timings as JSON
+        checker, s, warm_max_s = args.sweep_one
+        print(json.dumps(_sweep_one(checker, int(s), float(warm_max_s))))
         return 0
     load_before = os.getloadavg()
     results = {
@@ -186,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         "note": args.note,
         "gradcheck": bench_gradcheck(args.repeats, 0 if args.quick else args.torch_repeats),
         "opcheck": bench_opcheck(1 if args.quick else args.repeats),
-        "large": [] if args.quick else bench_large(),
+        "sweep": [] if args.quick else bench_sweep(args.torch_max_s, args.warm_max_s, args.sizes),
+        "large": bench_large() if args.large and not args.quick else [],
     }
     results["load_average"] = {"before": load_before, "after": os.getloadavg()}
     text = report.render_checks(results)

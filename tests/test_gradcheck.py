@@ -541,8 +541,55 @@ def test_dense_jacobian_over_several_tiles(monkeypatch):
     assert info.value.num_mismatched > 300 * 300 // 2
 
 
+def _tiny_x_linear(scale):
+    """``x @ w.T`` with the gradient of ``w`` times ``scale``, for inputs ``x`` of 1e-8."""
+    op = make_linear(lambda x, w, g: (grad_x(x, w, g), scale * grad_w(x, w, g)))
+    return lambda x, w: op(x * 1e-8, w)
+
+
+# name -> (function, inputs' shapes, modes): every kind of verdict of the full method.
+SCREEN_CASES = {
+    **{
+        name: (make_linear(rule), ((5, 5), (5, 5)), ("rev",))
+        for name, (rule, _) in BROKEN_BACKWARDS.items()
+    },
+    "correct": (CORRECT, ((6, 5), (7, 5)), ("rev",)),
+    # Gradient entries below atol: only the scaled atol of their block pair catches 2x.
+    "tiny_gradient_2x": (_tiny_x_linear(2.0), ((6, 5), (7, 5)), ("rev",)),
+    "tiny_gradient_correct": (_tiny_x_linear(1.0), ((6, 5), (7, 5)), ("rev",)),
+    "nan_gradient": (
+        make_linear(lambda x, w, g: (grad_x(x, w, g), grad_w(x, w, g).at[2, 1].set(jnp.nan))),
+        ((6, 5), (7, 5)), ("rev",),
+    ),
+    "wrong_jvp": (lambda x, w: square_with_wrong_jvp()(x) @ w.T, ((6, 5), (7, 5)), ("rev", "fwd")),
+    "correct_both_modes": (lambda x, w: jnp.tanh(x) @ w.T, ((6, 5), (7, 5)), ("rev", "fwd")),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(SCREEN_CASES))
+def test_device_screen_changes_no_verdict_and_no_report(monkeypatch, name):
+    # Large problems are screened chunk by chunk on the device first; small chunks and
+    # tiles here make some chunks pass the screen and others go to the host comparison.
+    from jaxext._checks import _compare, _jacobians
+
+    func, shapes, modes = SCREEN_CASES[name]
+    inputs = tuple(f64(seed, shape) for seed, shape in enumerate(shapes))
+    monkeypatch.setattr(_jacobians, "CHUNK", 4)
+    monkeypatch.setattr(_compare, "TILE_BYTES", 2**9)
+    reports = []
+    for minimum in (2**62, 0):  # the host comparison alone; every chunk screened
+        monkeypatch.setattr(_compare, "SCREEN_MIN_ENTRIES", minimum)
+        try:
+            reports.append(jaxext.gradcheck(func, inputs, modes=modes))
+        except jaxext.GradcheckError as err:
+            reports.append((str(err), err.kind, err.num_mismatched, err.input_element))
+    assert reports[1] == reports[0]
+    passes = name in {"correct", "correct_both_modes", "tiny_gradient_correct"}
+    assert (reports[0] is True) == passes
+
+
 def test_directional_fallback_warns_and_says_what_it_can_miss():
-    x, w = f64(0, (256, 64)), f64(1, (32, 64))  # 18432 x 8192 entries: above the limit
+    x, w = f64(0, (1024, 64)), f64(1, (32, 64))  # 67584 x 32768 entries: above the limit
     with pytest.warns(UserWarning, match="random projections.*can miss.*one wrong element"):
         assert jaxext.gradcheck(jaxext.linear, (x, w))
     rule, _ = BROKEN_BACKWARDS["wrong_sign"]

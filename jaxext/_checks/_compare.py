@@ -19,6 +19,14 @@ large problems, where an output depends on few inputs) until ``TILE_BYTES`` are
 held; then it streams the automatic Jacobian a chunk of rows at a time against
 that tile. Memory stays bounded for any size; a dense Jacobian simply takes
 several passes over the VJPs.
+From ``SCREEN_MIN_ENTRIES`` Jacobian entries up, each pair of chunks (numerical and
+automatic) is first screened on the device, where the automatic chunk was computed:
+one fused pass tells whether every entry passes with room to spare (its error at
+most half of the smallest allowance the entry can get, whatever the final scale
+of its block pair), and only a chunk that does not goes through the exact
+comparison on the host. A screened chunk cannot hold a failing entry, nor the
+worst entry of a failing pair, so verdicts and error reports are unchanged; the
+host work of a passing check shrinks to copying the numerical columns once.
 ``directional_mismatches`` compares ``u . J v`` for random unit vectors.
 Both return ``Mismatch`` records: the worst entry of each failing pair of an
 output block and an input block.
@@ -27,14 +35,18 @@ output block and an input block.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ._jacobians import FlatJacobians, unit_blocks
 
 __all__ = [
     "NOISE_ULPS",
+    "SCREEN_MIN_ENTRIES",
     "TILE_BYTES",
     "Mismatch",
     "block_mismatches",
@@ -48,6 +60,8 @@ __all__ = [
 
 NOISE_ULPS = 4.0
 TILE_BYTES = 2**27  # numerical-Jacobian columns held at once (128 MiB)
+# Jacobians from this many entries up are screened chunk by chunk on the device.
+SCREEN_MIN_ENTRIES = 2**22
 _EPS64 = float(np.finfo(np.float64).eps)
 
 
@@ -379,17 +393,37 @@ def full_mismatches(
     noise = NOISE_ULPS * _EPS64 * np.abs(y0)
     steps = np.empty(n)
     tile = _Tile(0)
+    screen = n * m >= SCREEN_MIN_ENTRIES
     for start in range(0, n, jac.col_chunk):
         cols = range(start, min(n, start + jac.col_chunk))
-        numerical, steps[cols.start : cols.stop] = jac.numerical(cols, eps)
+        if screen:
+            block, padded_steps, count = jac.numerical_on_device(cols, eps)
+            steps[cols.start : cols.stop] = padded_steps[:count]
+            _add_scales(tallies.values(), block, count, start, out_slices, in_slices)
+            numerical = np.asarray(block)[:count]
+        else:
+            numerical, steps[cols.start : cols.stop] = jac.numerical(cols, eps)
         if "fwd" in modes:
-            automatic = jac.forward(cols)[1]
-            relative = _allowed(numerical, 0.0, rtol, noise[None, :] / steps[cols, None])
-            tallies["fwd"].add(0, start, numerical.T, automatic.T, relative.T)
+            automatic = None
+            if screen:
+                automatic = jac.forward_on_device(cols)
+                valid = (np.arange(block.shape[0]) < count)[:, None]
+                clean = _screen(
+                    block, automatic, noise[None, :], padded_steps[:, None], valid,
+                    np.zeros(block.shape[0]), 0, atol, rtol, width=m,
+                )[0]  # fmt: skip
+                automatic = None if bool(clean) else np.asarray(automatic)[:count]
+            else:
+                automatic = jac.forward(cols)[1]
+            if automatic is not None:
+                relative = _allowed(numerical, 0.0, rtol, noise[None, :] / steps[cols, None])
+                tallies["fwd"].add(0, start, numerical.T, automatic.T, relative.T)
         if "rev" in modes:
             tile.add(start, numerical)
             if tile.nbytes >= tile_bytes or cols.stop == n:
-                _stream_rows(jac, tile, steps, noise, atol, rtol, tallies["rev"], linear)
+                _stream_rows(
+                    jac, tile, steps, noise, atol, rtol, tallies["rev"], linear, screen=screen
+                )
                 tile = _Tile(cols.stop)
     results = {mode: tally.mismatches() for mode, tally in tallies.items()}
     if linear is not None:
@@ -401,14 +435,23 @@ def full_mismatches(
     return results
 
 
-def _stream_rows(jac, tile: _Tile, steps, noise, atol, rtol, tally: _Tally, linear) -> None:
+def _stream_rows(
+    jac, tile: _Tile, steps, noise, atol, rtol, tally: _Tally, linear, *, screen: bool = False
+) -> None:
     """Compares the columns held in ``tile`` with VJP rows, a chunk of rows at a time;
-    with ``linear = (u, sum, allowance)``, adds ``u^T`` times the rows to ``sum``."""
+    with ``linear = (u, sum, allowance)``, adds ``u^T`` times the rows to ``sum``.
+    With ``screen``, a chunk of rows that passes ``_screen`` skips the host comparison."""
     col0, col1 = tile.start, tile.stop
     for start in range(0, jac.m, jac.row_chunk):
         stop = min(jac.m, start + jac.row_chunk)
-        automatic = jac.reverse(range(start, stop))[1][:, col0:col1]
         numerical = tile.rows(start, stop)
+        if screen:
+            on_device = jac.reverse_on_device(range(start, stop))
+            if _screened_rows(on_device, numerical, start, tile, steps, noise, atol, rtol, linear):
+                continue
+            automatic = np.asarray(on_device)[: stop - start, col0:col1]
+        else:
+            automatic = jac.reverse(range(start, stop))[1][:, col0:col1]
         relative = _allowed(numerical, 0.0, rtol, noise[start:stop, None] / steps[None, col0:col1])
         tally.add(start, col0, numerical, automatic, relative)
         allowed = atol + relative
@@ -417,6 +460,77 @@ def _stream_rows(jac, tile: _Tile, steps, noise, atol, rtol, tally: _Tally, line
             weights = u[start:stop]
             total[col0:col1] += weights @ numerical
             allowance[col0:col1] += np.abs(weights) @ allowed
+
+
+@functools.partial(jax.jit, static_argnames=("width",))
+def _screen(numerical, automatic, noise, steps, valid, weights, col0, atol, rtol, *, width):
+    """Whether every valid entry of a chunk passes with room to spare, and the chunk's
+    ``weights``-weighted sums of the numerical rows and of their allowances.
+
+    ``automatic``'s columns ``col0 .. col0 + width`` face ``numerical``; ``noise`` and
+    ``steps`` broadcast against them as in the host comparison. An entry passes the
+    screen when ``|a - n| - (rtol |n| + noise / step) <= atol min(1, |n|) / 2``: the
+    final test of its block pair allows at least ``atol min(1, scale)`` with
+    ``scale >= |n|``, so the entry passes it, and by a margin that rounding cannot
+    eat (an entry with ``n = 0``, or a NaN anywhere, must pass without ``atol``).
+    """
+    automatic = jax.lax.dynamic_slice_in_dim(automatic, col0, width, axis=1)
+    magnitude = jnp.abs(numerical)
+    relative = rtol * magnitude + noise / steps
+    over = jnp.abs(automatic - numerical) - relative
+    finite = jnp.isfinite(numerical)
+    margin = 0.5 * atol * jnp.where(finite, jnp.minimum(magnitude, 1.0), 0.0)
+    clean = jnp.all((over <= margin) | ~valid)
+    return clean, weights @ numerical, jnp.abs(weights) @ (atol + relative)
+
+
+def _screened_rows(on_device, numerical, start, tile, steps, noise, atol, rtol, linear) -> bool:
+    """Screens rows ``start ..`` of the tile against the VJP rows ``on_device`` (padded);
+    if they pass, adds their share of ``linear`` and returns ``True``."""
+    rows, count = on_device.shape[0], numerical.shape[0]
+    col0, col1 = tile.start, tile.stop
+    padded = np.zeros((rows, col1 - col0))
+    padded[:count] = numerical
+    padded_noise = np.zeros((rows, 1))
+    padded_noise[:count, 0] = noise[start : start + count]
+    weights = np.zeros(rows)
+    if linear is not None:
+        weights[:count] = linear[0][start : start + count]
+    valid = (np.arange(rows) < count)[:, None]
+    clean, total, allowance = _screen(
+        padded, on_device, padded_noise, steps[None, col0:col1], valid, weights, col0, atol,
+        rtol, width=col1 - col0,
+    )  # fmt: skip
+    if not bool(clean):
+        return False
+    if linear is not None:
+        linear[1][col0:col1] += np.asarray(total)
+        linear[2][col0:col1] += np.asarray(allowance)
+    return True
+
+
+def _add_scales(tallies, block, count: int, start: int, out_slices, in_slices) -> None:
+    """Raises each tally's per-pair scale (largest finite ``|n|``) by the columns
+    ``start .. start + count`` of the numerical Jacobian, ``block`` (transposed, on the
+    device): screened chunks never reach ``_Tally.add``, which also keeps it."""
+    bounds = tuple((s.start, s.stop) for s in out_slices)
+    per_out = np.asarray(_column_maxima(block, bounds))[:count]  # (count, out blocks)
+    in_starts = np.array([s.start for s in in_slices], dtype=np.int64)
+    in_stops = np.array([s.stop for s in in_slices], dtype=np.int64)
+    for j, c0, c1 in _overlaps(in_starts, in_stops, start, count):
+        local = per_out[c0:c1].max(axis=0)
+        for tally in tallies:
+            for i, value in enumerate(local):
+                tally.scale[i, j] = max(tally.scale.get((i, j), 0.0), float(value))
+
+
+@functools.partial(jax.jit, static_argnames=("bounds",))
+def _column_maxima(block, bounds):
+    """Per row of ``block``, the largest finite ``|n|`` in each span ``bounds``."""
+    magnitude = jnp.where(jnp.isfinite(block), jnp.abs(block), 0.0)
+    return jnp.stack(
+        [jnp.max(magnitude[:, lo:hi], axis=1, initial=0.0) for lo, hi in bounds], axis=1
+    )
 
 
 def directional_mismatches(

@@ -50,8 +50,8 @@ __all__ = [
     "gradgradcheck",
 ]
 
-# The full (entrywise) method covers Jacobians up to this many entries (1.3e8).
-FULL_MAX_ENTRIES = 2**27
+# The full (entrywise) method covers Jacobians up to this many entries (1.07e9).
+FULL_MAX_ENTRIES = 2**30
 _BATCH = 3  # cotangents in the batched-gradient check
 _TINY = 2.0**-100  # smallest input scale the finite-difference step follows
 # Inputs whose entries are all below this in magnitude get a step scaled to them.
@@ -93,16 +93,20 @@ def gradcheck(
     ``atol`` (an L2 penalty of ``1e-6``) is still held to ``rtol`` against its own
     size, so an error of 2x is caught.
 
-    * Full method (up to ``FULL_MAX_ENTRIES`` = 2**27 Jacobian entries, e.g.
-      10,000 inputs by 10,000 outputs): the numerical Jacobian, one central
-      difference per input element, against the analytical one built from one
-      VJP per output element with a basis cotangent (so a backward that
-      ignores its cotangent fails too); then the VJP of one random
+    * Full method (up to ``FULL_MAX_ENTRIES`` = 2**30 Jacobian entries, about
+      1.07e9, e.g. 41,000 inputs by 25,000 outputs; it costs ``2 n`` calls of
+      ``func`` and ``m`` VJPs for ``n`` inputs and ``m`` outputs, and
+      ``benchmarks/results/checks_cpu.md`` times it up to 1e9 entries): the
+      numerical Jacobian, one central difference per input element, against
+      the analytical one built from one VJP per output element with a basis
+      cotangent (so a backward that ignores its cotangent fails too); then the VJP of one random
       cotangent ``u`` against ``u^T J`` from the numerical Jacobian (so a
       backward not linear in its cotangent, ``|g|`` for ``g``, fails too:
       ``kind="random_cotangent"``). Both are computed and compared in
-      chunks: memory stays bounded (well under 1 GB) whatever the size. An
-      output that an input does not touch differences to exactly zero.
+      chunks: memory stays bounded (well under 1 GB) whatever the size. From
+      2**22 entries up, each chunk is first screened where it was computed
+      (on the device) and only a chunk that could fail is compared on the host.
+      An output that an input does not touch differences to exactly zero.
     * Directional method (``fast_mode=True``, or larger problems, with a
       warning): it compares ``u . J v`` for ``num_directions`` seeded random
       unit vectors per (output leaf, input leaf) pair. Cheaper, and blind to

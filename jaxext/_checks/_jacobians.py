@@ -144,6 +144,36 @@ class FlatJacobians:
         steps = steps[:count]
         return (y_plus - y_minus) / steps[:, None], steps
 
+    def numerical_on_device(
+        self, cols: Sequence[int] | range, eps: float | np.ndarray
+    ) -> tuple[jax.Array, np.ndarray, int]:
+        """``numerical``, with the block left on the device and padded to ``col_chunk`` rows.
+
+        Returns:
+            ``(block, steps, count)``: the ``(col_chunk, m)`` block (its rows past
+            ``count`` repeat the last column), the ``(col_chunk,)`` steps, padded the
+            same way, and the number of columns asked for.
+        """
+        ks, count = _padded(cols, self.col_chunk)
+        eps = np.broadcast_to(np.asarray(eps, np.float64), (self.n,))[ks]
+        plus = self.x0_host[ks] + eps
+        minus = self.x0_host[ks] - eps
+        steps = plus - minus
+        # Two calls of one compiled program, each perturbed input in the same row.
+        y_plus = self._perturbed(self.x0, ks, plus)
+        y_minus = self._perturbed(self.x0, ks, minus)
+        return _difference_quotient(y_plus, y_minus, steps), steps, count
+
+    def reverse_on_device(self, rows: Sequence[int] | range) -> jax.Array:
+        """``reverse``'s block, left on the device and padded to ``row_chunk`` rows."""
+        ks, _ = _padded(rows, self.row_chunk)
+        return self._vjp_rows(self.x0, ks, np.zeros(self.m))[1]
+
+    def forward_on_device(self, cols: Sequence[int] | range) -> jax.Array:
+        """``forward``'s block, left on the device and padded to ``col_chunk`` rows."""
+        ks, _ = _padded(cols, self.col_chunk)
+        return self._jvp_columns(self.x0, ks, np.zeros(self.n))[1]
+
     def reverse(self, rows: Sequence[int] | range) -> tuple[np.ndarray, np.ndarray]:
         """``(primal, block)``: rows ``rows`` of the Jacobian, one VJP each."""
         ks, count = _padded(rows, self.row_chunk)
@@ -174,6 +204,11 @@ class FlatJacobians:
         plus = jnp.asarray(self.x0_host + eps * direction)
         minus = jnp.asarray(self.x0_host - eps * direction)
         return np.asarray(self._call(plus)) - np.asarray(self._call(minus)), 2 * eps
+
+
+@jax.jit
+def _difference_quotient(y_plus: jax.Array, y_minus: jax.Array, steps: jax.Array) -> jax.Array:
+    return (y_plus - y_minus) / steps[:, None]
 
 
 def unit_blocks(rng: np.random.Generator, slices: Sequence[slice], size: int) -> np.ndarray:
