@@ -116,8 +116,12 @@ def gradcheck(
 
     Floating-point array leaves of ``inputs`` are differentiated; integer and
     boolean arrays, Python/NumPy scalars and other leaves are passed through
-    unchanged. Integer and boolean outputs are ignored. Complex inputs or
-    outputs raise ``TypeError``: they are not supported. On a TPU (or another
+    unchanged. Integer and boolean outputs are ignored. Complex inputs and
+    outputs are checked in JAX's convention: each complex element is two real
+    ones (real and imaginary part) for the finite differences, and a VJP at
+    cotangent ``c`` must be ``c * df/dz + conj(c * df/dzbar)`` (``c * f'(z)``
+    for holomorphic ``f``; PyTorch's is its conjugate). Complex64 inputs are
+    upcast to complex128. On a TPU (or another
     backend without float64) the check runs on the CPU backend; on a GPU the
     default matmul precision is raised to ``"highest"`` while it runs.
 
@@ -163,7 +167,7 @@ def gradcheck(
         GradcheckError: on failure, naming the check (``kind``), the output,
             input, order, mode and the worst entry.
         TypeError: if ``func`` is not callable, an argument has the wrong type,
-            a float input/output is complex, or ``"fwd"`` is asked of a
+            or ``"fwd"`` is asked of a
             function without forward mode (a plain ``jax.custom_vjp``).
         ValueError: if ``eps``/``atol``/``rtol``/``nondet_tol`` are out of range,
             no mode is left, ``inputs`` is empty or has no float array, or
