@@ -314,3 +314,25 @@ def test_analytical_jacobian_matches_pytorch():
         np.testing.assert_allclose(
             np.asarray(ours_g), np.conj(theirs.resolve_conj().numpy()), rtol=1e-14
         )
+
+
+def test_complex_values_in_opcheck_diagnostics():
+    """A complex gradient is reported whole: a backward adding 0.5j fails zero_cotangent
+    with the complex value (a real-part-only comparison would see zero and pass)."""
+    op = _op(lambda z: z * z, lambda z, g: (g * 2 * z + 0.5j,))
+    report = jaxext.opcheck(
+        op, _args("c", "complex128"), checks=["zero_cotangent"], raise_exception=False
+    )
+    assert report.failed == ("zero_cotangent",)
+    assert "element (0, 0) is 0+0.5j (6 of 6 elements nonzero)" in report["zero_cotangent"].detail
+
+
+def test_gradgradcheck_catches_a_complex_backward_cut_from_its_input():
+    """A backward right at first order whose own derivative is cut (stop_gradient on z)."""
+    op = _op(lambda z: z * z, lambda z, g: (g * 2 * jax.lax.stop_gradient(z),))
+    args = _args("c", "complex128")
+    assert jaxext.gradcheck(op, args)
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradgradcheck(op, args)
+    assert info.value.kind == "jacobian" and info.value.order == 2
+    assert "(the gradient of input 0)" in str(info.value) and "part)" in str(info.value)

@@ -268,8 +268,15 @@ def second_order(
         for s in first.inputs
     )
 
+    # The pullback gives a complex input's gradient g as (Re g, -Im g): flipped back to
+    # (Re g, Im g), so that reports show the gradient's own imaginary part.
+    signs = np.ones(n_x)
+    for segment in first.inputs:
+        if segment.complex:
+            signs[segment.offset + 1 : segment.offset + segment.size : 2] = -1.0
+
     def g(z):
-        return first.vjp(z[:n_x])[1](z[n_x:])
+        return first.vjp(z[:n_x])[1](z[n_x:]) * signs
 
     z0 = jnp.concatenate([first.x0, jnp.asarray(np.concatenate([c.ravel() for c in cotangents]))])
     return Problem(g, z0, _flat_vjp(g), first.inputs + ct_inputs, gradients, order=2), low
