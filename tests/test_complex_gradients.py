@@ -336,3 +336,12 @@ def test_gradgradcheck_catches_a_complex_backward_cut_from_its_input():
         jaxext.gradgradcheck(op, args)
     assert info.value.kind == "jacobian" and info.value.order == 2
     assert "(the gradient of input 0)" in str(info.value) and "part)" in str(info.value)
+
+
+def test_complex64_inputs_warn_then_upcast_complex128_ones_do_not():
+    square = _op(lambda z: z * z, lambda z, g: (g * 2 * z,))
+    with pytest.warns(UserWarning, match=r"input 0 \(complex64\) not float64 \(complex128"):
+        assert jaxext.gradcheck(square, _args("c", "complex64"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert jaxext.gradcheck(square, _args("c", "complex128"))

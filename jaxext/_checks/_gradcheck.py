@@ -382,16 +382,17 @@ def _warn_precision(upcast: list[str], low_outputs: list[str]) -> None:
     """Warns, at the caller of gradcheck/gradgradcheck, about lower-precision floats."""
     if upcast:
         warnings.warn(
-            f"gradcheck: {', '.join(upcast)} not float64; upcasting to float64 for the check "
-            "(finite differences in lower precision are unreliable). Pass float64 arrays to "
-            "silence this warning.",
+            f"gradcheck: {', '.join(upcast)} not float64 (complex128 if complex); upcasting "
+            "to float64 (complex128) for the check (finite differences in lower precision "
+            "are unreliable). Pass float64 (complex128) arrays to silence this warning.",
             UserWarning,
             stacklevel=4,
         )
     if low_outputs:
         warnings.warn(
-            f"gradcheck: {', '.join(low_outputs)} not float64 although the inputs are (`func` "
-            "computes in lower precision); the numerical derivatives will be imprecise.",
+            f"gradcheck: {', '.join(low_outputs)} not float64 (complex128 if complex) although "
+            "the inputs are (`func` computes in lower precision); the numerical derivatives "
+            "will be imprecise.",
             UserWarning,
             stacklevel=4,
         )
