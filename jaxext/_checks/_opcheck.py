@@ -55,8 +55,9 @@ def opcheck(
     * ``forward_rule``: the primal outputs of ``jax.vjp`` (and ``jax.jvp``)
       equal the op's output: a ``custom_vjp`` forward rule computes the op.
     * ``grad_dtypes``: each gradient has its input's dtype and shape, for
-      float64, float32 and bfloat16 inputs (``float0`` for integer inputs); JAX
-      itself accepts a float32 gradient for a float64 input without a word. A
+      float64, float32 and bfloat16 inputs (complex ones complex128, complex64
+      and complex64; ``float0`` for integer inputs); JAX itself accepts a float32
+      gradient for a float64 input without a word. A
       dtype the op has no kernel for is a SKIP naming it.
     * ``zero_cotangent``: a zero cotangent gives exactly zero gradients, and
       using only one of several outputs (the others symbolic zeros) works.
