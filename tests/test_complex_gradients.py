@@ -1,10 +1,15 @@
-"""Complex factors and weights on real inputs: plain autodiff's gradients, no warning.
+"""Complex gradients: jaxext's ops against plain autodiff, and the checks on complex ops.
+
+Complex factors and weights on real inputs: plain autodiff's gradients, no warning.
 
 JAX's convention for a real input of a complex function is the real part of the
 complex cotangent (the transpose of the real-to-complex cast). jaxext's backwards
 must return exactly that, without the complex-to-real cast JAX warns about (a
 ``DeprecationWarning`` today, an error in a later JAX). The references are plain
 ``jnp`` autodiff of the same math, in float64.
+
+Then gradcheck, gradgradcheck and opcheck on complex ops in JAX's convention: a grid
+of correct ops that pass every check, and buggy backwards that fail.
 """
 
 from __future__ import annotations
