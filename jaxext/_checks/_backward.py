@@ -26,13 +26,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._compare import Mismatch, leaf_mismatches
+from ._compare import Mismatch, leaf_mismatches, widened
 from ._leaves import FloatLeaves, input_label
 
 __all__ = [
     "TIGHT",
     "DtypeMismatch",
     "batched_gradients",
+    "complex_counterpart",
     "dtype_refusal",
     "gradient_dtypes",
     "refusal",
@@ -55,7 +56,7 @@ def zero_like(leaf: Any) -> Any:
 
 def zero_cotangent(pullback: Callable[[Any], Sequence[Any]], zero: Any) -> list[Mismatch]:
     """The gradients of the zero cotangent ``zero`` that are not exactly zero."""
-    grads = [np.asarray(g, np.float64) for g in pullback(zero)]
+    grads = [widened(g) for g in pullback(zero)]
     zeros = [np.zeros(g.shape) for g in grads]
     return leaf_mismatches(zeros, grads, atol=0.0, rtol=0.0, normwise=False)
 
@@ -110,8 +111,8 @@ def batched_gradients(
         batched = jax.jit(vmapped)(batch, stacked(cotangents))
     except Exception as err:  # noqa: BLE001 -- any failure of vmap is the finding
         return err
-    looped = [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(looped)]
-    batched = [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(batched)]
+    looped = [widened(x) for x in jax.tree_util.tree_leaves(looped)]
+    batched = [widened(x) for x in jax.tree_util.tree_leaves(batched)]
     found = []
     for mismatch in leaf_mismatches(looped, batched, atol=0.0, rtol=rtol, normwise=True):
         per_entry = looped[mismatch.in_block].size // size
@@ -154,7 +155,7 @@ def _in_dtype(view: FloatLeaves, dtype: Any) -> tuple[Callable, list, list]:
     arrays = [p for p, (_, leaf) in enumerate(flat) if isinstance(leaf, (jax.Array, np.ndarray))]
     leaves = [leaf for _, leaf in flat]
     for p in view.positions:
-        leaves[p] = jnp.asarray(leaves[p], dtype)
+        leaves[p] = jnp.asarray(leaves[p], complex_counterpart(leaves[p].dtype, dtype))
 
     def fn(*values):
         new = list(leaves)
@@ -163,6 +164,15 @@ def _in_dtype(view: FloatLeaves, dtype: Any) -> tuple[Callable, list, list]:
         return view.func(*jax.tree_util.tree_unflatten(treedef, new))
 
     return fn, [leaves[p] for p in arrays], [flat[p][0] for p in arrays]
+
+
+def complex_counterpart(leaf_dtype: Any, dtype: Any) -> np.dtype:
+    """``dtype`` for a real leaf; for a complex leaf, the complex dtype of ``dtype``'s
+    precision (complex128 for float64, complex64 for float32 and for bfloat16 and
+    float16, which have no complex counterpart)."""
+    if not jnp.issubdtype(leaf_dtype, jnp.complexfloating):
+        return np.dtype(dtype)
+    return np.dtype(np.complex128 if np.dtype(dtype) == np.float64 else np.complex64)
 
 
 def dtype_refusal(view: FloatLeaves, dtype: Any) -> str | None:

@@ -22,6 +22,7 @@ import numpy as np
 from ._backward import (
     TIGHT,
     batched_gradients,
+    complex_counterpart,
     dtype_refusal,
     gradient_dtypes,
     refusal,
@@ -29,9 +30,10 @@ from ._backward import (
 )
 from ._backward import reentrancy as reentrancy_mismatches
 from ._backward import zero_cotangent as zero_cotangent_mismatches
-from ._compare import unravel
+from ._compare import unravel, widened
 from ._gradcheck import Settings, check_gradients
 from ._kernels import disabled_safety_checks, kernel_targets, unchecked
+from ._leaves import is_complex, wide_dtype
 from ._op import (
     CheckFailed,
     OpUnderTest,
@@ -63,11 +65,12 @@ def _require_forward_mode(op: OpUnderTest) -> None:
 
 def _inner(u: Any, out: Any, *, absolute: bool = False) -> jax.Array:
     """``sum <u_i, out_i>`` (or ``sum <|u_i|, |out_i|>``) over the float leaves of two
-    output pytrees."""
+    output pytrees. For complex leaves ``<u, t> = Re sum(u t)``: how JAX pairs a
+    cotangent with a tangent (the real part is the pairing, nothing is dropped)."""
     pairs = zip(float_output_leaves(u), float_output_leaves(out), strict=True)
     if absolute:
         return sum((jnp.sum(jnp.abs(a * b)) for (_, a), (_, b) in pairs), jnp.zeros(()))
-    return sum((jnp.sum(a * b) for (_, a), (_, b) in pairs), jnp.zeros(()))
+    return sum((jnp.real(jnp.sum(a * b)) for (_, a), (_, b) in pairs), jnp.zeros(()))
 
 
 def _vjp(fn: Callable, primals, u) -> tuple:
@@ -266,9 +269,10 @@ def fwd_over_rev(op: OpUnderTest, settings: Settings) -> str:
 
 
 def _contract(a: Any, b: Sequence[Any]) -> tuple[float, float]:
-    """``sum <a_i, b_i>`` and ``sum |a_i * b_i|`` over two lists of arrays."""
-    pairs = [(np.asarray(x, np.float64), np.asarray(y)) for x, y in zip(a, b, strict=True)]
-    value = sum(float(np.sum(x * y)) for x, y in pairs)
+    """``sum <a_i, b_i>`` and ``sum |a_i * b_i|`` over two lists of arrays (``<a, b> =
+    Re sum(a b)`` for complex ones: JAX's pairing of a gradient with a tangent)."""
+    pairs = [(widened(x), np.asarray(y)) for x, y in zip(a, b, strict=True)]
+    value = sum(float(np.real(np.sum(x * y))) for x, y in pairs)
     return value, sum(float(np.sum(np.abs(x * y))) for x, y in pairs)
 
 
@@ -284,8 +288,9 @@ def _second_order_forward(op: OpUnderTest, settings: Settings, outer: str) -> st
     def jvp_of(*p):  # x -> J(x) t
         return jax.jvp(op.call, p, tuple(t))[1]
 
-    def vjp_of(*p):  # x -> t . J(x)^T u
-        return sum(jnp.sum(g * ti) for g, ti in zip(_vjp(op.call, p, u), t, strict=True))
+    def vjp_of(*p):  # x -> t . J(x)^T u (Re for complex: JAX's pairing)
+        pairs = zip(_vjp(op.call, p, u), t, strict=True)
+        return sum(jnp.real(jnp.sum(g * ti)) for g, ti in pairs)
 
     try:
         if outer == "rev":
@@ -336,7 +341,7 @@ def jvp_vjp(op: OpUnderTest, settings: Settings) -> str:
     jv = jax.jit(lambda *p: jax.jvp(op.call, p, v)[1])(*primals)
     jtu = jax.jit(lambda *p: _vjp(op.call, p, u))(*primals)
     left = float(_inner(u, jv))
-    right = float(sum(np.sum(np.asarray(a) * b) for a, b in zip(jtu, v, strict=True)))
+    right = float(sum(np.real(np.sum(np.asarray(a) * b)) for a, b in zip(jtu, v, strict=True)))
     scale = float(_inner(u, jv, absolute=True))
     scale += float(sum(np.sum(np.abs(np.asarray(a) * b)) for a, b in zip(jtu, v, strict=True)))
     if not abs(left - right) <= TIGHT * scale:
@@ -476,7 +481,7 @@ def _batched_argument(arg: Any, rng: np.random.Generator) -> Any:
             return leaf
         # A JAX array stays a JAX array (the op sees what a user's code passes).
         xp = jnp if isinstance(leaf, jax.Array) else np
-        if jnp.issubdtype(leaf.dtype, jnp.floating):
+        if jnp.issubdtype(leaf.dtype, jnp.inexact):
             return xp.stack(
                 [leaf * (1 + 0.1 * rng.standard_normal(leaf.shape)) for _ in range(_BATCH)]
             )
@@ -733,10 +738,14 @@ def low_precision(op: OpUnderTest, settings: Settings) -> str:
     checked, unsupported = [], []
     call = op.jitted
     gradients = jax.jit(lambda p, u: _vjp(op.call, p, u))  # float64 compiles once
+    all_complex = all(is_complex(p) for p in primals)
     for dtype in (jnp.float32, jnp.bfloat16):
         rtol = 16 * float(jnp.finfo(dtype).eps)
         name = jnp.dtype(dtype).name
-        low = [jnp.asarray(p, dtype) for p in primals]
+        if dtype == jnp.bfloat16 and all_complex:
+            continue  # no complex bfloat16: said in the detail below
+        # complex inputs in the complex dtype of this precision (complex64 for bfloat16)
+        low = [jnp.asarray(p, complex_counterpart(p.dtype, dtype)) for p in primals]
         refused = refusal(op.call, low, dtype)
         if refused is not None:
             unsupported.append(refused)
@@ -748,7 +757,7 @@ def low_precision(op: OpUnderTest, settings: Settings) -> str:
             continue
         # The reference is float64 at the *rounded* inputs: rounding an input of 150 to
         # bfloat16 moves it by 0.5, which is no error of the op's.
-        rounded = [jnp.asarray(p, jnp.float64) for p in low]
+        rounded = [jnp.asarray(p, wide_dtype(p.dtype)) for p in low]
         reference = call(*rounded)
         # The cotangent takes each output's dtype in this run (a float32 output for a
         # bfloat16 input is mixed precision, not an error), rounded alike for the reference.
@@ -761,7 +770,9 @@ def low_precision(op: OpUnderTest, settings: Settings) -> str:
         )
         u_ref = jax.tree_util.tree_map(
             lambda leaf: (
-                jnp.asarray(leaf, jnp.float64) if jnp.issubdtype(leaf.dtype, jnp.inexact) else leaf
+                jnp.asarray(leaf, wide_dtype(leaf.dtype))
+                if jnp.issubdtype(leaf.dtype, jnp.inexact)
+                else leaf
             ),
             u_low,
         )
@@ -775,9 +786,16 @@ def low_precision(op: OpUnderTest, settings: Settings) -> str:
         raise Skip(
             f"{' and '.join(checked) or 'no dtype'} checked; not run: {'; '.join(unsupported)}"
         )
+    if all_complex:
+        return (
+            "float32 (complex64 inputs) run; outputs and gradients within 16 eps of "
+            "complex128 at the rounded inputs; bfloat16 not run: every input is complex, "
+            "and there is no complex bfloat16"
+        )
     return (
         "float32 and bfloat16 run; outputs and gradients within 16 eps of float64 at the "
         "rounded inputs"
+        + ("; complex inputs run as complex64" if any(is_complex(p) for p in primals) else "")
     )
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +56,7 @@ __all__ = [
     "full_mismatches",
     "leaf_mismatches",
     "unravel",
+    "widened",
     "worst_entry",
 ]
 
@@ -266,11 +268,23 @@ def block_mismatches(
         out_element, in_element = (None, worst) if on_inputs else (worst, None)
         found.append(
             Mismatch(
-                out_block, in_block, out_element, in_element, None, float(e[worst]),
-                float(a[worst]), float(tol[worst]), int(b.sum()), int(b.size),
+                out_block, in_block, out_element, in_element, None, _number(e[worst]),
+                _number(a[worst]), float(tol[worst]), int(b.sum()), int(b.size),
             )
         )  # fmt: skip
     return found
+
+
+def _number(value: Any) -> float | complex:
+    """A NumPy scalar as a Python ``float``, or ``complex`` where it is complex."""
+    return complex(value) if np.iscomplexobj(value) else float(value)
+
+
+def widened(value: Any) -> np.ndarray:
+    """``value`` as a float64 NumPy array, or complex128 where it is complex (never
+    dropping an imaginary part)."""
+    value = np.asarray(value)
+    return value.astype(np.complex128 if np.iscomplexobj(value) else np.float64)
 
 
 def entry_mismatches(
@@ -302,10 +316,11 @@ def leaf_mismatches(
     The allowance is ``atol + rtol * |expected|`` entrywise, or with ``normwise``
     ``atol + rtol * max |expected|`` over each array: two programs computing the
     same math round differently, and normwise comparison does not punish entries
-    that are small by cancellation.
+    that are small by cancellation. Complex arrays are compared as complex: the
+    error and the scale are moduli.
     """
-    e = [np.asarray(x, np.float64).ravel() for x in expected]
-    a = [np.asarray(x, np.float64).ravel() for x in actual]
+    e = [widened(x).ravel() for x in expected]
+    a = [widened(x).ravel() for x in actual]
     stops = np.cumsum([x.size for x in e], dtype=np.int64)
     slices = [slice(int(stop - x.size), int(stop)) for x, stop in zip(e, stops, strict=True)]
     scale = [

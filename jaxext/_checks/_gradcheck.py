@@ -120,8 +120,12 @@ def gradcheck(
 
     Floating-point array leaves of ``inputs`` are differentiated; integer and
     boolean arrays, Python/NumPy scalars and other leaves are passed through
-    unchanged. Integer and boolean outputs are ignored. Complex inputs or
-    outputs raise ``TypeError``: they are not supported. On a TPU (or another
+    unchanged. Integer and boolean outputs are ignored. Complex inputs and
+    outputs are checked in JAX's convention: each complex element is two real
+    ones (real and imaginary part) for the finite differences, and a VJP at
+    cotangent ``c`` must be ``c * df/dz + conj(c * df/dzbar)`` (``c * f'(z)``
+    for holomorphic ``f``; PyTorch's is its conjugate). Complex64 inputs are
+    upcast to complex128. On a TPU (or another
     backend without float64) the check runs on the CPU backend; on a GPU the
     default matmul precision is raised to ``"highest"`` while it runs.
 
@@ -167,7 +171,7 @@ def gradcheck(
         GradcheckError: on failure, naming the check (``kind``), the output,
             input, order, mode and the worst entry.
         TypeError: if ``func`` is not callable, an argument has the wrong type,
-            a float input/output is complex, or ``"fwd"`` is asked of a
+            or ``"fwd"`` is asked of a
             function without forward mode (a plain ``jax.custom_vjp``).
         ValueError: if ``eps``/``atol``/``rtol``/``nondet_tol`` are out of range,
             no mode is left, ``inputs`` is empty or has no float array, or
@@ -382,16 +386,17 @@ def _warn_precision(upcast: list[str], low_outputs: list[str]) -> None:
     """Warns, at the caller of gradcheck/gradgradcheck, about lower-precision floats."""
     if upcast:
         warnings.warn(
-            f"gradcheck: {', '.join(upcast)} not float64; upcasting to float64 for the check "
-            "(finite differences in lower precision are unreliable). Pass float64 arrays to "
-            "silence this warning.",
+            f"gradcheck: {', '.join(upcast)} not float64 (complex128 if complex); upcasting "
+            "to float64 (complex128) for the check (finite differences in lower precision "
+            "are unreliable). Pass float64 (complex128) arrays to silence this warning.",
             UserWarning,
             stacklevel=4,
         )
     if low_outputs:
         warnings.warn(
-            f"gradcheck: {', '.join(low_outputs)} not float64 although the inputs are (`func` "
-            "computes in lower precision); the numerical derivatives will be imprecise.",
+            f"gradcheck: {', '.join(low_outputs)} not float64 (complex128 if complex) although "
+            "the inputs are (`func` computes in lower precision); the numerical derivatives "
+            "will be imprecise.",
             UserWarning,
             stacklevel=4,
         )

@@ -139,8 +139,8 @@ def gradcheck_error(
     num, auto = worst.expected, worst.actual
     abs_error = abs(auto - num)
     rel_error = abs_error / abs(num) if num != 0 else math.inf
-    out_element = None if worst.out_element is None else unravel(worst.out_element, out.shape)
-    in_element = None if worst.in_element is None else unravel(worst.in_element, inp.shape)
+    out_element, out_part = _element(worst.out_element, out)
+    in_element, in_part = _element(worst.in_element, inp)
     direction = worst.direction
     ad_name = "jax.vjp" if mode == "rev" else "jax.linearize"
     if kind == "primal":
@@ -148,7 +148,7 @@ def gradcheck_error(
             f"Primal mismatch for {out.label} ({context}): the primal output of {ad_name} "
             "differs from calling the function (for a custom_vjp function: its forward rule "
             "returns something else than the function itself).",
-            f"  worst element: index {out_element} of shape {out.shape}",
+            f"  worst element: index {out_element}{out_part} of shape {out.shape}",
             f"  function call: {num:.10g}",
             f"  {ad_name}: {auto:.10g}",
         ]
@@ -160,8 +160,8 @@ def gradcheck_error(
         ]
         if method == "full":
             lines.append(
-                f"  worst entry: output element {out_element} (output shape {out.shape}), "
-                f"input element {in_element} (input shape {inp.shape})"
+                f"  worst entry: output element {out_element}{out_part} (output shape "
+                f"{out.shape}), input element {in_element}{in_part} (input shape {inp.shape})"
             )
             unit = "Jacobian entries for this pair"
         else:
@@ -183,7 +183,7 @@ def gradcheck_error(
         lines = [
             f"{_KIND_TITLES[kind]} for the gradient of {inp.label} ({context}): "
             f"{_KIND_EXPLANATIONS[kind]}.",
-            f"  worst element: {in_element} (input shape {inp.shape})"
+            f"  worst element: {in_element}{in_part} (input shape {inp.shape})"
             + ("" if direction is None else f", batch entry #{direction}"),
         ]
         names = {
@@ -277,3 +277,14 @@ def _pair_label(out: Segment | None, inp: Segment | None) -> str:
 # Tracebacks show the name users can import and catch (`jaxext.GradcheckError`), not this
 # private module's.
 GradcheckError.__module__ = "jaxext"
+
+
+def _element(flat: int | None, segment: Any) -> tuple[tuple[int, ...] | None, str]:
+    """The index in ``segment``'s shape of the flat entry ``flat``, and which part of a
+    complex element it is (``" (real part)"``, ``" (imaginary part)"``; ``""`` if real)."""
+    if flat is None:
+        return None, ""
+    if not segment.complex:
+        return unravel(flat, segment.shape), ""
+    part = " (real part)" if flat % 2 == 0 else " (imaginary part)"
+    return unravel(flat // 2, segment.shape), part

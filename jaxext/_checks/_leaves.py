@@ -17,7 +17,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["FloatLeaves", "float_dtype", "input_label", "output_label", "private_copies"]
+__all__ = [
+    "FloatLeaves",
+    "float_dtype",
+    "input_label",
+    "is_complex",
+    "output_label",
+    "private_copies",
+    "wide_dtype",
+]
 
 
 def private_copies(args: tuple) -> tuple:
@@ -33,15 +41,24 @@ def private_copies(args: tuple) -> tuple:
 
 
 def float_dtype(leaf: Any, label: str) -> np.dtype | None:
-    """The dtype of a checked (real floating array) leaf, else ``None``."""
+    """The dtype of a checked (real or complex floating array) leaf, else ``None``.
+
+    ``label`` names the leaf (kept for callers' messages).
+    """
+    del label
     if not isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
         return None  # Python/NumPy scalars and other objects are static
-    if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
-        raise TypeError(
-            f"{label} has complex dtype {leaf.dtype}; gradcheck supports real floating-point "
-            "arrays only (split complex values into real and imaginary parts)."
-        )
-    return leaf.dtype if jnp.issubdtype(leaf.dtype, jnp.floating) else None
+    return leaf.dtype if jnp.issubdtype(leaf.dtype, jnp.inexact) else None
+
+
+def is_complex(leaf: Any) -> bool:
+    """Whether an array leaf (or its ``ShapeDtypeStruct``) is complex."""
+    return jnp.issubdtype(leaf.dtype, jnp.complexfloating)
+
+
+def wide_dtype(dtype: Any) -> np.dtype:
+    """float64, or complex128 for a complex ``dtype``: the precision the checks run in."""
+    return np.dtype(np.complex128 if jnp.issubdtype(dtype, jnp.complexfloating) else np.float64)
 
 
 def input_label(path: Any) -> str:

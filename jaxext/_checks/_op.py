@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._compare import Mismatch, leaf_mismatches, unravel
-from ._leaves import FloatLeaves, output_label
+from ._compare import Mismatch, leaf_mismatches, unravel, widened
+from ._leaves import FloatLeaves, wide_dtype
 
 __all__ = ["CheckFailed", "OpUnderTest", "assert_trees_close", "mismatch_text"]
 
@@ -36,8 +36,9 @@ class OpUnderTest(FloatLeaves):
     """``func(*args)`` as a function of the float array leaves of ``args``.
 
     The ``FloatLeaves`` view, with ``args``' float array leaves converted to float64
-    JAX arrays (what a user's code receives: ``x.at[...]``, ``table[ids]`` with
-    traced ``ids`` and the like work); other leaves as given.
+    (complex ones to complex128) JAX arrays (what a user's code receives:
+    ``x.at[...]``, ``table[ids]`` with traced ``ids`` and the like work); other
+    leaves as given.
 
     Attributes:
         forward_error: why ``jax.jvp`` cannot differentiate the op (the
@@ -53,10 +54,9 @@ class OpUnderTest(FloatLeaves):
     @classmethod
     def build(cls, func: Callable[..., Any], args: tuple) -> OpUnderTest:
         view = FloatLeaves.of(func, args, argument="args")
-        values = [jnp.asarray(leaf, dtype=jnp.float64) for leaf in view.values]
+        values = [jnp.asarray(leaf, dtype=wide_dtype(leaf.dtype)) for leaf in view.values]
         fields = {f.name: getattr(view, f.name) for f in dataclasses.fields(FloatLeaves)}
         op = cls(**{**fields, "args": view.args_with(values)})
-        _refuse_complex_outputs(op)
         return dataclasses.replace(op, forward_error=_forward_mode_error(op))
 
     # -- calling -------------------------------------------------------------------------
@@ -95,29 +95,22 @@ class OpUnderTest(FloatLeaves):
         return self.cache["output_shapes"]
 
     def cotangent(self, rng: np.random.Generator, scale: float = 1.0) -> Any:
-        """A random cotangent for the output (float0 zeros for non-float leaves)."""
+        """A random cotangent for the output (complex for a complex leaf; float0 zeros
+        for non-float leaves)."""
         return jax.tree_util.tree_map(lambda o: _random_like(rng, o, scale), self.output_shapes())
 
     def tangents(self, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
-        return tuple(rng.standard_normal(p.shape) for p in self.primals)
+        """Random tangents for the float inputs (complex for a complex input)."""
+        return tuple(_standard_normal(rng, p.shape, p.dtype) for p in self.primals)
 
 
-def _refuse_complex_outputs(op: OpUnderTest) -> None:
-    """Raises ``TypeError`` naming a complex output leaf, before any check runs.
-
-    An op that fails to trace is left to the checks, which report it as their FAIL.
-    """
-    try:
-        shapes = op.output_shapes()
-    except Exception:  # noqa: BLE001 -- reported by each check instead
-        return
-    for position, (path, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(shapes)[0]):
-        if _is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.complexfloating):
-            raise TypeError(
-                f"{output_label(position, path)} has complex dtype {leaf.dtype}; opcheck supports "
-                "real floating-point outputs only (return the real and imaginary parts as two "
-                "outputs)."
-            )
+def _standard_normal(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """Standard-normal draws; for a complex ``dtype``, independent real and imaginary
+    parts (a tangent or cotangent along both directions of each element)."""
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        pairs = rng.standard_normal((*shape, 2))
+        return pairs[..., 0] + 1j * pairs[..., 1]
+    return rng.standard_normal(shape)
 
 
 def _forward_mode_error(op: OpUnderTest) -> str | None:
@@ -140,7 +133,8 @@ def _random_like(rng: np.random.Generator, leaf: Any, scale: float) -> Any:
     if jnp.issubdtype(leaf.dtype, jnp.inexact):
         # A JAX array, as a backward receives in a user's code (NumPy arithmetic on a
         # NumPy cotangent would promote differently: 1.01 * g of bfloat16 is float32).
-        return jnp.asarray(scale * rng.standard_normal(leaf.shape), dtype=leaf.dtype)
+        draws = _standard_normal(rng, leaf.shape, leaf.dtype)
+        return jnp.asarray(scale * draws, dtype=leaf.dtype)
     return np.zeros(leaf.shape, jax.dtypes.float0)
 
 
@@ -159,7 +153,8 @@ def assert_trees_close(
 ) -> None:
     """Raises ``CheckFailed`` unless every float leaf is close, normwise per leaf.
 
-    A leaf passes when ``max |actual - expected| <= atol + rtol * max |expected|``:
+    A leaf passes when ``max |actual - expected| <= atol + rtol * max |expected|``
+    (moduli for complex leaves, compared whole):
     two programs computing the same math round differently, and normwise
     comparison does not punish entries that are small by cancellation.
     """
@@ -171,7 +166,7 @@ def assert_trees_close(
             f"{[p for p, _ in e_leaves]}."
         )
     for (path, a), (_, e) in zip(a_leaves, e_leaves, strict=True):
-        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        a, e = widened(a), widened(e)
         if a.shape != e.shape:
             raise CheckFailed(f"{what}{path}: shape {a.shape}, expected {e.shape}.")
         for m in leaf_mismatches([e], [a], atol=atol, rtol=rtol, normwise=True)[:1]:

@@ -55,8 +55,9 @@ def opcheck(
     * ``forward_rule``: the primal outputs of ``jax.vjp`` (and ``jax.jvp``)
       equal the op's output: a ``custom_vjp`` forward rule computes the op.
     * ``grad_dtypes``: each gradient has its input's dtype and shape, for
-      float64, float32 and bfloat16 inputs (``float0`` for integer inputs); JAX
-      itself accepts a float32 gradient for a float64 input without a word. A
+      float64, float32 and bfloat16 inputs (complex ones complex128, complex64
+      and complex64; ``float0`` for integer inputs); JAX itself accepts a float32
+      gradient for a float64 input without a word. A
       dtype the op has no kernel for is a SKIP naming it.
     * ``zero_cotangent``: a zero cotangent gives exactly zero gradients, and
       using only one of several outputs (the others symbolic zeros) works.
@@ -103,7 +104,14 @@ def opcheck(
       bfloat16 input is fine). A dtype the op refuses while tracing, with a
       ``TypeError`` naming it (as an op whose kernels have no handler for that
       dtype should), or has no kernel for (``NotImplementedError``), is a SKIP
-      with the op's message.
+      with the op's message. Complex inputs run as complex64 (there is no
+      complex bfloat16: an op whose inputs are all complex runs float32 only).
+
+    Complex inputs and outputs are checked in JAX's convention (a cotangent
+    ``c`` pairs with a tangent ``t`` as ``Re(c t)``; the VJP of a holomorphic
+    ``f`` is ``c * f'(z)``): the gradient checks see each complex element as
+    its real and imaginary part, cotangents and tangents are complex, and
+    complex results are compared whole.
 
     Comparisons of two programs computing the same math in float64 (jit and
     eager, vmap and a loop ...) allow a normwise relative error of 1e-9.
@@ -130,9 +138,7 @@ def opcheck(
     Raises:
         OpcheckError: if a check fails and ``raise_exception`` is true, naming
             each failed check with its diagnostic.
-        TypeError: if ``func`` is not callable, an option has the wrong type, or
-            an input or output is complex (named in the message; split it into
-            real and imaginary parts).
+        TypeError: if ``func`` is not callable or an option has the wrong type.
         ValueError: for an unknown check name, an option out of range, or
             ``args`` without a floating-point array.
 

@@ -3,6 +3,12 @@
 ``first_order`` turns ``func(*args)`` into a function of one flat float64
 vector, ``Problem.f``, whose input blocks are the floating-point array leaves of
 ``args`` and whose output blocks are the floating-point leaves of the result.
+A complex leaf is two real ones: its block holds the real and imaginary part of
+each element, interleaved (``z.view(float64)``), so the numerical Jacobian
+perturbs both directions. JAX's convention links its VJP to that real view: the
+cotangent of ``(Re w, Im w)`` entries ``(a, b)`` is the complex ``a - ib``, and a
+gradient ``g`` of ``z`` is the pair ``(Re g, -Im g)`` (a cotangent ``c`` pairs
+with a tangent ``t`` as ``Re(c t)``; for holomorphic ``f``, ``vjp(c) = c f'(z)``).
 Each block is a ``Segment`` that remembers which input or output it came from,
 so failures can be reported in the caller's terms. ``second_order`` builds the
 function that ``gradgradcheck`` differentiates: the VJP of ``Problem.f`` as a
@@ -34,10 +40,11 @@ class Segment:
     shape: tuple[int, ...]
     offset: int
     label: str  # how messages name it, e.g. "input 1['w']"
+    complex: bool = False  # two flat entries per element: real and imaginary part
 
     @property
     def size(self) -> int:
-        return math.prod(self.shape)
+        return math.prod(self.shape) * (2 if self.complex else 1)
 
     @property
     def slice(self) -> slice:
@@ -61,6 +68,36 @@ class Problem:
     inner: str = "rev"  # order 2: the first derivative differentiated, VJP or JVP
 
 
+def _as_real(value: jax.Array, complex_: bool) -> jax.Array:
+    """A leaf as flat float64 entries: ``(Re, Im)`` interleaved for a complex one."""
+    if complex_:
+        value = jnp.asarray(value, jnp.complex128)
+        return jnp.stack([jnp.real(value), jnp.imag(value)], axis=-1).ravel()
+    return jnp.ravel(value).astype(jnp.float64)
+
+
+def _as_complex(flat: jax.Array, segment: Segment, sign: float = 1.0) -> jax.Array:
+    """The inverse of ``_as_real`` for ``segment`` (``sign=-1``: ``Re - i Im``, a cotangent)."""
+    if segment.complex:
+        pairs = flat.reshape(*segment.shape, 2)
+        return jax.lax.complex(pairs[..., 0], sign * pairs[..., 1])
+    return flat.reshape(segment.shape)
+
+
+def _gradient_as_real(grad: jax.Array, complex_: bool) -> jax.Array:
+    """A gradient as flat float64 entries: ``(Re g, -Im g)`` for a complex input (the
+    derivatives along its real and imaginary part, in JAX's convention); for a real
+    input, the real part of a (wrongly) complex gradient, as JAX's convention reads it."""
+    grad = jnp.asarray(grad)
+    if complex_:
+        grad = grad.astype(jnp.complex128)
+        return jnp.stack([jnp.real(grad), -jnp.imag(grad)], axis=-1).ravel()
+    return jnp.ravel(jnp.real(grad)).astype(jnp.float64)
+
+
+_WIDE = (np.dtype(np.float64), np.dtype(np.complex128))
+
+
 def first_order(func: Callable[..., Any], args: tuple) -> tuple[Problem, list[str], list[str]]:
     """Flattens ``func`` at ``args`` into a ``Problem``.
 
@@ -75,28 +112,33 @@ def first_order(func: Callable[..., Any], args: tuple) -> tuple[Problem, list[st
         view.values, view.labels, view.indices, view.paths, strict=True
     ):
         dtype = np.dtype(leaf.dtype)
-        if dtype != np.float64:
+        if dtype not in _WIDE:
             low.append(f"{label} ({dtype})")
-        array = np.asarray(leaf).astype(np.float64)
-        segments.append(Segment(index, sub, array.shape, offset, label))
-        arrays.append(array.ravel())
-        offset += array.size
+        complex_ = jnp.issubdtype(dtype, jnp.complexfloating)
+        array = np.asarray(leaf).astype(np.complex128 if complex_ else np.float64)
+        segment = Segment(index, sub, array.shape, offset, label, complex_)
+        segments.append(segment)
+        arrays.append(array.reshape(-1).view(np.float64) if complex_ else array.ravel())
+        offset += segment.size
     x0 = jnp.asarray(np.concatenate(arrays))
     out_positions: list[int] = []
 
     def f_tree(x):
-        return view.call(*(x[segment.slice].reshape(segment.shape) for segment in segments))
+        return view.call(*(_as_complex(x[segment.slice], segment) for segment in segments))
 
     def flat_outputs(tree):
         outs = jax.tree_util.tree_leaves(tree)
-        parts = [jnp.ravel(outs[p]).astype(jnp.float64) for p in out_positions]
+        parts = [
+            _as_real(outs[p], segment.complex)
+            for segment, p in zip(outputs, out_positions, strict=True)
+        ]
         return jnp.concatenate(parts) if parts else jnp.zeros((0,))
 
     def f(x):
         return flat_outputs(f_tree(x))
 
     def vjp(x):
-        blocks = [x[segment.slice].reshape(segment.shape) for segment in segments]
+        blocks = [_as_complex(x[segment.slice], segment) for segment in segments]
         out, vjp_fn = jax.vjp(view.call, *blocks)
         out_leaves, out_def = jax.tree_util.tree_flatten(out)
 
@@ -104,9 +146,12 @@ def first_order(func: Callable[..., Any], args: tuple) -> tuple[Problem, list[st
             cotangents = [np.zeros(leaf.shape, jax.dtypes.float0) for leaf in out_leaves]
             for segment, position in zip(outputs, out_positions, strict=True):
                 leaf = out_leaves[position]
-                cotangents[position] = u[segment.slice].reshape(leaf.shape).astype(leaf.dtype)
+                ct = _as_complex(u[segment.slice], segment, sign=-1.0)
+                cotangents[position] = ct.astype(leaf.dtype)
             grads = vjp_fn(jax.tree_util.tree_unflatten(out_def, cotangents))
-            return jnp.concatenate([jnp.ravel(g).astype(jnp.float64) for g in grads])
+            return jnp.concatenate(
+                [_gradient_as_real(g, s.complex) for g, s in zip(grads, segments, strict=True)]
+            )
 
         return flat_outputs(out), pullback
 
@@ -118,12 +163,13 @@ def first_order(func: Callable[..., Any], args: tuple) -> tuple[Problem, list[st
         dtype = float_dtype(leaf, label)
         if dtype is None:
             continue  # integer and boolean outputs are not checked
-        if dtype != np.float64:
+        if dtype not in _WIDE:
             low_out.append(f"{label} ({dtype})")
         full = jax.tree_util.keystr(path)
-        outputs.append(Segment(position, full, leaf.shape, offset, label))
+        complex_ = jnp.issubdtype(dtype, jnp.complexfloating)
+        outputs.append(Segment(position, full, leaf.shape, offset, label, complex_))
         out_positions.append(position)
-        offset += math.prod(leaf.shape)
+        offset += outputs[-1].size
     if not outputs:
         raise ValueError("`func` returned no floating-point array to check.")
     problem = Problem(
@@ -148,15 +194,25 @@ def _given_grad_outputs(grad_outputs: Any, first: Problem, low: list[str]) -> li
     for segment, position in zip(first.outputs, first.out_positions, strict=True):
         label = f"grad_outputs for {segment.label}"
         dtype = float_dtype(leaves[position], label)
-        if dtype is None or np.shape(leaves[position]) != segment.shape:
+        complex_ = dtype is not None and jnp.issubdtype(dtype, jnp.complexfloating)
+        if (
+            dtype is None
+            or np.shape(leaves[position]) != segment.shape
+            or (complex_ and not segment.complex)
+        ):
+            kind = "complex or real" if segment.complex else "real floating-point"
             raise ValueError(
-                f"`grad_outputs`: {label} must be a floating-point array of shape "
+                f"`grad_outputs`: {label} must be a {kind} array of shape "
                 f"{segment.shape}; got {type(leaves[position]).__name__} of shape "
-                f"{np.shape(leaves[position])}."
+                f"{np.shape(leaves[position])}"
+                + (f" and dtype {dtype}." if dtype is not None else ".")
             )
-        if dtype != np.float64:
+        if dtype not in _WIDE:
             low.append(f"{label} ({dtype})")
-        cotangents.append(np.asarray(leaves[position]).astype(np.float64))
+        value = np.asarray(leaves[position])
+        if segment.complex:  # the cotangent c of (Re, Im) entries (Re c, -Im c)
+            value = value.astype(np.complex128).conj().reshape(-1).view(np.float64)
+        cotangents.append(value.astype(np.float64))
     return cotangents
 
 
@@ -168,7 +224,7 @@ def _appended_inputs(
     return tuple(
         Segment(
             num_args + s.index, s.path, s.shape, n_x + s.offset,
-            f"input {num_args + s.index} ({what} for {s.label})",
+            f"input {num_args + s.index} ({what} for {s.label})", s.complex,
         )
         for s in segments
     )  # fmt: skip
@@ -195,7 +251,7 @@ def second_order(
     low: list[str] = []
     if grad_outputs is None:
         rng = np.random.default_rng(seed)
-        cotangents = [rng.standard_normal(segment.shape) for segment in first.outputs]
+        cotangents = [rng.standard_normal(segment.size) for segment in first.outputs]
     else:
         cotangents = _given_grad_outputs(grad_outputs, first, low)
     n_x = first.x0.shape[0]
@@ -207,12 +263,20 @@ def second_order(
             s.shape,
             s.offset,
             f"output {s.index}{s.path} (the gradient of {s.label})",
+            s.complex,
         )
         for s in first.inputs
     )
 
+    # The pullback gives a complex input's gradient g as (Re g, -Im g): flipped back to
+    # (Re g, Im g), so that reports show the gradient's own imaginary part.
+    signs = np.ones(n_x)
+    for segment in first.inputs:
+        if segment.complex:
+            signs[segment.offset + 1 : segment.offset + segment.size : 2] = -1.0
+
     def g(z):
-        return first.vjp(z[:n_x])[1](z[n_x:])
+        return first.vjp(z[:n_x])[1](z[n_x:]) * signs
 
     z0 = jnp.concatenate([first.x0, jnp.asarray(np.concatenate([c.ravel() for c in cotangents]))])
     return Problem(g, z0, _flat_vjp(g), first.inputs + ct_inputs, gradients, order=2), low
@@ -228,11 +292,12 @@ def second_order_forward(first: Problem, num_args: int, seed: int) -> Problem:
     from a backward) gets wrong at second order only.
     """
     rng = np.random.default_rng(seed)
-    tangents = [rng.standard_normal(segment.shape) for segment in first.inputs]
+    tangents = [rng.standard_normal(segment.size) for segment in first.inputs]
     n_x = first.x0.shape[0]
     t_inputs = _appended_inputs(first.inputs, num_args, n_x, "tangent")
     outputs = tuple(
-        Segment(s.index, s.path, s.shape, s.offset, f"{s.label} (its JVP)") for s in first.outputs
+        Segment(s.index, s.path, s.shape, s.offset, f"{s.label} (its JVP)", s.complex)
+        for s in first.outputs
     )
 
     def g(z):
