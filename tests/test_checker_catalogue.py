@@ -1,0 +1,636 @@
+"""The checkers against a catalogue of ops whose verdicts are known (issue #20, item 5).
+
+Two tables, each entry one op written here:
+
+- ``CORRECT``: correct but tricky ops (permutations, integer inputs, scalar and 0-d
+  values, mixed precision, tiny scales, pytrees, symbolic zeros, backwards that cannot
+  be differentiated again ...). The full ``jaxext.opcheck`` battery gives no FAIL, and
+  exactly the SKIPs listed with the op (a SKIP nobody expected fails the test, so a
+  check that silently stops running is noticed); ``jaxext.gradcheck`` and
+  ``jaxext.gradgradcheck`` return True where the op is twice differentiable.
+- ``BUGGY``: ops with one realistic bug each. ``opcheck`` FAILs them, in (at least)
+  the checks named with the op: the verdict points at the bug. Where the bug is one of
+  gradient values, ``jaxext.gradcheck`` rejects it too.
+
+Complex ops are left out: complex support is being added separately.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import LinearFunction, OnceCube, rand
+
+import jaxext
+from jaxext._checks import CHECK_NAMES
+
+# Plain jax.custom_vjp ops have no forward mode: these checks SKIP for them.
+NO_FORWARD_MODE = ("jvp", "jvp_vjp", "rev_over_fwd", "fwd_over_fwd")
+# ... and a backward that cannot be differentiated again SKIPs the second-order checks.
+NOT_TWICE = ("gradgradcheck", *NO_FORWARD_MODE)
+# Only ops calling jaxext.cpp_extension kernels run unwritten_outputs (test_cpp_extension).
+ALWAYS_SKIPPED = {"unwritten_outputs"}
+
+
+def f64(seed, shape):
+    return rand(seed, shape, np.float64)
+
+
+def positive(seed, shape):
+    return 0.5 + np.abs(f64(seed, shape))
+
+
+# -- correct ops ---------------------------------------------------------------------------
+
+
+def perm_index():
+    """fwd indexes with ``x[perm]``; the backward scatters back (a jaxext.custom_vjp)."""
+    perm = np.array([2, 0, 3, 1])
+
+    @jaxext.custom_vjp
+    def op(x):
+        return x[perm] * 2.0
+
+    op.defvjp(lambda x: (op(x), None), lambda _, g: (jnp.zeros_like(g).at[perm].set(2.0 * g, unique_indices=True),))
+    return op, (f64(0, (4, 2)),)
+
+
+def embedding():
+    """``table[ids]`` with integer ids (repeated), gradient scattered with ``.at[].add``."""
+
+    @jaxext.custom_vjp
+    def op(table, ids):
+        return table[ids]
+
+    def bwd(res, g):
+        zeros, ids = res
+        return zeros.at[ids].add(g), None
+
+    op.defvjp(lambda table, ids: (op(table, ids), (jnp.zeros_like(table), ids)), bwd)
+    return op, (f64(0, (3, 2)), np.array([1, 0, 1, 2]))
+
+
+def at_set_add():
+    return (lambda x: x.at[0].set(x[1] * 2.0).at[1:].add(x[0] ** 2)), (f64(0, (3,)),)
+
+
+def scalar_output():
+    return (lambda x: (x**2).sum()), (f64(0, (3,)),)
+
+
+def temperature_0d():
+    """A softmax with a learnable temperature: a 0-d float input."""
+    return (lambda x, t: jax.nn.softmax(x / t)), (f64(0, (4,)), np.array(0.7))
+
+
+def mul_constant_numpy_0d():
+    return jaxext.mul_constant, (f64(0, (2, 3)), np.array(2.0))
+
+
+def mixed_precision():
+    """float32 output for a bfloat16 input (float64 for float64)."""
+
+    def op(x):
+        return jnp.tanh(x.astype(jnp.promote_types(x.dtype, jnp.float32)))
+
+    return op, (f64(0, (2, 3)),)
+
+
+def sin_large_phases():
+    """Phases in [100, 200]: rounding them to bfloat16 alone moves sin a lot."""
+    return jnp.sin, (np.random.default_rng(0).uniform(100.0, 200.0, (2, 3)),)
+
+
+def normalize_tiny():
+    """Vectors of norm ~2e-5: the finite-difference step must follow the scale."""
+    return (lambda x: x / jnp.linalg.norm(x)), (2e-5 * f64(0, (4,)),)
+
+
+def linalg_solve():
+    """No bfloat16 kernel on CPU: low_precision SKIPs with the reason."""
+    return jnp.linalg.solve, (f64(0, (3, 3)) + 3 * np.eye(3), f64(1, (3,)))
+
+
+@jax.custom_vjp
+def fixed_point_sqrt(a):
+    return jnp.sqrt(a)
+
+
+def _fixed_point_sqrt_bwd(res, g):
+    """The adjoint of z = (z + a / z) / 2 solved by a while_loop (dynamic trip count)."""
+    a, z = res
+    dfdz, dfda = 0.5 - 0.5 * a / z**2, 0.5 / z
+
+    def body(state):
+        u, _, k = state
+        return g + u * dfdz, u, k + 1
+
+    def not_converged(state):
+        u, previous, k = state
+        return (k < 60) & jnp.any(jnp.abs(u - previous) > 1e-15 * jnp.abs(u))
+
+    u, _, _ = jax.lax.while_loop(not_converged, body, body((g, g + 1.0, 0)))
+    return (u * dfda,)
+
+
+fixed_point_sqrt.defvjp(lambda a: (jnp.sqrt(a), (a, jnp.sqrt(a))), _fixed_point_sqrt_bwd)
+
+
+def fixed_point_backward():
+    return fixed_point_sqrt, (positive(0, (3,)),)
+
+
+def linear_empty_batch():
+    return jaxext.linear, (np.zeros((0, 3)), f64(1, (2, 3)), f64(2, (2,)))
+
+
+def pytree_in_out():
+    """A dict of inputs (one of them a nested tuple), a tuple of outputs with a dict."""
+
+    def op(params, x):
+        w, (b, scale) = params["w"], params["bs"]
+        y = jnp.tanh(x @ w.T + b)
+        return y * scale, {"norm": jnp.sum(y**2)}
+
+    params = {"w": f64(0, (2, 3)), "bs": (f64(1, (2,)), np.array(1.5))}
+    return op, (params, f64(2, (4, 3)))
+
+
+def nondiff_argnums():
+    """A static Python float in ``nondiff_argnums``; the bwd receives it first."""
+
+    def fwd(power, x):
+        return jnp.abs(x) ** power, x
+
+    def bwd(power, x, g):
+        return (g * power * jnp.sign(x) * jnp.abs(x) ** (power - 1),)
+
+    op = jax.custom_vjp(lambda power, x: jnp.abs(x) ** power, nondiff_argnums=(0,))
+    op.defvjp(fwd, bwd)
+    return op, (2.5, positive(0, (3,)))
+
+
+def integer_input():
+    """An integer array input (a per-row repeat count) beside a float one: float0."""
+    return (lambda x, n: x * n + jnp.sin(x)), (f64(0, (3, 2)), np.array([[1, 2], [0, 3], [2, 2]]))
+
+
+def symbolic_zeros_two_outputs():
+    """symbolic_zeros=True, two outputs, unused outputs' zeros handled (skipped)."""
+
+    @jax.custom_vjp
+    def op(x, w):
+        return x @ w.T, jnp.sin(x)
+
+    def fwd(x, w):
+        return op(x.value, w.value), (x.value, w.value)
+
+    def bwd(res, g):
+        x, w = res
+        g_y, g_s = g
+        zero = jax.custom_derivatives.SymbolicZero
+        grad_x = jnp.zeros_like(x)
+        grad_w = jnp.zeros_like(w)
+        if not isinstance(g_y, zero):
+            grad_x, grad_w = grad_x + g_y @ w, grad_w + g_y.T @ x
+        if not isinstance(g_s, zero):
+            grad_x = grad_x + g_s * jnp.cos(x)
+        return grad_x, grad_w
+
+    op.defvjp(fwd, bwd, symbolic_zeros=True)
+    return op, (f64(0, (3, 2)), f64(1, (2, 2)))
+
+
+def multiple_outputs():
+    """A jaxext.custom_vjp with three outputs (forward mode from the bwd)."""
+
+    @jaxext.custom_vjp
+    def op(x):
+        return jnp.sin(x), jnp.cos(x), jnp.sum(x**3)
+
+    def bwd(x, g):
+        g_s, g_c, g_t = g
+        return (g_s * jnp.cos(x) - g_c * jnp.sin(x) + 3 * g_t * x**2,)
+
+    op.defvjp(lambda x: (op(x), x), bwd)
+    return op, (f64(0, (3,)),)
+
+
+def perturbed_residuals_done_right():
+    """jaxext.custom_vjp, fwd saves only the residuals the perturbed inputs need, and bwd
+    reads which it got from the residuals themselves (not from a cache)."""
+
+    @jaxext.custom_vjp
+    def op(x, w):
+        return jnp.sin(x) * w
+
+    def fwd(x, w):
+        saved = (
+            (jnp.cos(x.value) * w.value) if x.perturbed else None,
+            jnp.sin(x.value) if w.perturbed else None,
+        )
+        return op(x.value, w.value), saved
+
+    def bwd(saved, g):
+        dx, dw = saved
+        return (None if dx is None else g * dx, None if dw is None else g * dw)
+
+    op.defvjp(fwd, bwd, symbolic_zeros=True)
+    return op, (f64(0, (3, 2)), f64(1, (3, 2)))
+
+
+def sort_cumsum_where_max():
+    """Piecewise ops away from their kinks (no ties, no zero crossings within eps)."""
+
+    def op(x):
+        s = jnp.sort(x)
+        c = jnp.cumsum(s)
+        w = jnp.where(x > 0, x**2, 0.5 * x)
+        return c + w, jnp.max(x)
+
+    return op, (np.array([0.3, -1.2, 2.1, -0.4, 1.7]),)
+
+
+def plain_custom_jvp():
+    @jax.custom_jvp
+    def softplus(x):
+        return jnp.logaddexp(x, 0.0)
+
+    softplus.defjvp(lambda p, t: (softplus(p[0]), jax.nn.sigmoid(p[0]) * t[0]))
+    return softplus, (f64(0, (3, 2)),)
+
+
+def function_linear():
+    return LinearFunction.apply, (f64(0, (3, 2)), f64(1, (2, 2)), f64(2, (2,)))
+
+
+def once_differentiable():
+    return OnceCube.apply, (f64(0, (3,)),)
+
+
+# name -> (builder, SKIPs expected beyond unwritten_outputs, twice differentiable)
+CORRECT = {
+    "perm_index": (perm_index, (), True),
+    "embedding_int_ids": (embedding, (), True),
+    "at_set_add": (at_set_add, (), True),
+    "scalar_output": (scalar_output, (), True),
+    "temperature_0d": (temperature_0d, (), True),
+    "mul_constant_numpy_0d": (mul_constant_numpy_0d, (), True),
+    "mixed_precision": (mixed_precision, (), True),
+    "sin_large_phases": (sin_large_phases, (), True),
+    "normalize_tiny": (normalize_tiny, (), True),
+    "linalg_solve": (linalg_solve, ("low_precision",), True),
+    "fixed_point_backward": (fixed_point_backward, NOT_TWICE, False),
+    "linear_empty_batch": (linear_empty_batch, ("export_symbolic",), True),
+    "pytree_in_out": (pytree_in_out, (), True),
+    "nondiff_argnums": (nondiff_argnums, NO_FORWARD_MODE, True),
+    "integer_input": (integer_input, (), True),
+    "symbolic_zeros_two_outputs": (symbolic_zeros_two_outputs, NO_FORWARD_MODE, True),
+    "multiple_outputs": (multiple_outputs, (), True),
+    "perturbed_residuals_done_right": (perturbed_residuals_done_right, (), True),
+    "sort_cumsum_where_max": (sort_cumsum_where_max, (), True),
+    "plain_custom_jvp": (plain_custom_jvp, (), True),
+    "function_linear": (function_linear, (), True),
+    "once_differentiable": (once_differentiable, NOT_TWICE, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CORRECT))
+def test_correct_op_gets_no_fail_and_only_the_expected_skips(name):
+    build, expected_skips, twice = CORRECT[name]
+    op, args = build()
+    report = jaxext.opcheck(op, args, raise_exception=False)
+    assert report.failed == (), str(report)
+    assert set(report.skipped) == set(expected_skips) | ALWAYS_SKIPPED, str(report)
+    assert len(report.results) == len(CHECK_NAMES)
+    for check in expected_skips:
+        assert report[check].detail, f"{check} SKIPped without a reason"
+    assert jaxext.gradcheck(op, args) is True
+    if twice:
+        assert jaxext.gradgradcheck(op, args) is True
+
+
+# -- buggy ops -----------------------------------------------------------------------------
+
+
+def abs_cotangent():
+    """bwd uses |g|: right for every one-hot +1 cotangent, not linear in g."""
+
+    @jax.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    op.defvjp(lambda x: (op(x), x), lambda x, g: (jnp.abs(g) * jnp.cos(x),))
+    return op, (f64(0, (3, 2)),)
+
+
+def float32_grad_for_bfloat16():
+    """Computes the gradient in at least float32 and forgets to cast back."""
+
+    @jax.custom_vjp
+    def op(x):
+        return x * x
+
+    def bwd(x, g):
+        wide = jnp.promote_types(x.dtype, jnp.float32)
+        return (2 * x.astype(wide) * g.astype(wide),)
+
+    op.defvjp(lambda x: (op(x), x), bwd)
+    return op, (f64(0, (3, 2)),)
+
+
+def symbolic_zero_as_ones():
+    """Two outputs; an unused output's symbolic-zero cotangent is read as ones."""
+
+    @jax.custom_vjp
+    def op(x):
+        return jnp.sin(x), x**2
+
+    def bwd(x, g):
+        g_s, g_q = (
+            jnp.ones(t.shape, t.dtype) if isinstance(t, jax.custom_derivatives.SymbolicZero) else t
+            for t in g
+        )
+        return (g_s * jnp.cos(x) + 2 * g_q * x,)
+
+    op.defvjp(lambda x: (op(x.value), x.value), bwd, symbolic_zeros=True)
+    return op, (f64(0, (3,)),)
+
+
+def l2_penalty_off_by_2x():
+    """lambda = 1e-6: every gradient entry is below atol, and 2x off."""
+
+    @jax.custom_vjp
+    def op(w):
+        return 1e-6 * jnp.sum(w**2)
+
+    op.defvjp(lambda w: (op(w), w), lambda w, g: (4e-6 * g * w,))
+    return op, (f64(0, (3, 2)),)
+
+
+@jax.custom_jvp
+def _cos_wrong_derivative(x):
+    return jnp.cos(x)
+
+
+# The derivative of cos is -sin; this says +sin: only seen when the bwd is differentiated.
+_cos_wrong_derivative.defjvp(lambda p, t: (jnp.cos(p[0]), jnp.sin(p[0]) * t[0]))
+
+
+def second_order_via_custom_jvp():
+    """bwd built on a custom_jvp whose derivative is wrong: first order right."""
+
+    @jax.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    op.defvjp(lambda x: (op(x), x), lambda x, g: (g * _cos_wrong_derivative(x),))
+    return op, (f64(0, (3,)),)
+
+
+def second_order_stop_gradient():
+    """bwd cuts x with stop_gradient: first order right, second derivatives zero."""
+
+    @jaxext.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    op.defvjp(lambda x: (op(x), x), lambda x, g: (g * jnp.cos(jax.lax.stop_gradient(x)),))
+    return op, (f64(0, (3,)),)
+
+
+def jvp_rule_wrong_at_second_order():
+    """A jvp= rule right at first order, stop_gradient on its residual: forward-mode
+    second derivatives are wrong while reverse over reverse is right."""
+
+    @jaxext.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    op.defvjp(
+        lambda x: (op(x), x),
+        lambda x, g: (g * jnp.cos(x),),
+        jvp=lambda x, tangents: jnp.cos(jax.lax.stop_gradient(x)) * tangents[0],
+    )
+    return op, (f64(0, (3,)),)
+
+
+def residuals_by_perturbed_reused():
+    """Plain jax.custom_vjp, symbolic_zeros=True, residuals chosen by ``.perturbed``:
+    jitted once and used as ``op(a, c) + op(c, b) + op(a, b) ** 2`` the gradient is wrong
+    (JAX reuses one residual layout)."""
+
+    @jax.custom_vjp
+    def op(x, w):
+        return x * w
+
+    def fwd(x, w):
+        saved = (w.value if x.perturbed else None, x.value if w.perturbed else None)
+        return x.value * w.value, saved
+
+    def bwd(saved, g):
+        w, x = saved
+        return (None if w is None else g * w, None if x is None else g * x)
+
+    op.defvjp(fwd, bwd, symbolic_zeros=True)
+    return op, (f64(0, (3, 2)), f64(1, (3, 2)))
+
+
+def _linear_op(bwd):
+    @jax.custom_vjp
+    def op(x, w, b):
+        return x @ w.T + b
+
+    op.defvjp(lambda x, w, b: (op(x, w, b), (x, w)), bwd)
+    return op, (f64(0, (4, 3)), f64(1, (3, 3)), f64(2, (3,)))
+
+
+def missing_transpose():
+    return _linear_op(lambda r, g: (g @ r[1].T, g.T @ r[0], g.sum(0)))
+
+
+def wrong_sign():
+    return _linear_op(lambda r, g: (g @ r[1], -(g.T @ r[0]), g.sum(0)))
+
+
+def bias_grad_averaged():
+    return _linear_op(lambda r, g: (g @ r[1], g.T @ r[0], g.mean(0)))
+
+
+def bias_grad_not_reduced():
+    """bias gradient of the batch's shape (4, 3) for a bias of shape (3,)."""
+    return _linear_op(lambda r, g: (g @ r[1], g.T @ r[0], g))
+
+
+def ignores_cotangent():
+    """bwd returns J^T 1 whatever the cotangent."""
+    return _linear_op(lambda r, g: (jnp.ones_like(g) @ r[1], g.T @ r[0], g.sum(0)))
+
+
+def swapped_gradients():
+    """op(x, y) = x * y with the two gradients returned in the wrong order."""
+
+    @jax.custom_vjp
+    def op(x, y):
+        return jnp.sin(x) * y
+
+    op.defvjp(
+        lambda x, y: (op(x, y), (x, y)),
+        lambda r, g: (g * jnp.sin(r[0]), g * jnp.cos(r[0]) * r[1]),
+    )
+    return op, (f64(0, (3,)), f64(1, (3,)))
+
+
+def forgot_chain_rule():
+    """bwd returns d sin / dx, not g times it."""
+
+    @jax.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    op.defvjp(lambda x: (op(x), x), lambda x, g: (jnp.cos(x),))
+    return op, (f64(0, (3,)),)
+
+
+def scalar_grad_for_vector():
+    """A gradient of shape () for an input of shape (3,)."""
+
+    @jax.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    op.defvjp(lambda x: (op(x), x), lambda x, g: (jnp.sum(g * jnp.cos(x)),))
+    return op, (f64(0, (3,)),)
+
+
+def float32_grad_always():
+    """float32 gradient for every input dtype (float64 included)."""
+
+    @jax.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    op.defvjp(lambda x: (op(x), x), lambda x, g: ((g * jnp.cos(x)).astype(jnp.float32),))
+    return op, (f64(0, (3,)),)
+
+
+def fwd_differs_from_primal():
+    """fwd adds an epsilon the primal does not (as a stale copy of the kernel would)."""
+
+    @jax.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    op.defvjp(lambda x: (jnp.sin(x) + 1e-4, x), lambda x, g: (g * jnp.cos(x),))
+    return op, (f64(0, (3,)),)
+
+
+def wrong_vmap_rule():
+    """A custom_vmap rule that reduces over the batch axis too (x.sum() over all axes)."""
+
+    @jax.custom_batching.custom_vmap
+    def center(x):
+        return x - jnp.mean(x)
+
+    @center.def_vmap
+    def _center_vmap(axis_size, in_batched, x):
+        return x - jnp.mean(x), in_batched[0]  # should be the mean over axis 1
+
+    @jax.custom_vjp
+    def op(x):
+        return center(x)
+
+    op.defvjp(lambda x: (op(x), None), lambda _, g: (g - jnp.mean(g),))
+    return op, (f64(0, (3,)),)
+
+
+def non_reentrant():
+    """bwd keeps a Python-level call count and scales by it (a stateful cache)."""
+    calls = []
+
+    @jax.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    def bwd(x, g):
+        calls.append(None)
+        return (g * jnp.cos(x) * (1.0 + 1e-3 * (len(calls) - 1)),)
+
+    op.defvjp(lambda x: (op(x), x), bwd)
+    return op, (f64(0, (3,)),)
+
+
+def stale_residual_cache():
+    """fwd caches its residual per input shape and reuses it: the first call's x."""
+    cache = {}
+
+    @jax.custom_vjp
+    def op(x, w):
+        return jnp.sin(x) * w
+
+    def fwd(x, w):
+        saved = cache.setdefault(("x", x.shape), x)  # the bug: first value wins
+        return op(x, w), (saved, w, x)
+
+    def bwd(res, g):
+        x_cached, w, x = res
+        return g * jnp.cos(x_cached) * w, g * jnp.sin(x)
+
+    op.defvjp(fwd, bwd)
+    return op, (f64(0, (3,)), f64(1, (3,)))
+
+
+# name -> (builder, checks that must be among the FAILs, gradcheck rejects it)
+BUGGY = {
+    "abs_cotangent": (abs_cotangent, {"gradcheck"}, True),
+    "float32_grad_for_bfloat16": (float32_grad_for_bfloat16, {"grad_dtypes"}, False),
+    "symbolic_zero_as_ones": (symbolic_zero_as_ones, {"zero_cotangent"}, False),
+    "l2_penalty_off_by_2x": (l2_penalty_off_by_2x, {"gradcheck"}, True),
+    "second_order_via_custom_jvp": (
+        second_order_via_custom_jvp,
+        {"gradgradcheck", "fwd_over_rev"},
+        False,
+    ),
+    "second_order_stop_gradient": (
+        second_order_stop_gradient,
+        {"gradgradcheck", "fwd_over_rev"},
+        False,
+    ),
+    "jvp_rule_wrong_at_second_order": (
+        jvp_rule_wrong_at_second_order,
+        {"rev_over_fwd", "fwd_over_fwd"},
+        False,
+    ),
+    "residuals_by_perturbed_reused": (residuals_by_perturbed_reused, {"jit_reuse"}, False),
+    "missing_transpose": (missing_transpose, {"gradcheck"}, True),
+    "wrong_sign": (wrong_sign, {"gradcheck"}, True),
+    "bias_grad_averaged": (bias_grad_averaged, {"gradcheck"}, True),
+    "bias_grad_not_reduced": (bias_grad_not_reduced, {"grad_dtypes"}, True),
+    "ignores_cotangent": (ignores_cotangent, {"gradcheck", "zero_cotangent"}, True),
+    "swapped_gradients": (swapped_gradients, {"gradcheck"}, True),
+    "forgot_chain_rule": (forgot_chain_rule, {"gradcheck", "zero_cotangent"}, True),
+    "scalar_grad_for_vector": (scalar_grad_for_vector, {"grad_dtypes"}, True),
+    "float32_grad_always": (float32_grad_always, {"grad_dtypes"}, False),
+    "fwd_differs_from_primal": (fwd_differs_from_primal, {"forward_rule"}, False),
+    "wrong_vmap_rule": (wrong_vmap_rule, {"vmap"}, False),
+    "non_reentrant": (non_reentrant, {"reentrancy"}, False),
+    "stale_residual_cache": (stale_residual_cache, {"vmap"}, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUGGY))
+def test_buggy_op_fails_in_the_checks_that_name_its_bug(name):
+    build, expected_fails, gradcheck_rejects = BUGGY[name]
+    op, args = build()
+    report = jaxext.opcheck(op, args, raise_exception=False)
+    assert expected_fails <= set(report.failed), str(report)
+    for check in expected_fails:
+        assert report[check].detail
+    with pytest.raises(jaxext.OpcheckError) as info:
+        jaxext.opcheck(op, args, checks=sorted(expected_fails))
+    for check in expected_fails:
+        assert f"FAIL {check}:" in str(info.value)
+    if gradcheck_rejects:
+        assert jaxext.gradcheck(op, args, raise_exception=False) is False
