@@ -317,11 +317,32 @@ CORRECT = {
 SLOW_CORRECT = {"linalg_solve", "pytree_in_out", "temperature_0d", "sort_cumsum_where_max"}
 
 
+class KnownCheckerDefect(Exception):
+    """Raised by a test where a checker gives exactly the known wrong verdict; any other
+    failure is a plain one, and a fixed checker makes the strict xfail XPASS (noticed)."""
+
+
+# Verdicts the checkers get wrong today: name -> (the checks that FAIL, why).
+WRONG_VERDICTS = {
+    "temperature_0d": (
+        {"low_precision"},
+        "low_precision FAILs a correct op: the bfloat16 gradient of the 0-d temperature "
+        "is a sum over the outputs that cancels (softmax outputs sum to 1, so their "
+        "derivatives in t sum to 0); its rounding error is 16 eps of the terms, not of "
+        "the small result, but the allowance is 16 eps of max |expected| per leaf",
+    ),
+}
+
+
 def _params(table, slow):
-    return [
-        pytest.param(name, marks=pytest.mark.slow) if name in slow else name
-        for name in sorted(table)
-    ]
+    params = []
+    for name in sorted(table):
+        marks = [pytest.mark.slow] if name in slow else []
+        if name in WRONG_VERDICTS:
+            reason = WRONG_VERDICTS[name][1]
+            marks.append(pytest.mark.xfail(strict=True, raises=KnownCheckerDefect, reason=reason))
+        params.append(pytest.param(name, marks=marks))
+    return params
 
 
 @pytest.mark.parametrize("name", _params(CORRECT, SLOW_CORRECT))
@@ -329,6 +350,8 @@ def test_correct_op_gets_no_fail_and_only_the_expected_skips(name):
     build, expected_skips, twice = CORRECT[name]
     op, args = build()
     report = jaxext.opcheck(op, args, raise_exception=False)
+    if name in WRONG_VERDICTS and set(report.failed) == WRONG_VERDICTS[name][0]:
+        raise KnownCheckerDefect(str(report))
     assert report.failed == (), str(report)
     # A SKIP nobody expected fails too: a check that silently stops running is noticed.
     assert set(report.skipped) == set(expected_skips) | ALWAYS_SKIPPED, str(report)
