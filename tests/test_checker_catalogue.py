@@ -785,3 +785,17 @@ def test_check_grads_misses_what_jaxext_catches():
         with jax.enable_x64(True):
             jax.test_util.check_grads(op, tuple(map(jnp.asarray, args)), order=1, modes=["rev"])
         assert not jaxext.opcheck(op, args, raise_exception=False)
+
+
+def test_max_with_ties():
+    """jnp.max at a tie: JAX splits the gradient evenly, which is what central differences
+    see (0.5 each), so first order passes; the gradient jumps at the tie, so the
+    second-order finite differences are of size 1 / eps against autodiff's 0: a kink, and
+    the second-order checks that use finite differences FAIL, naming order 2."""
+    x = np.array([[1.0, 2.0, 2.0], [0.5, -1.0, 0.3]])
+    report = jaxext.opcheck(lambda x: jnp.max(x, -1), (x,), raise_exception=False)
+    assert set(report.failed) == {"gradgradcheck", "fwd_over_rev"}, str(report)
+    for check in report.failed:
+        assert "order 2" in report[check].detail
+    for check in ("gradcheck", "jvp", "jvp_vjp", "vmap", "low_precision"):
+        assert report[check].status == "PASS", str(report)
