@@ -323,8 +323,12 @@ def leaf_mismatches(
     a = [widened(x).ravel() for x in actual]
     stops = np.cumsum([x.size for x in e], dtype=np.int64)
     slices = [slice(int(stop - x.size), int(stop)) for x, stop in zip(e, stops, strict=True)]
+    # The scale of an array is that of its finite entries: a NaN (log(-1)) is not a scale.
     scale = [
-        np.full(x.size, np.max(np.abs(x)) if x.size else 0.0) if normwise else np.abs(x) for x in e
+        np.full(x.size, np.max(np.abs(x), initial=0.0, where=np.isfinite(x)))
+        if normwise
+        else np.abs(x)
+        for x in e
     ]
     flat_e = np.concatenate(e) if e else np.zeros(0)
     flat_a = np.concatenate(a) if a else np.zeros(0)

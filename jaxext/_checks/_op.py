@@ -169,7 +169,8 @@ def assert_trees_close(
         a, e = widened(a), widened(e)
         if a.shape != e.shape:
             raise CheckFailed(f"{what}{path}: shape {a.shape}, expected {e.shape}.")
-        for m in leaf_mismatches([e], [a], atol=atol, rtol=rtol, normwise=True)[:1]:
+        found = leaf_mismatches([e], [a], atol=atol, rtol=rtol, normwise=True, nan_equal=True)
+        for m in found[:1]:
             raise CheckFailed(mismatch_text(f"{what}{path}", m, unravel(m.in_element, a.shape)))
 
 

@@ -1,0 +1,801 @@
+"""The checkers against a catalogue of ops whose verdicts are known (issue #20, item 5).
+
+Two tables, each entry one op written here:
+
+- ``CORRECT``: correct but tricky ops (permutations, integer inputs, scalar and 0-d
+  values, mixed precision, tiny scales, pytrees, symbolic zeros, backwards that cannot
+  be differentiated again ...). The full ``jaxext.opcheck`` battery gives no FAIL, and
+  exactly the SKIPs listed with the op (a SKIP nobody expected fails the test, so a
+  check that silently stops running is noticed); ``jaxext.gradcheck`` and
+  ``jaxext.gradgradcheck`` return True where the op is twice differentiable.
+- ``BUGGY``: ops with one realistic bug each. ``opcheck`` FAILs them, in (at least)
+  the checks named with the op: the verdict points at the bug. Where the bug is one of
+  gradient values, ``jaxext.gradcheck`` rejects it too.
+
+Complex ops are left out: complex support is being added separately.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import jax.test_util
+import numpy as np
+import pytest
+from helpers import LinearFunction, OnceCube, rand
+
+import jaxext
+from jaxext._checks import CHECK_NAMES
+
+# Plain jax.custom_vjp ops have no forward mode: these checks SKIP for them.
+NO_FORWARD_MODE = ("jvp", "jvp_vjp", "rev_over_fwd", "fwd_over_fwd")
+# ... and a backward that cannot be differentiated again SKIPs the second-order checks.
+NOT_TWICE = ("gradgradcheck", *NO_FORWARD_MODE)
+# Only ops calling jaxext.cpp_extension kernels run unwritten_outputs (test_cpp_extension).
+ALWAYS_SKIPPED = {"unwritten_outputs"}
+
+
+def f64(seed, shape):
+    return rand(seed, shape, np.float64)
+
+
+def positive(seed, shape):
+    return 0.5 + np.abs(f64(seed, shape))
+
+
+# -- correct ops ---------------------------------------------------------------------------
+
+
+def perm_index():
+    """fwd indexes with ``x[perm]``; the backward scatters back (a jaxext.custom_vjp)."""
+    perm = np.array([2, 0, 3, 1])
+
+    @jaxext.custom_vjp
+    def op(x):
+        return x[perm] * 2.0
+
+    op.defvjp(
+        lambda x: (op(x), None),
+        lambda _, g: (jnp.zeros_like(g).at[perm].set(2.0 * g, unique_indices=True),),
+    )
+    return op, (f64(0, (4, 2)),)
+
+
+def embedding():
+    """``table[ids]`` with integer ids (repeated), gradient scattered with ``.at[].add``."""
+
+    @jaxext.custom_vjp
+    def op(table, ids):
+        return table[ids]
+
+    def bwd(res, g):
+        zeros, ids = res
+        return zeros.at[ids].add(g), None
+
+    op.defvjp(lambda table, ids: (op(table, ids), (jnp.zeros_like(table), ids)), bwd)
+    return op, (f64(0, (3, 2)), np.array([1, 0, 1, 2]))
+
+
+def at_set_add():
+    return (lambda x: x.at[0].set(x[1] * 2.0).at[1:].add(x[0] ** 2)), (f64(0, (3,)),)
+
+
+def scalar_output():
+    return (lambda x: (x**2).sum()), (f64(0, (3,)),)
+
+
+def temperature_0d():
+    """A softmax with a learnable temperature: a 0-d float input."""
+    return (lambda x, t: jax.nn.softmax(x / t)), (f64(0, (3,)), np.array(0.7))
+
+
+def mul_constant_numpy_0d():
+    return jaxext.mul_constant, (f64(0, (2, 3)), np.array(2.0))
+
+
+def mixed_precision():
+    """float32 output for a bfloat16 input (float64 for float64)."""
+
+    def op(x):
+        return jnp.tanh(x.astype(jnp.promote_types(x.dtype, jnp.float32)))
+
+    return op, (f64(0, (2, 3)),)
+
+
+def sin_large_phases():
+    """Phases in [100, 200]: rounding them to bfloat16 alone moves sin a lot."""
+    return jnp.sin, (np.random.default_rng(0).uniform(100.0, 200.0, (2, 3)),)
+
+
+def normalize_tiny():
+    """Vectors of norm ~2e-5: the finite-difference step must follow the scale."""
+    return (lambda x: x / jnp.linalg.norm(x)), (2e-5 * f64(0, (4,)),)
+
+
+def linalg_solve():
+    """No bfloat16 kernel on CPU: low_precision SKIPs with the reason."""
+    return jnp.linalg.solve, (f64(0, (2, 2)) + 3 * np.eye(2), f64(1, (2,)))
+
+
+@jax.custom_vjp
+def fixed_point_sqrt(a):
+    return jnp.sqrt(a)
+
+
+def _fixed_point_sqrt_bwd(res, g):
+    """The adjoint of z = (z + a / z) / 2 solved by a while_loop (dynamic trip count)."""
+    a, z = res
+    dfdz, dfda = 0.5 - 0.5 * a / z**2, 0.5 / z
+
+    def body(state):
+        u, _, k = state
+        return g + u * dfdz, u, k + 1
+
+    def not_converged(state):
+        u, previous, k = state
+        return (k < 60) & jnp.any(jnp.abs(u - previous) > 1e-15 * jnp.abs(u))
+
+    u, _, _ = jax.lax.while_loop(not_converged, body, body((g, g + 1.0, 0)))
+    return (u * dfda,)
+
+
+fixed_point_sqrt.defvjp(lambda a: (jnp.sqrt(a), (a, jnp.sqrt(a))), _fixed_point_sqrt_bwd)
+
+
+def fixed_point_backward():
+    return fixed_point_sqrt, (positive(0, (3,)),)
+
+
+def linear_empty_batch():
+    return jaxext.linear, (np.zeros((0, 3)), f64(1, (2, 3)), f64(2, (2,)))
+
+
+def pytree_in_out():
+    """A dict of inputs (one of them a nested tuple), a tuple of outputs with a dict."""
+
+    def op(x, params):
+        w, (b, scale) = params["w"], params["bs"]
+        y = jnp.tanh(x @ w.T + b)
+        return y * scale, {"norm": jnp.sum(y**2)}
+
+    params = {"w": f64(0, (2, 3)), "bs": (f64(1, (2,)), np.array(1.5))}
+    return op, (f64(2, (2, 3)), params)
+
+
+def nondiff_argnums():
+    """A static Python float in ``nondiff_argnums``; the bwd receives it first."""
+
+    def fwd(power, x):
+        return jnp.abs(x) ** power, x
+
+    def bwd(power, x, g):
+        return (g * power * jnp.sign(x) * jnp.abs(x) ** (power - 1),)
+
+    op = jax.custom_vjp(lambda power, x: jnp.abs(x) ** power, nondiff_argnums=(0,))
+    op.defvjp(fwd, bwd)
+    return op, (2.5, positive(0, (3,)))
+
+
+def integer_input():
+    """An integer array input (a per-row repeat count) beside a float one: float0."""
+    return (lambda x, n: x * n + jnp.sin(x)), (f64(0, (3, 2)), np.array([2, 3]))
+
+
+def symbolic_zeros_two_outputs():
+    """symbolic_zeros=True, two outputs, unused outputs' zeros handled (skipped)."""
+
+    @jax.custom_vjp
+    def op(x, w):
+        return x @ w.T, jnp.sin(x)
+
+    def fwd(x, w):
+        return op(x.value, w.value), (x.value, w.value)
+
+    def bwd(res, g):
+        x, w = res
+        g_y, g_s = g
+        zero = jax.custom_derivatives.SymbolicZero
+        grad_x = jnp.zeros_like(x)
+        grad_w = jnp.zeros_like(w)
+        if not isinstance(g_y, zero):
+            grad_x, grad_w = grad_x + g_y @ w, grad_w + g_y.T @ x
+        if not isinstance(g_s, zero):
+            grad_x = grad_x + g_s * jnp.cos(x)
+        return grad_x, grad_w
+
+    op.defvjp(fwd, bwd, symbolic_zeros=True)
+    return op, (f64(0, (3, 2)), f64(1, (2, 2)))
+
+
+def multiple_outputs():
+    """A jaxext.custom_vjp with three outputs (forward mode from the bwd)."""
+
+    @jaxext.custom_vjp
+    def op(x):
+        return jnp.sin(x), jnp.cos(x), jnp.sum(x**3)
+
+    def bwd(x, g):
+        g_s, g_c, g_t = g
+        return (g_s * jnp.cos(x) - g_c * jnp.sin(x) + 3 * g_t * x**2,)
+
+    op.defvjp(lambda x: (op(x), x), bwd)
+    return op, (f64(0, (3,)),)
+
+
+def perturbed_residuals_done_right():
+    """jaxext.custom_vjp, fwd saves only the residuals the perturbed inputs need, and bwd
+    reads which it got from the residuals themselves (not from a cache)."""
+
+    @jaxext.custom_vjp
+    def op(x, w):
+        return jnp.sin(x) * w
+
+    def fwd(x, w):
+        saved = (
+            (jnp.cos(x.value) * w.value) if x.perturbed else None,
+            jnp.sin(x.value) if w.perturbed else None,
+        )
+        return op(x.value, w.value), saved
+
+    def bwd(saved, g):
+        dx, dw = saved
+        return (None if dx is None else g * dx, None if dw is None else (g * dw).sum(0))
+
+    op.defvjp(fwd, bwd, symbolic_zeros=True)
+    return op, (f64(0, (3, 2)), f64(1, (2,)))
+
+
+def sort_cumsum_where_max():
+    """Piecewise ops away from their kinks (no ties, no zero crossings within eps)."""
+
+    def op(x):
+        s = jnp.sort(x)
+        c = jnp.cumsum(s)
+        w = jnp.where(x > 0, x**2, 0.5 * x)
+        return c + w, jnp.max(x)
+
+    return op, (np.array([0.3, -1.2, 2.1, -0.4]),)
+
+
+def plain_custom_jvp():
+    @jax.custom_jvp
+    def softplus(x):
+        return jnp.logaddexp(x, 0.0)
+
+    softplus.defjvp(lambda p, t: (softplus(p[0]), jax.nn.sigmoid(p[0]) * t[0]))
+    return softplus, (f64(0, (3, 2)),)
+
+
+def function_linear():
+    return LinearFunction.apply, (f64(0, (3, 2)), f64(1, (2, 2)), f64(2, (2,)))
+
+
+def once_differentiable():
+    return OnceCube.apply, (f64(0, (3,)),)
+
+
+# The checks an op truly cannot run, each SKIP with its reason:
+# export_symbolic needs a first float input of two or more dimensions whose leading
+# dimension the op can trace symbolically (not 1-D inputs, not an empty batch, not a
+# shape tied to another input's).
+NO_SYMBOLIC = ("export_symbolic",)
+
+# name -> (builder, SKIPs expected beyond unwritten_outputs, twice differentiable).
+# The ops marked slow take the battery over ~10 s each on a loaded 2-core machine.
+CORRECT = {
+    "perm_index": (perm_index, (), True),
+    "embedding_int_ids": (embedding, (), True),
+    "at_set_add": (at_set_add, NO_SYMBOLIC, True),
+    "scalar_output": (scalar_output, NO_SYMBOLIC, True),
+    "temperature_0d": (temperature_0d, NO_SYMBOLIC, True),
+    "mul_constant_numpy_0d": (mul_constant_numpy_0d, (), True),
+    "mixed_precision": (mixed_precision, (), True),
+    "sin_large_phases": (sin_large_phases, (), True),
+    "normalize_tiny": (normalize_tiny, NO_SYMBOLIC, True),
+    # No bfloat16 kernel on CPU: low_precision SKIPs naming bfloat16.
+    "linalg_solve": (linalg_solve, ("low_precision", *NO_SYMBOLIC), True),
+    "fixed_point_backward": (fixed_point_backward, (*NOT_TWICE, *NO_SYMBOLIC), False),
+    # jax.export's symbolic dimensions are >= 1: an empty batch cannot be one.
+    "linear_empty_batch": (linear_empty_batch, NO_SYMBOLIC, True),
+    "pytree_in_out": (pytree_in_out, (), True),
+    "nondiff_argnums": (nondiff_argnums, (*NO_FORWARD_MODE, *NO_SYMBOLIC), True),
+    "integer_input": (integer_input, (), True),
+    "symbolic_zeros_two_outputs": (symbolic_zeros_two_outputs, NO_FORWARD_MODE, True),
+    "multiple_outputs": (multiple_outputs, NO_SYMBOLIC, True),
+    "perturbed_residuals_done_right": (perturbed_residuals_done_right, (), True),
+    "sort_cumsum_where_max": (sort_cumsum_where_max, NO_SYMBOLIC, True),
+    "plain_custom_jvp": (plain_custom_jvp, (), True),
+    "function_linear": (function_linear, (), True),
+    # once_differentiable: the backward refuses to be differentiated (reverse over
+    # reverse, and forward over reverse); forward mode itself works.
+    "once_differentiable": (
+        once_differentiable,
+        ("gradgradcheck", "fwd_over_rev", "rev_over_fwd", "fwd_over_fwd", *NO_SYMBOLIC),
+        False,
+    ),
+}
+SLOW_CORRECT = {"linalg_solve", "pytree_in_out", "temperature_0d", "sort_cumsum_where_max"}
+
+
+class KnownCheckerDefect(Exception):
+    """Raised by a test where a checker gives exactly the known wrong verdict; any other
+    failure is a plain one, and a fixed checker makes the strict xfail XPASS (noticed)."""
+
+
+# Verdicts the checkers get wrong today: name -> (the checks that FAIL, why).
+WRONG_VERDICTS = {
+    "temperature_0d": (
+        {"low_precision"},
+        "low_precision FAILs a correct op: the bfloat16 gradient of the 0-d temperature "
+        "is a sum over the outputs that cancels (softmax outputs sum to 1, so their "
+        "derivatives in t sum to 0); its rounding error is 16 eps of the terms, not of "
+        "the small result, but the allowance is 16 eps of max |expected| per leaf",
+    ),
+}
+
+
+def _params(table, slow):
+    params = []
+    for name in sorted(table):
+        marks = [pytest.mark.slow] if name in slow else []
+        if name in WRONG_VERDICTS:
+            reason = WRONG_VERDICTS[name][1]
+            marks.append(pytest.mark.xfail(strict=True, raises=KnownCheckerDefect, reason=reason))
+        params.append(pytest.param(name, marks=marks))
+    return params
+
+
+@pytest.mark.parametrize("name", _params(CORRECT, SLOW_CORRECT))
+def test_correct_op_gets_no_fail_and_only_the_expected_skips(name):
+    build, expected_skips, twice = CORRECT[name]
+    op, args = build()
+    report = jaxext.opcheck(op, args, raise_exception=False)
+    if name in WRONG_VERDICTS and set(report.failed) == WRONG_VERDICTS[name][0]:
+        raise KnownCheckerDefect(str(report))
+    assert report.failed == (), str(report)
+    # A SKIP nobody expected fails too: a check that silently stops running is noticed.
+    assert set(report.skipped) == set(expected_skips) | ALWAYS_SKIPPED, str(report)
+    assert len(report.results) == len(CHECK_NAMES)
+    assert jaxext.gradcheck(op, args) is True
+    if twice:
+        assert jaxext.gradgradcheck(op, args) is True
+
+
+# Why each expected SKIP happens, as the report says it.
+SKIP_REASONS = {
+    ("linalg_solve", "low_precision"): ("float32 checked", "bfloat16"),
+    ("linear_empty_batch", "export_symbolic"): ("input 0 has an empty leading dimension",),
+    ("scalar_output", "export_symbolic"): ("no float input has two or more dimensions",),
+    ("fixed_point_backward", "gradgradcheck"): ("cannot be differentiated",),
+    ("nondiff_argnums", "jvp"): ("no forward mode",),
+    ("once_differentiable", "gradgradcheck"): ("once_differentiable",),
+}
+
+
+@pytest.mark.parametrize(("name", "check"), sorted(SKIP_REASONS))
+def test_an_expected_skip_says_why(name, check):
+    op, args = CORRECT[name][0]()
+    report = jaxext.opcheck(op, args, checks=[check])
+    assert report.skipped == (check,), str(report)
+    for words in SKIP_REASONS[name, check]:
+        assert words in report[check].detail, report[check].detail
+
+
+def test_gradcheck_passes_on_empty_inputs():
+    op, args = linear_empty_batch()
+    assert jaxext.gradcheck(op, args) is True
+    assert jaxext.gradgradcheck(op, args) is True
+
+
+# -- buggy ops -----------------------------------------------------------------------------
+
+
+def abs_cotangent():
+    """bwd uses |g|: right for every one-hot +1 cotangent, not linear in g."""
+
+    @jax.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    op.defvjp(lambda x: (op(x), x), lambda x, g: (jnp.abs(g) * jnp.cos(x),))
+    return op, (f64(0, (3, 2)),)
+
+
+def float32_grad_for_bfloat16():
+    """Computes the gradient in at least float32 and forgets to cast back."""
+
+    @jax.custom_vjp
+    def op(x):
+        return x * x
+
+    def bwd(x, g):
+        wide = jnp.promote_types(x.dtype, jnp.float32)
+        return (2 * x.astype(wide) * g.astype(wide),)
+
+    op.defvjp(lambda x: (op(x), x), bwd)
+    return op, (f64(0, (3, 2)),)
+
+
+def symbolic_zero_as_ones():
+    """Two outputs; an unused output's symbolic-zero cotangent is read as ones."""
+
+    @jax.custom_vjp
+    def op(x):
+        return jnp.sin(x), x**2
+
+    def bwd(x, g):
+        g_s, g_q = (
+            jnp.ones(t.shape, t.dtype) if isinstance(t, jax.custom_derivatives.SymbolicZero) else t
+            for t in g
+        )
+        return (g_s * jnp.cos(x) + 2 * g_q * x,)
+
+    op.defvjp(lambda x: (op(x.value), x.value), bwd, symbolic_zeros=True)
+    return op, (f64(0, (3,)),)
+
+
+def l2_penalty_off_by_2x():
+    """lambda = 1e-6: every gradient entry is below atol, and 2x off."""
+
+    @jax.custom_vjp
+    def op(w):
+        return 1e-6 * jnp.sum(w**2)
+
+    op.defvjp(lambda w: (op(w), w), lambda w, g: (4e-6 * g * w,))
+    return op, (f64(0, (3, 2)),)
+
+
+@jax.custom_jvp
+def _cos_wrong_derivative(x):
+    return jnp.cos(x)
+
+
+# The derivative of cos is -sin; this says +sin: only seen when the bwd is differentiated.
+_cos_wrong_derivative.defjvp(lambda p, t: (jnp.cos(p[0]), jnp.sin(p[0]) * t[0]))
+
+
+def second_order_via_custom_jvp():
+    """bwd built on a custom_jvp whose derivative is wrong: first order right."""
+
+    @jax.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    op.defvjp(lambda x: (op(x), x), lambda x, g: (g * _cos_wrong_derivative(x),))
+    return op, (f64(0, (3,)),)
+
+
+def second_order_stop_gradient():
+    """bwd cuts x with stop_gradient: first order right, second derivatives zero."""
+
+    @jaxext.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    op.defvjp(lambda x: (op(x), x), lambda x, g: (g * jnp.cos(jax.lax.stop_gradient(x)),))
+    return op, (f64(0, (3,)),)
+
+
+def jvp_rule_wrong_at_second_order():
+    """A jvp= rule right at first order, stop_gradient on its residual: forward-mode
+    second derivatives are wrong while reverse over reverse is right."""
+
+    @jaxext.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    op.defvjp(
+        lambda x: (op(x), x),
+        lambda x, g: (g * jnp.cos(x),),
+        jvp=lambda x, tangents: jnp.cos(jax.lax.stop_gradient(x)) * tangents[0],
+    )
+    return op, (f64(0, (3,)),)
+
+
+def residuals_by_perturbed_reused():
+    """Plain jax.custom_vjp, symbolic_zeros=True, residuals chosen by ``.perturbed``:
+    jitted once and used as ``op(a, c) + op(c, b) + op(a, b) ** 2`` the gradient is wrong
+    (JAX reuses one residual layout)."""
+
+    @jax.custom_vjp
+    def op(x, w):
+        return x * w
+
+    def fwd(x, w):
+        saved = (w.value if x.perturbed else None, x.value if w.perturbed else None)
+        return x.value * w.value, saved
+
+    def bwd(saved, g):
+        w, x = saved
+        return (None if w is None else g * w, None if x is None else g * x)
+
+    op.defvjp(fwd, bwd, symbolic_zeros=True)
+    return op, (f64(0, (3, 2)), f64(1, (3, 2)))
+
+
+def _linear_op(bwd):
+    @jax.custom_vjp
+    def op(x, w, b):
+        return x @ w.T + b
+
+    op.defvjp(lambda x, w, b: (op(x, w, b), (x, w)), bwd)
+    return op, (f64(0, (3, 2)), f64(1, (2, 2)), f64(2, (2,)))
+
+
+def missing_transpose():
+    return _linear_op(lambda r, g: (g @ r[1].T, g.T @ r[0], g.sum(0)))
+
+
+def wrong_sign():
+    return _linear_op(lambda r, g: (g @ r[1], -(g.T @ r[0]), g.sum(0)))
+
+
+def bias_grad_averaged():
+    return _linear_op(lambda r, g: (g @ r[1], g.T @ r[0], g.mean(0)))
+
+
+def bias_grad_not_reduced():
+    """bias gradient of the batch's shape (4, 3) for a bias of shape (3,)."""
+    return _linear_op(lambda r, g: (g @ r[1], g.T @ r[0], g))
+
+
+def ignores_cotangent():
+    """bwd returns J^T 1 whatever the cotangent."""
+    return _linear_op(lambda r, g: (jnp.ones_like(g) @ r[1], g.T @ r[0], g.sum(0)))
+
+
+def swapped_gradients():
+    """op(x, y) = x * y with the two gradients returned in the wrong order."""
+
+    @jax.custom_vjp
+    def op(x, y):
+        return jnp.sin(x) * y
+
+    op.defvjp(
+        lambda x, y: (op(x, y), (x, y)),
+        lambda r, g: (g * jnp.sin(r[0]), g * jnp.cos(r[0]) * r[1]),
+    )
+    return op, (f64(0, (3,)), f64(1, (3,)))
+
+
+def forgot_chain_rule():
+    """bwd returns d sin / dx, not g times it."""
+
+    @jax.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    op.defvjp(lambda x: (op(x), x), lambda x, g: (jnp.cos(x),))
+    return op, (f64(0, (3,)),)
+
+
+def scalar_grad_for_vector():
+    """A gradient of shape () for an input of shape (3,)."""
+
+    @jax.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    op.defvjp(lambda x: (op(x), x), lambda x, g: (jnp.sum(g * jnp.cos(x)),))
+    return op, (f64(0, (3,)),)
+
+
+def float32_grad_always():
+    """float32 gradient for every input dtype (float64 included)."""
+
+    @jax.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    op.defvjp(lambda x: (op(x), x), lambda x, g: ((g * jnp.cos(x)).astype(jnp.float32),))
+    return op, (f64(0, (3,)),)
+
+
+def fwd_differs_from_primal():
+    """fwd adds an epsilon the primal does not (as a stale copy of the kernel would)."""
+
+    @jax.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    op.defvjp(lambda x: (jnp.sin(x) + 1e-4, x), lambda x, g: (g * jnp.cos(x),))
+    return op, (f64(0, (3,)),)
+
+
+def wrong_vmap_rule():
+    """A custom_vmap rule that reduces over the batch axis too (x.sum() over all axes)."""
+
+    @jax.custom_batching.custom_vmap
+    def center(x):
+        return x - jnp.mean(x)
+
+    @center.def_vmap
+    def _center_vmap(axis_size, in_batched, x):
+        return x - jnp.mean(x), in_batched[0]  # should be the mean over axis 1
+
+    @jax.custom_vjp
+    def op(x):
+        return center(x)
+
+    op.defvjp(lambda x: (op(x), None), lambda _, g: (g - jnp.mean(g),))
+    return op, (f64(0, (3,)),)
+
+
+def non_reentrant():
+    """bwd keeps a Python-level call count and scales by it (a stateful cache)."""
+    calls = []
+
+    @jax.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    def bwd(x, g):
+        calls.append(None)
+        return (g * jnp.cos(x) * (1.0 + 1e-3 * (len(calls) - 1)),)
+
+    op.defvjp(lambda x: (op(x), x), bwd)
+    return op, (f64(0, (3,)),)
+
+
+def residual_in_python_cache():
+    """fwd keeps its residual in a Python dict (first call wins) and bwd reads it from
+    there, not from the residuals: under any trace it is a leaked tracer."""
+    cache = {}
+
+    @jax.custom_vjp
+    def op(x, w):
+        return jnp.sin(x) * w
+
+    def fwd(x, w):
+        cache.setdefault(x.shape, x)  # the bug: state outside the residuals
+        return op(x, w), (w, x)
+
+    def bwd(res, g):
+        w, x = res
+        return g * jnp.cos(cache[x.shape]) * w, g * jnp.sin(x)
+
+    op.defvjp(fwd, bwd)
+    return op, (f64(0, (3, 2)), f64(1, (3, 2)))
+
+
+def residual_layout_cached():
+    """fwd saves residuals by which inputs are differentiated, but bwd reads the layout
+    from a cache keyed by shape and filled by the first trace (like a kernel cache):
+    a stale layout as soon as the jitted op is differentiated w.r.t. another subset."""
+    layouts = {}
+
+    @jax.custom_vjp
+    def op(x, w):
+        return x * jnp.sin(w)
+
+    def fwd(x, w):
+        layouts.setdefault(x.value.shape, (x.perturbed, w.perturbed))  # first trace wins
+        saved = [jnp.sin(w.value)] if x.perturbed else []
+        saved += [x.value * jnp.cos(w.value)] if w.perturbed else []
+        return op(x.value, w.value), saved
+
+    def bwd(saved, g):
+        want_x, want_w = layouts[g.shape]
+        saved = list(saved)
+        grad_x = g * saved.pop(0) if want_x else None
+        grad_w = g * saved.pop(0) if want_w else None
+        return grad_x, grad_w
+
+    op.defvjp(fwd, bwd, symbolic_zeros=True)
+    return op, (f64(0, (3, 2)), f64(1, (3, 2)))
+
+
+RAISES = jax.errors.UnexpectedTracerError
+
+# name -> (builder, checks that must be among the FAILs, what jaxext.gradcheck does:
+# True (the bug is not one of gradient values), False, or the exception it raises).
+BUGGY = {
+    "abs_cotangent": (abs_cotangent, {"gradcheck"}, False),
+    "float32_grad_for_bfloat16": (float32_grad_for_bfloat16, {"grad_dtypes"}, True),
+    "symbolic_zero_as_ones": (symbolic_zero_as_ones, {"zero_cotangent"}, True),
+    "l2_penalty_off_by_2x": (l2_penalty_off_by_2x, {"gradcheck"}, False),
+    "second_order_via_custom_jvp": (
+        second_order_via_custom_jvp,
+        {"gradgradcheck", "fwd_over_rev"},
+        True,
+    ),
+    "second_order_stop_gradient": (
+        second_order_stop_gradient,
+        {"gradgradcheck", "fwd_over_rev"},
+        True,
+    ),
+    "jvp_rule_wrong_at_second_order": (
+        jvp_rule_wrong_at_second_order,
+        {"rev_over_fwd", "fwd_over_fwd"},
+        True,
+    ),
+    "residuals_by_perturbed_reused": (residuals_by_perturbed_reused, {"jit_reuse"}, True),
+    "residual_layout_cached": (residual_layout_cached, {"jit_reuse"}, True),
+    "residual_in_python_cache": (residual_in_python_cache, {"gradcheck", "jit"}, RAISES),
+    "missing_transpose": (missing_transpose, {"gradcheck"}, False),
+    "wrong_sign": (wrong_sign, {"gradcheck"}, False),
+    "bias_grad_averaged": (bias_grad_averaged, {"gradcheck"}, False),
+    # JAX itself refuses a gradient of the wrong shape (ValueError) in every check.
+    "bias_grad_not_reduced": (bias_grad_not_reduced, {"grad_dtypes", "gradcheck"}, ValueError),
+    "ignores_cotangent": (ignores_cotangent, {"gradcheck", "zero_cotangent"}, False),
+    "swapped_gradients": (swapped_gradients, {"gradcheck"}, False),
+    "forgot_chain_rule": (forgot_chain_rule, {"gradcheck", "zero_cotangent"}, False),
+    "scalar_grad_for_vector": (scalar_grad_for_vector, {"grad_dtypes", "gradcheck"}, ValueError),
+    # float32 second derivatives of a float64 function are float32-accurate only.
+    "float32_grad_always": (float32_grad_always, {"grad_dtypes", "gradgradcheck"}, True),
+    "fwd_differs_from_primal": (fwd_differs_from_primal, {"forward_rule"}, True),
+    "wrong_vmap_rule": (wrong_vmap_rule, {"vmap"}, True),
+    "non_reentrant": (non_reentrant, {"reentrancy"}, False),
+}
+SLOW_BUGGY = {"bias_grad_averaged", "missing_transpose", "wrong_sign", "ignores_cotangent"}
+
+# Words the FAIL's diagnostic must hold: it points at the bug.
+FAIL_DETAILS = {
+    ("float32_grad_for_bfloat16", "grad_dtypes"): "bfloat16",
+    ("float32_grad_always", "grad_dtypes"): "float32",
+    ("swapped_gradients", "gradcheck"): "input 0",
+    ("wrong_sign", "gradcheck"): "input 1",
+    ("bias_grad_averaged", "gradcheck"): "input 2",
+    ("fwd_differs_from_primal", "forward_rule"): "primal output",
+    ("wrong_vmap_rule", "vmap"): "vmap over input 0",
+    ("second_order_via_custom_jvp", "gradgradcheck"): "order 2",
+}
+
+
+@pytest.mark.parametrize("name", _params(BUGGY, SLOW_BUGGY))
+def test_buggy_op_fails_in_the_checks_that_name_its_bug(name):
+    build, expected_fails, gradcheck_verdict = BUGGY[name]
+    op, args = build()
+    report = jaxext.opcheck(op, args, raise_exception=False)
+    assert expected_fails <= set(report.failed), str(report)
+    for (op_name, check), words in FAIL_DETAILS.items():
+        if op_name == name:
+            assert words in report[check].detail, report[check].detail
+    # Run alone, the named checks reject it too, each named in the error.
+    with pytest.raises(jaxext.OpcheckError) as info:
+        jaxext.opcheck(op, args, checks=sorted(expected_fails))
+    assert set(info.value.failed) == expected_fails
+    if isinstance(gradcheck_verdict, bool):
+        assert jaxext.gradcheck(op, args, raise_exception=False) is gradcheck_verdict
+    else:
+        with pytest.raises(gradcheck_verdict):
+            jaxext.gradcheck(op, args, raise_exception=False)
+
+
+def test_log_outside_its_domain():
+    """jnp.log at negative inputs is NaN there, however it is computed: the checks that
+    compare two programs of the same math agree (NaN in the same places), and the
+    finite-difference checks FAIL naming the NaN and the domain, never blaming the
+    forward rule or any transformation."""
+    x = np.array([[0.5, -1.0], [2.0, 1.5], [-0.3, 0.8]])
+    report = jaxext.opcheck(jnp.log, (x,), raise_exception=False)
+    assert set(report.failed) == {"gradcheck", "jvp"}, str(report)
+    for check in report.failed:
+        assert "the numerical value is NaN" in report[check].detail
+        assert "outside its domain" in report[check].detail
+    for check in ("forward_rule", "jit", "vmap", "export", "checkpoint", "low_precision"):
+        assert report[check].status == "PASS", str(report)
+    assert jaxext.gradcheck(jnp.log, (np.abs(x),)) is True  # inside the domain
+
+
+def test_check_grads_misses_what_jaxext_catches():
+    """jax.test_util.check_grads accepts these buggy ops; jaxext rejects them."""
+    for build in (l2_penalty_off_by_2x, float32_grad_for_bfloat16):
+        op, args = build()
+        with jax.enable_x64(True):
+            jax.test_util.check_grads(op, tuple(map(jnp.asarray, args)), order=1, modes=["rev"])
+        assert not jaxext.opcheck(op, args, raise_exception=False)
+
+
+def test_max_with_ties():
+    """jnp.max at a tie: JAX splits the gradient evenly, which is what central differences
+    see (0.5 each), so first order passes; the gradient jumps at the tie, so the
+    second-order finite differences are of size 1 / eps against autodiff's 0: a kink, and
+    the second-order checks that use finite differences FAIL, naming order 2."""
+    x = np.array([[1.0, 2.0, 2.0], [0.5, -1.0, 0.3]])
+    report = jaxext.opcheck(lambda x: jnp.max(x, -1), (x,), raise_exception=False)
+    assert set(report.failed) == {"gradgradcheck", "fwd_over_rev"}, str(report)
+    for check in report.failed:
+        assert "order 2" in report[check].detail
+    for check in ("gradcheck", "jvp", "jvp_vjp", "vmap", "low_precision"):
+        assert report[check].status == "PASS", str(report)
