@@ -323,15 +323,7 @@ class KnownCheckerDefect(Exception):
 
 
 # Verdicts the checkers get wrong today: name -> (the checks that FAIL, why).
-WRONG_VERDICTS = {
-    "temperature_0d": (
-        {"low_precision"},
-        "low_precision FAILs a correct op: the bfloat16 gradient of the 0-d temperature "
-        "is a sum over the outputs that cancels (softmax outputs sum to 1, so their "
-        "derivatives in t sum to 0); its rounding error is 16 eps of the terms, not of "
-        "the small result, but the allowance is 16 eps of max |expected| per leaf",
-    ),
-}
+WRONG_VERDICTS: dict[str, tuple[set[str], str]] = {}
 
 
 def _params(table, slow):

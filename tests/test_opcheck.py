@@ -166,6 +166,42 @@ def test_correct_ops_pass(name):
     assert len(report.results) == len(CHECK_NAMES)
 
 
+def _softmax_with_temperature(bf16_gradient_factor):
+    """softmax(x / t) . w with a 0-d temperature t; its t-gradient is a sum that cancels
+    (softmax's derivatives in t sum to zero), so it is small beside the terms it sums.
+    ``bf16_gradient_factor`` scales the bfloat16 gradients only: 1.0 is the correct op."""
+
+    @jaxext.custom_vjp
+    def op(x, t):
+        return jax.nn.softmax(x / t)
+
+    def fwd(x, t):
+        y = op(x, t)
+        return y, (x, t, y)
+
+    def bwd(res, g):
+        x, t, y = res
+        s = y * (g - jnp.sum(g * y))  # d/d(x/t) of softmax, applied to g
+        factor = bf16_gradient_factor if x.dtype == jnp.bfloat16 else 1.0
+        return (factor * s / t, factor * -jnp.sum(s * x) / t**2)
+
+    op.defvjp(fwd, bwd)
+    x = 3.0 * f64(0, (16,))
+    return op, (x, np.asarray(0.7))
+
+
+@pytest.mark.parametrize(("factor", "verdict"), [(1.0, "PASS"), (2.0, "FAIL")])
+def test_low_precision_allows_for_a_gradient_that_cancels_and_still_catches_errors(factor, verdict):
+    # The rounding error of a gradient that sums cancelling terms follows the terms'
+    # size: the correct op PASSes (it FAILed when the allowance was 16 eps of the small
+    # result); a bfloat16 gradient 2x off still FAILs.
+    op, args = _softmax_with_temperature(factor)
+    report = jaxext.opcheck(op, args, checks=["low_precision"], raise_exception=False)
+    assert report.statuses == {"low_precision": verdict}, str(report)
+    if verdict == "FAIL":
+        assert "bfloat16 gradient" in report["low_precision"].detail
+
+
 def test_a_dtype_without_a_kernel_is_a_skip_with_the_reason():
     # jnp.linalg.solve has no bfloat16 kernel on CPU: what the op cannot do, not a bug.
     if jax.default_backend() != "cpu":

@@ -101,7 +101,9 @@ def opcheck(
       gradients stay within ``16 * eps(dtype)`` (normwise) of float64 computed
       at the same rounded inputs (rounding the inputs is not the op's error;
       the cotangent takes each output's dtype, so a float32 output for a
-      bfloat16 input is fine). A dtype the op refuses while tracing, with a
+      bfloat16 input is fine); a gradient whose terms cancel is held to 16 eps
+      of the size of its terms, estimated in float64 with random-sign cotangents.
+      A dtype the op refuses while tracing, with a
       ``TypeError`` naming it (as an op whose kernels have no handler for that
       dtype should), or has no kernel for (``NotImplementedError``), is a SKIP
       with the op's message. Complex inputs run as complex64 (there is no
