@@ -399,15 +399,26 @@ def jit_reuse(op: OpUnderTest, settings: Settings) -> str:
             expected = expected + np.asarray(full[id(u2)][i]) + np.asarray(full[id(u4)][i])
         return expected
 
+    bodies = {  # the jitted runs, each a program of its own, or all in one program
+        "in jit": lambda s: grads(shared, s, u),
+        "fresh jit": lambda s: grads(_fresh(op), s, u),
+    }
+    merged, merged_error = None, None
     for s in subsets:  # one jitted op, reused across calls with other inputs differentiated
-        runs = {
-            "eager": lambda s=s: grads(shared, s, u),
-            "in jit": jax.jit(lambda s=s: grads(shared, s, u)),
-            "fresh jit": jax.jit(lambda s=s: grads(_fresh(op), s, u)),
-        }
+        runs = {"eager": lambda s=s: grads(shared, s, u)}
+        runs.update({how: jax.jit(functools.partial(body, s)) for how, body in bodies.items()})
         for how, run in runs.items():
+            if how != "eager" and merged is None and merged_error is None:
+                # Every subset's jitted runs in one program: one compilation, not two per
+                # subset. Should it raise, each subset's runs go alone, to name the subset.
+                try:
+                    merged = jax.jit(
+                        lambda: {h: [b(t) for t in subsets] for h, b in bodies.items()}
+                    )()
+                except Exception as err:  # noqa: BLE001 -- attributed to a subset below
+                    merged_error = err
             try:
-                got = run()
+                got = merged[how][subsets.index(s)] if how != "eager" and merged else run()
             except Exception as err:  # noqa: BLE001 -- attributed to the subset, then reported
                 raise CheckFailed(
                     f"differentiating only {[op.labels[j] for j in s]} ({how}) raised "
@@ -419,6 +430,16 @@ def jit_reuse(op: OpUnderTest, settings: Settings) -> str:
                     f"{[op.labels[j] for j in s]} ({how}) vs all inputs at once"
                 )
                 assert_trees_close(a, full[id(u)][i], what=what, rtol=TIGHT)
+    if merged_error is not None:  # raised only with every subset in one program
+        raise CheckFailed(
+            "differentiating each subset of inputs in turn in one jitted program raised "
+            f"{type(merged_error).__name__}: {merged_error}"
+        ) from merged_error
+    # The uses' outputs weighed by u, u2, u3, u4, and the last squared: one jitted
+    # function (differentiated eagerly, op by op, this would compile a dozen programs).
+    weigh = jax.jit(
+        lambda outs, last: sum(map(_inner, (u, u2, u3, u4), outs)) + _inner(u5, last) ** 2
+    )
     pairs = [(a, b) for a, b in zip(subsets, subsets[1:] + subsets[:1], strict=True) if a != b]
     for first, second in pairs:
         # The same jitted op several times in one differentiated computation, with other
@@ -427,16 +448,14 @@ def jit_reuse(op: OpUnderTest, settings: Settings) -> str:
         # all: `op(a, c) + op(c, b) + op(a, b) ** 2`, c a constant), and one use has
         # every input differentiated, squared (its cotangent depends on the output).
         def uses(*values, first=first, second=second, shared=shared):
-            total = jnp.zeros(())
-            for subset, cut, cotangent in (
-                (first, True, u), (second, True, u2), (first, False, u3), (second, False, u4),
-            ):  # fmt: skip
+            outs = []
+            for subset, cut in ((first, True), (second, True), (first, False), (second, False)):
                 kept = [
                     v if i in subset else jax.lax.stop_gradient(v) if cut else primals[i]
                     for i, v in enumerate(values)
                 ]
-                total = total + _inner(cotangent, shared(*kept))
-            return total + _inner(u5, shared(*values)) ** 2
+                outs.append(shared(*kept))
+            return weigh(outs, shared(*values))
 
         # The jitted op's cache matters: the one used above, already traced for each
         # subset, and for inputs 0 and 1 a fresh one, called once before (as in an
@@ -494,6 +513,15 @@ def _has_arrays(arg: Any) -> bool:
     return any(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in jax.tree_util.tree_leaves(arg))
 
 
+def _on_host(leaf: Any) -> Any:
+    """A JAX array of a plain dtype as a NumPy array of the same abstract value."""
+    if not isinstance(leaf, jax.Array) or leaf.weak_type:
+        return leaf
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
+        return leaf  # PRNG keys
+    return np.asarray(leaf)
+
+
 def vmap(op: OpUnderTest, settings: Settings) -> str:
     rng = np.random.default_rng(settings.seed + 4)
     forward = op.forward_error is None
@@ -501,7 +529,10 @@ def vmap(op: OpUnderTest, settings: Settings) -> str:
     for index, arg in enumerate(op.args):
         if not _has_arrays(arg):
             continue  # a static argument cannot be batched
-        batch = _batched_argument(arg, rng)
+        # Every call of the op below is traced (under jit or vmap): a host copy of the
+        # batch gives it the same abstract values, and picking an element of it compiles
+        # nothing (of a JAX array, eagerly, two small programs per shape).
+        batch = jax.tree_util.tree_map(_on_host, _batched_argument(arg, rng))
 
         def full_args(value, index=index):
             return op.args[:index] + (value,) + op.args[index + 1 :]
