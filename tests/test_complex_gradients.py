@@ -14,6 +14,7 @@ of correct ops that pass every check, and buggy backwards that fail.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import jax
@@ -202,13 +203,24 @@ def _quiet_gradcheck(check, *args, **kwargs):
         return check(*args, **kwargs)
 
 
-@pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("case", CORRECT, ids=[c[0] for c in CORRECT])
-def test_correct_complex_ops_pass_gradcheck_and_gradgradcheck(case, precision):
-    name, forward, backward, kinds = case
-    op, args = _op(forward, backward), _args(kinds, precision)
+def _each_correct_op_in_each_precision(test):
+    """Parametrizes ``test`` over ``case`` (each CORRECT op) and ``precision``."""
+    test = pytest.mark.parametrize("case", CORRECT, ids=[c[0] for c in CORRECT])(test)
+    return pytest.mark.parametrize("precision", PRECISIONS)(test)
+
+
+@contextlib.contextmanager
+def _no_imaginary_part_dropped():
     with warnings.catch_warnings():
-        warnings.simplefilter("error", np.exceptions.ComplexWarning)  # no imaginary part dropped
+        warnings.simplefilter("error", np.exceptions.ComplexWarning)
+        yield
+
+
+@_each_correct_op_in_each_precision
+def test_correct_complex_ops_pass_gradcheck_and_gradgradcheck(case, precision):
+    _, forward, backward, kinds = case
+    op, args = _op(forward, backward), _args(kinds, precision)
+    with _no_imaginary_part_dropped():
         assert _quiet_gradcheck(
             jaxext.gradcheck, op, args, check_grad_dtypes=True, check_batched_grad=True,
             check_forward_ad=True,
@@ -216,13 +228,11 @@ def test_correct_complex_ops_pass_gradcheck_and_gradgradcheck(case, precision):
         assert _quiet_gradcheck(jaxext.gradgradcheck, op, args, check_fwd_over_rev=True)
 
 
-@pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("case", CORRECT, ids=[c[0] for c in CORRECT])
+@_each_correct_op_in_each_precision
 def test_correct_complex_ops_pass_every_opcheck_check(case, precision):
-    name, forward, backward, kinds = case
+    _, forward, backward, kinds = case
     op, args = _op(forward, backward), _args(kinds, precision)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", np.exceptions.ComplexWarning)
+    with _no_imaginary_part_dropped():
         report = jaxext.opcheck(op, args, raise_exception=False)
     # (export_symbolic: a symbolic leading dimension of input 0 alone cannot broadcast
     # against input 1's fixed one in a two-input elementwise op, real or complex)

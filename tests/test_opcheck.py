@@ -1,8 +1,9 @@
 """Tests for `jaxext.opcheck`.
 
 Correct ops (jaxext's, the Flax layers, Function-defined ops, plain ``jax.custom_vjp``
-and ``jax.custom_jvp`` ops) must pass every check that applies. A catalogue of buggy
-ops, each written here with one known defect, must be rejected by the check for that
+and ``jax.custom_jvp`` ops) must pass every check that applies. Buggy ops, each with
+one known defect (written here, or in tests/checker_ops.py where
+tests/test_checker_catalogue.py uses them too), must be rejected by the check for that
 defect (the first check to fail, named in the error), never by a crash.
 """
 
@@ -14,16 +15,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import rand
+from checker_ops import (
+    abs_cotangent,
+    f64,
+    float32_grad_always,
+    float32_grad_for_bfloat16,
+    fwd_differs_from_primal,
+    jvp_rule_wrong_at_second_order,
+    l2_penalty_off_by_2x,
+    linalg_solve,
+    residual_layout_cached,
+    residuals_by_perturbed_reused,
+    symbolic_zero_as_ones,
+)
 from ops_table import OPS
 
 import jaxext
 from jaxext._checks import CHECK_NAMES
-
-
-def f64(seed, shape):
-    return rand(seed, shape, np.float64)
-
 
 # -- correct ops -------------------------------------------------------------------------------
 
@@ -39,113 +47,20 @@ plain_vjp_linear.defvjp(
 )
 
 
-@jax.custom_jvp
-def plain_jvp_softplus(x):
-    return jnp.logaddexp(x, 0.0)
-
-
-@plain_jvp_softplus.defjvp
-def _softplus_jvp(primals, tangents):
-    (x,), (t,) = primals, tangents
-    return plain_jvp_softplus(x), jax.nn.sigmoid(x) * t
-
-
-@jax.custom_vjp
-def sorted_scale(x, w):
-    """A custom_vjp op that indexes ``x`` with a permutation computed from ``w``."""
-    return x[jnp.argsort(w[:, 0])] * w
-
-
-def _sorted_scale_bwd(res, g):
-    x, w = res
-    perm = jnp.argsort(w[:, 0])
-    return jnp.zeros_like(x).at[perm].set(g * w), g * x[perm]
-
-
-sorted_scale.defvjp(lambda x, w: (sorted_scale(x, w), (x, w)), _sorted_scale_bwd)
-
-
-def embedding(table, ids):
-    return jnp.tanh(table[ids])
-
-
-def at_update(x):
-    return x.at[0].set(x[1] * 2.0).at[1:].add(x[0] ** 2)
-
-
-def mixed_precision_sin(x):
-    """float32 output for a bfloat16 input (float64 for float64)."""
-    return jnp.sin(x.astype(jnp.promote_types(x.dtype, jnp.float32)))
-
-
-@jax.custom_vjp
-def fixed_point_sqrt(a):
-    """sqrt(a) as the fixed point of z = (z + a / z) / 2, with JAX's documented
-    fixed-point backward: the adjoint equation solved by a ``while_loop`` (dynamic
-    trip count), which reverse mode cannot differentiate again."""
-    return jnp.sqrt(a)
-
-
-def _fixed_point_bwd(res, g):
-    a, z = res
-    dfdz, dfda = 0.5 * (1 - a / z**2), 0.5 / z
-
-    def body(state):
-        u, _, k = state
-        return g + u * dfdz, u, k + 1
-
-    def not_converged(state):
-        u, previous, k = state
-        return (k < 50) & jnp.any(jnp.abs(u - previous) > 1e-14 * jnp.abs(u))
-
-    u, _, _ = jax.lax.while_loop(not_converged, body, body((g, g + 1.0, 0)))
-    return (u * dfda,)
-
-
-fixed_point_sqrt.defvjp(lambda a: (jnp.sqrt(a), (a, jnp.sqrt(a))), _fixed_point_bwd)
-
-
-def phases(seed, shape):
-    return np.random.default_rng(seed).uniform(100.0, 200.0, shape)
-
-
 CORRECT_OPS = {
     # name -> (function returning (op, args), checks expected to SKIP)
     # The library's ops and layers (tests/ops_table.py): no check skipped.
     **{name: (build, ()) for op in OPS for name, build in op.opcheck_cases.items()},
+    # Tricky correct ops (permutations, integer ids, .at[] updates, a scalar output,
+    # mixed precision, tiny scales, what an op cannot do as a SKIP with its reason ...):
+    # tests/test_checker_catalogue.py, which asserts the exact SKIPs.
     "plain_custom_vjp": (
         lambda: (plain_vjp_linear, (f64(0, (4, 3)), f64(1, (2, 3)))),
         ("jvp", "jvp_vjp", "rev_over_fwd", "fwd_over_fwd"),
     ),
-    "plain_custom_jvp": (lambda: (plain_jvp_softplus, (f64(0, (4, 3)),)), ()),
-    # Output shapes the random cotangents and inner products must handle: a scalar
-    # output (a NumPy scalar cotangent), and an integer output beside a float one
-    # (a float0 cotangent leaf).
-    "scalar_output": (lambda: (lambda x, y: jnp.sum(x * y) ** 2, (f64(0, (3,)), f64(1, (3,)))), ()),
-    # Ops written for JAX arrays: the float inputs reach them as JAX arrays (as in a
-    # user's code), never as NumPy arrays closed over.
-    "permutation_index": (
-        lambda: (sorted_scale, (f64(0, (3, 2)), f64(1, (3, 2)))),
-        ("jvp", "jvp_vjp", "rev_over_fwd", "fwd_over_fwd"),
-    ),
-    "embedding": (lambda: (embedding, (f64(0, (3, 4)), jnp.array([1, 0, 1, 2]))), ()),
-    "at_update": (lambda: (at_update, (jnp.asarray(f64(0, (3,))),)), ()),
-    # low_precision: a float32 output for a bfloat16 input; an input whose rounding to
-    # bfloat16 alone moves sin by far more than 16 eps.
-    "mixed_precision": (lambda: (mixed_precision_sin, (f64(0, (4, 3)),)), ()),
-    "sin_large_phases": (lambda: (jnp.sin, (phases(0, (4, 3)),)), ()),
-    # Inputs of scale 2e-5: the finite-difference step must follow them.
-    "normalize_tiny": (lambda: (lambda x: x / jnp.linalg.norm(x), (2e-5 * f64(0, (4,)),)), ()),
-    # What an op cannot do is a SKIP: a backward that is not differentiable twice; an
-    # empty batch, which jax.export's symbolic dimensions (>= 1) cannot express.
-    "fixed_point_backward": (
-        lambda: (fixed_point_sqrt, (1.0 + np.abs(f64(0, (3, 2))),)),
-        ("gradgradcheck", "jvp", "jvp_vjp", "rev_over_fwd", "fwd_over_fwd"),
-    ),
-    "linear_empty_batch": (
-        lambda: (jaxext.linear, (np.zeros((0, 3)), f64(1, (2, 3)), f64(2, (2,)))),
-        ("export_symbolic",),
-    ),
+    # An output shape the random cotangents and inner products must handle: an integer
+    # output beside a float one (a float0 cotangent leaf); a scalar output (a NumPy
+    # scalar cotangent) is in the catalogue.
     "integer_output": (
         lambda: (lambda x: (jnp.argmax(x, -1), jnp.max(x, -1)), (f64(0, (3, 4)),)),
         (),
@@ -206,8 +121,8 @@ def test_a_dtype_without_a_kernel_is_a_skip_with_the_reason():
     # jnp.linalg.solve has no bfloat16 kernel on CPU: what the op cannot do, not a bug.
     if jax.default_backend() != "cpu":
         pytest.skip("bfloat16 solve has a kernel on this backend")
-    a, b = f64(0, (3, 3)) + 3 * np.eye(3), f64(1, (3,))
-    report = jaxext.opcheck(jnp.linalg.solve, (a, b), checks=["grad_dtypes", "low_precision"])
+    op, args = linalg_solve()
+    report = jaxext.opcheck(op, args, checks=["grad_dtypes", "low_precision"])
     assert report.skipped == ("low_precision",), str(report)
     detail = report["low_precision"].detail
     assert "float32 checked" in detail and "bfloat16" in detail
@@ -215,20 +130,6 @@ def test_a_dtype_without_a_kernel_is_a_skip_with_the_reason():
     # while tracing (a TypeError naming it): either way the reason is the op's, not a bug.
     assert "no kernel" in detail or "does not take it" in detail, detail
     assert report["grad_dtypes"].status == "PASS"
-
-
-@pytest.mark.parametrize(
-    ("name", "check", "reason"),
-    [
-        ("fixed_point_backward", "gradgradcheck", "the backward runs but cannot be differentiated"),
-        ("linear_empty_batch", "export_symbolic", "input 0 has an empty leading dimension"),
-    ],
-)
-def test_what_an_op_cannot_do_is_a_skip_with_the_reason(name, check, reason):
-    op, args = CORRECT_OPS[name][0]()
-    report = jaxext.opcheck(op, args, checks=[check])
-    assert report.skipped == (check,), str(report)
-    assert reason in report[check].detail
 
 
 def test_a_backward_that_fails_to_run_is_not_skipped_by_gradgradcheck():
@@ -273,34 +174,6 @@ def test_plain_custom_vjp_skips_forward_mode_with_the_reason():
 # -- the catalogue of buggy ops ----------------------------------------------------------------
 
 
-def residual_layout_bug():
-    """fwd saves residuals by which inputs are differentiated, but the layout is recorded
-    once per input shapes (like a kernel cache) and reused: wrong as soon as the op is
-    differentiated with respect to another subset of its inputs."""
-    layouts = {}
-
-    @jax.custom_vjp
-    def op(x, w):
-        return x @ w.T
-
-    def fwd(x, w):
-        key = (x.value.shape, w.value.shape)
-        layouts.setdefault(key, (x.perturbed, w.perturbed))  # the bug: first trace wins
-        saved = [w.value] if x.perturbed else []
-        saved += [x.value] if w.perturbed else []
-        return op(x.value, w.value), (key, *saved)
-
-    def bwd(saved, g):
-        key, *saved = saved
-        want_x, want_w = layouts[key]
-        grad_x = g @ saved.pop(0) if want_x else None
-        grad_w = g.T @ saved.pop(0) if want_w else None
-        return grad_x, grad_w
-
-    op.defvjp(fwd, bwd, symbolic_zeros=True)
-    return op, (f64(0, (3, 3)), f64(1, (3, 3)))
-
-
 def _double_plus_sum(x):
     return 2 * x + x.sum()  # sums a batch axis too, when given one
 
@@ -328,37 +201,6 @@ def nonzero_grad_for_zero_cotangent():
         return g @ w, jnp.where(jnp.all(g == 0), 1e-3, g.T @ x)
 
     op.defvjp(lambda x, w: (op(x, w), (x, w)), bwd)
-    return op, (f64(0, (4, 3)), f64(1, (2, 3)))
-
-
-def symbolic_zero_taken_for_ones():
-    """Two outputs; bwd reads an unused output's symbolic-zero cotangent as ones."""
-
-    @jax.custom_vjp
-    def op(x, w):
-        return x @ w.T, jnp.sin(x)
-
-    def fwd(x, w):
-        return op(x.value, w.value), (x.value, w.value)
-
-    def bwd(res, g):
-        x, w = res
-        g_y, g_s = (
-            jnp.ones(t.shape, t.dtype) if isinstance(t, jax.custom_derivatives.SymbolicZero) else t
-            for t in g
-        )
-        return g_y @ w + g_s * jnp.cos(x), g_y.T @ x
-
-    op.defvjp(fwd, bwd, symbolic_zeros=True)
-    return op, (f64(0, (4, 3)), f64(1, (2, 3)))
-
-
-def forward_rule_differs():
-    @jax.custom_vjp
-    def op(x, w):
-        return x @ w.T
-
-    op.defvjp(lambda x, w: (x @ w.T + 1e-3, (x, w)), lambda res, g: (g @ res[1], g.T @ res[0]))
     return op, (f64(0, (4, 3)), f64(1, (2, 3)))
 
 
@@ -396,35 +238,6 @@ def nondeterministic_backward():
     return op, (f64(0, (4, 3)), f64(1, (2, 3)))
 
 
-def wrong_gradient_dtype():
-    @jax.custom_vjp
-    def op(x, w):
-        return x @ w.T
-
-    def bwd(res, g):
-        x, w = res
-        return (g @ w).astype(jnp.float32), g.T @ x
-
-    op.defvjp(lambda x, w: (op(x, w), (x, w)), bwd)
-    return op, (f64(0, (4, 3)), f64(1, (2, 3)))
-
-
-def float32_gradient_for_bfloat16():
-    """A backward that computes in at least float32 and forgets to cast back: right for
-    float64 and float32 inputs, a float32 gradient for a bfloat16 one."""
-
-    @jax.custom_vjp
-    def op(x):
-        return x * x
-
-    def bwd(x, g):
-        wide = jnp.promote_types(x.dtype, jnp.float32)
-        return (2 * x.astype(wide) * g.astype(wide),)
-
-    op.defvjp(lambda x: (op(x), x), bwd)
-    return op, (f64(0, (4, 3)),)
-
-
 def wrong_backward_value():
     @jax.custom_vjp
     def op(x, w):
@@ -434,65 +247,21 @@ def wrong_backward_value():
     return op, (f64(0, (4, 3)), f64(1, (2, 3)))
 
 
-def backward_not_linear_in_cotangent():
-    """bwd uses |g|: right for every one-hot +1 cotangent, wrong for most others."""
-
-    @jax.custom_vjp
-    def op(x, w):
-        return jnp.tanh(x @ w.T)
-
-    def bwd(res, g):
-        x, w, y = res
-        g = jnp.abs(g) * (1 - y**2)
-        return g @ w, g.T @ x
-
-    op.defvjp(lambda x, w: (op(x, w), (x, w, op(x, w))), bwd)
-    return op, (f64(0, (4, 3)), f64(1, (2, 3)))
-
-
-def jvp_rule_cut_at_second_order():
-    """A jvp= rule right at first order that cuts the derivative through its residual
-    (stop_gradient on x): jacrev(jacfwd) and jacfwd(jacfwd) are wrong, while every
-    reverse-mode derivative (which goes through the correct bwd) is right."""
-
-    @jaxext.custom_vjp
-    def op(x):
-        return jnp.sin(x)
-
-    op.defvjp(
-        lambda x: (jnp.sin(x), x),
-        lambda x, g: (g * jnp.cos(x),),
-        jvp=lambda x, tangents: jnp.cos(jax.lax.stop_gradient(x)) * tangents[0],
-    )
-    return op, (f64(0, (4, 3)),)
-
-
-def small_gradient_off_by_2x():
-    """An L2 penalty (lambda = 1e-6) whose backward is 2x off: every entry below atol."""
-
-    @jax.custom_vjp
-    def op(w):
-        return 1e-6 * jnp.sum(w**2)
-
-    op.defvjp(lambda w: (op(w), w), lambda w, g: (4e-6 * g * w,))
-    return op, (f64(0, (3, 4)),)
-
-
 BUGGY_OPS = {
     # name -> (builder, the check that must reject it)
-    "residual_layout": (residual_layout_bug, "jit_reuse"),
+    "residual_layout": (residual_layout_cached, "jit_reuse"),
     "wrong_vmap_method": (wrong_vmap_method, "vmap"),
     "nonzero_grad_for_zero_cotangent": (nonzero_grad_for_zero_cotangent, "zero_cotangent"),
-    "symbolic_zero_taken_for_ones": (symbolic_zero_taken_for_ones, "zero_cotangent"),
-    "forward_rule_differs": (forward_rule_differs, "forward_rule"),
+    "symbolic_zero_taken_for_ones": (symbolic_zero_as_ones, "zero_cotangent"),
+    "forward_rule_differs": (fwd_differs_from_primal, "forward_rule"),
     "eager_and_jit_differ": (eager_and_jit_differ, "jit"),
     "nondeterministic_backward": (nondeterministic_backward, "reentrancy"),
-    "wrong_gradient_dtype": (wrong_gradient_dtype, "grad_dtypes"),
-    "float32_gradient_for_bfloat16": (float32_gradient_for_bfloat16, "grad_dtypes"),
+    "wrong_gradient_dtype": (float32_grad_always, "grad_dtypes"),
+    "float32_gradient_for_bfloat16": (float32_grad_for_bfloat16, "grad_dtypes"),
     "wrong_backward_value": (wrong_backward_value, "gradcheck"),
-    "backward_not_linear_in_cotangent": (backward_not_linear_in_cotangent, "gradcheck"),
-    "small_gradient_off_by_2x": (small_gradient_off_by_2x, "gradcheck"),
-    "jvp_rule_cut_at_second_order": (jvp_rule_cut_at_second_order, "rev_over_fwd"),
+    "backward_not_linear_in_cotangent": (abs_cotangent, "gradcheck"),
+    "small_gradient_off_by_2x": (l2_penalty_off_by_2x, "gradcheck"),
+    "jvp_rule_cut_at_second_order": (jvp_rule_wrong_at_second_order, "rev_over_fwd"),
 }
 
 
@@ -510,32 +279,12 @@ def test_buggy_op_rejected_by_the_right_check(name):
     assert report.failed == (check,)
 
 
-def residuals_by_perturbed():
-    """A plain jax.custom_vjp (symbolic_zeros=True) whose fwd saves only what the
-    perturbed inputs' gradients need (None otherwise)."""
-
-    @jax.custom_vjp
-    def op(x, w):
-        return x * w
-
-    def fwd(x, w):
-        saved = (w.value if x.perturbed else None, x.value if w.perturbed else None)
-        return x.value * w.value, saved
-
-    def bwd(saved, g):
-        w, x = saved
-        return (None if w is None else g * w, None if x is None else g * x)
-
-    op.defvjp(fwd, bwd, symbolic_zeros=True)
-    return op
-
-
 def test_jit_reuse_runs_the_pattern_with_constants():
     """`op(a, c) + op(c, b) + op(a, b) ** 2`, c a constant, with the op jitted once: the
     verdict of jit_reuse must be what JAX gives for it, against plain autodiff (on JAX
     0.10 a wrong gradient or an error; the stop_gradient form alone passed)."""
-    op = residuals_by_perturbed()
-    a, b, c = f64(0, (3, 2)), f64(1, (3, 2)), f64(2, (3, 2))
+    op, (a, b) = residuals_by_perturbed_reused()
+    c = f64(2, (3, 2))
 
     def pattern(fn):
         return lambda a, b: jnp.sum(fn(a, c)) + jnp.sum(fn(c, b)) + jnp.sum(fn(a, b) ** 2)
@@ -556,7 +305,7 @@ def test_jit_reuse_runs_the_pattern_with_constants():
 
 
 def test_buggy_op_diagnostics_name_what_failed():
-    op, args = residual_layout_bug()
+    op, args = residual_layout_cached()
     report = jaxext.opcheck(op, args, checks=["jit_reuse"], raise_exception=False)
     assert "differentiating only" in report["jit_reuse"].detail
     op, args = wrong_vmap_method()

@@ -1,0 +1,304 @@
+"""Ops with known checker verdicts, shared by tests/test_opcheck.py and
+tests/test_checker_catalogue.py: each op written once, here.
+
+Each builder returns ``(op, args)``, the args float64 NumPy data (``f64``). Correct
+ops first (opcheck gives no FAIL), then buggy ones (one realistic bug each).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from helpers import rand
+
+import jaxext
+
+
+def f64(seed, shape):
+    return rand(seed, shape, np.float64)
+
+
+def positive(seed, shape):
+    return 0.5 + np.abs(f64(seed, shape))
+
+
+# -- correct ops ---------------------------------------------------------------------------
+
+
+def perm_index():
+    """fwd indexes with ``x[perm]``; the backward scatters back (a jaxext.custom_vjp)."""
+    perm = np.array([2, 0, 3, 1])
+
+    @jaxext.custom_vjp
+    def op(x):
+        return x[perm] * 2.0
+
+    op.defvjp(
+        lambda x: (op(x), None),
+        lambda _, g: (jnp.zeros_like(g).at[perm].set(2.0 * g, unique_indices=True),),
+    )
+    return op, (f64(0, (4, 2)),)
+
+
+def embedding():
+    """``table[ids]`` with integer ids (repeated), gradient scattered with ``.at[].add``."""
+
+    @jaxext.custom_vjp
+    def op(table, ids):
+        return table[ids]
+
+    def bwd(res, g):
+        zeros, ids = res
+        return zeros.at[ids].add(g), None
+
+    op.defvjp(lambda table, ids: (op(table, ids), (jnp.zeros_like(table), ids)), bwd)
+    return op, (f64(0, (3, 2)), np.array([1, 0, 1, 2]))
+
+
+def at_set_add():
+    """``.at[].set`` / ``.at[].add``: the op needs JAX arrays, whatever the caller passes."""
+    return (lambda x: x.at[0].set(x[1] * 2.0).at[1:].add(x[0] ** 2)), (f64(0, (3,)),)
+
+
+def mixed_precision():
+    """float32 output for a bfloat16 input (float64 for float64)."""
+
+    def op(x):
+        return jnp.tanh(x.astype(jnp.promote_types(x.dtype, jnp.float32)))
+
+    return op, (f64(0, (2, 3)),)
+
+
+def sin_large_phases():
+    """Phases in [100, 200]: rounding them to bfloat16 alone moves sin a lot."""
+    return jnp.sin, (np.random.default_rng(0).uniform(100.0, 200.0, (2, 3)),)
+
+
+def normalize_tiny():
+    """Vectors of norm ~2e-5: the finite-difference step must follow the scale."""
+    return (lambda x: x / jnp.linalg.norm(x)), (2e-5 * f64(0, (4,)),)
+
+
+def linalg_solve():
+    """No bfloat16 kernel on CPU: low_precision SKIPs with the reason."""
+    return jnp.linalg.solve, (f64(0, (2, 2)) + 3 * np.eye(2), f64(1, (2,)))
+
+
+@jax.custom_vjp
+def fixed_point_sqrt(a):
+    """sqrt(a) as the fixed point of z = (z + a / z) / 2, with JAX's documented
+    fixed-point backward, which reverse mode cannot differentiate again."""
+    return jnp.sqrt(a)
+
+
+def _fixed_point_sqrt_bwd(res, g):
+    """The adjoint of z = (z + a / z) / 2 solved by a while_loop (dynamic trip count)."""
+    a, z = res
+    dfdz, dfda = 0.5 - 0.5 * a / z**2, 0.5 / z
+
+    def body(state):
+        u, _, k = state
+        return g + u * dfdz, u, k + 1
+
+    def not_converged(state):
+        u, previous, k = state
+        return (k < 60) & jnp.any(jnp.abs(u - previous) > 1e-15 * jnp.abs(u))
+
+    u, _, _ = jax.lax.while_loop(not_converged, body, body((g, g + 1.0, 0)))
+    return (u * dfda,)
+
+
+fixed_point_sqrt.defvjp(lambda a: (jnp.sqrt(a), (a, jnp.sqrt(a))), _fixed_point_sqrt_bwd)
+
+
+def fixed_point_backward():
+    return fixed_point_sqrt, (positive(0, (3,)),)
+
+
+def linear_empty_batch():
+    return jaxext.linear, (np.zeros((0, 3)), f64(1, (2, 3)), f64(2, (2,)))
+
+
+def plain_custom_jvp():
+    @jax.custom_jvp
+    def softplus(x):
+        return jnp.logaddexp(x, 0.0)
+
+    softplus.defjvp(lambda p, t: (softplus(p[0]), jax.nn.sigmoid(p[0]) * t[0]))
+    return softplus, (f64(0, (3, 2)),)
+
+
+def _matmul_and_sin(bwd):
+    """``(x @ w.T, sin(x))``: a plain jax.custom_vjp with symbolic_zeros=True and ``bwd``."""
+
+    @jax.custom_vjp
+    def op(x, w):
+        return x @ w.T, jnp.sin(x)
+
+    def fwd(x, w):
+        return op(x.value, w.value), (x.value, w.value)
+
+    op.defvjp(fwd, bwd, symbolic_zeros=True)
+    return op, (f64(0, (3, 2)), f64(1, (2, 2)))
+
+
+def symbolic_zeros_two_outputs():
+    """symbolic_zeros=True, two outputs, unused outputs' zeros handled (skipped)."""
+
+    def bwd(res, g):
+        x, w = res
+        g_y, g_s = g
+        zero = jax.custom_derivatives.SymbolicZero
+        grad_x = jnp.zeros_like(x)
+        grad_w = jnp.zeros_like(w)
+        if not isinstance(g_y, zero):
+            grad_x, grad_w = grad_x + g_y @ w, grad_w + g_y.T @ x
+        if not isinstance(g_s, zero):
+            grad_x = grad_x + g_s * jnp.cos(x)
+        return grad_x, grad_w
+
+    return _matmul_and_sin(bwd)
+
+
+# -- buggy ops -----------------------------------------------------------------------------
+
+
+def abs_cotangent():
+    """bwd uses |g|: right for every one-hot +1 cotangent, not linear in g."""
+
+    @jax.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    op.defvjp(lambda x: (op(x), x), lambda x, g: (jnp.abs(g) * jnp.cos(x),))
+    return op, (f64(0, (3, 2)),)
+
+
+def float32_grad_for_bfloat16():
+    """Computes the gradient in at least float32 and forgets to cast back: right for
+    float64 and float32 inputs, a float32 gradient for a bfloat16 one."""
+
+    @jax.custom_vjp
+    def op(x):
+        return x * x
+
+    def bwd(x, g):
+        wide = jnp.promote_types(x.dtype, jnp.float32)
+        return (2 * x.astype(wide) * g.astype(wide),)
+
+    op.defvjp(lambda x: (op(x), x), bwd)
+    return op, (f64(0, (3, 2)),)
+
+
+def symbolic_zero_as_ones():
+    """Two outputs; bwd reads an unused output's symbolic-zero cotangent as ones."""
+
+    def bwd(res, g):
+        x, w = res
+        g_y, g_s = (
+            jnp.ones(t.shape, t.dtype) if isinstance(t, jax.custom_derivatives.SymbolicZero) else t
+            for t in g
+        )
+        return g_y @ w + g_s * jnp.cos(x), g_y.T @ x
+
+    return _matmul_and_sin(bwd)
+
+
+def l2_penalty_off_by_2x():
+    """lambda = 1e-6: every gradient entry is below atol, and 2x off."""
+
+    @jax.custom_vjp
+    def op(w):
+        return 1e-6 * jnp.sum(w**2)
+
+    op.defvjp(lambda w: (op(w), w), lambda w, g: (4e-6 * g * w,))
+    return op, (f64(0, (3, 2)),)
+
+
+def float32_grad_always():
+    """float32 gradient for every input dtype (float64 included)."""
+
+    @jax.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    op.defvjp(lambda x: (op(x), x), lambda x, g: ((g * jnp.cos(x)).astype(jnp.float32),))
+    return op, (f64(0, (3,)),)
+
+
+def fwd_differs_from_primal():
+    """fwd adds an epsilon the primal does not (as a stale copy of the kernel would)."""
+
+    @jax.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    op.defvjp(lambda x: (jnp.sin(x) + 1e-4, x), lambda x, g: (g * jnp.cos(x),))
+    return op, (f64(0, (3,)),)
+
+
+def jvp_rule_wrong_at_second_order():
+    """A jvp= rule right at first order, stop_gradient on its residual: forward-mode
+    second derivatives (jacrev(jacfwd), jacfwd(jacfwd)) are wrong while every
+    reverse-mode derivative (through the correct bwd) is right."""
+
+    @jaxext.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    op.defvjp(
+        lambda x: (op(x), x),
+        lambda x, g: (g * jnp.cos(x),),
+        jvp=lambda x, tangents: jnp.cos(jax.lax.stop_gradient(x)) * tangents[0],
+    )
+    return op, (f64(0, (3,)),)
+
+
+def residuals_by_perturbed_reused():
+    """Plain jax.custom_vjp, symbolic_zeros=True, residuals chosen by ``.perturbed``
+    (None for an input not differentiated): jitted once and used as
+    ``op(a, c) + op(c, b) + op(a, b) ** 2`` the gradient is wrong (JAX reuses one
+    residual layout)."""
+
+    @jax.custom_vjp
+    def op(x, w):
+        return x * w
+
+    def fwd(x, w):
+        saved = (w.value if x.perturbed else None, x.value if w.perturbed else None)
+        return x.value * w.value, saved
+
+    def bwd(saved, g):
+        w, x = saved
+        return (None if w is None else g * w, None if x is None else g * x)
+
+    op.defvjp(fwd, bwd, symbolic_zeros=True)
+    return op, (f64(0, (3, 2)), f64(1, (3, 2)))
+
+
+def residual_layout_cached():
+    """fwd saves residuals by which inputs are differentiated, but bwd reads the layout
+    from a cache keyed by shape and filled by the first trace (like a kernel cache):
+    a stale layout as soon as the jitted op is differentiated w.r.t. another subset."""
+    layouts = {}
+
+    @jax.custom_vjp
+    def op(x, w):
+        return x * jnp.sin(w)
+
+    def fwd(x, w):
+        layouts.setdefault(x.value.shape, (x.perturbed, w.perturbed))  # first trace wins
+        saved = [jnp.sin(w.value)] if x.perturbed else []
+        saved += [x.value * jnp.cos(w.value)] if w.perturbed else []
+        return op(x.value, w.value), saved
+
+    def bwd(saved, g):
+        want_x, want_w = layouts[g.shape]
+        saved = list(saved)
+        grad_x = g * saved.pop(0) if want_x else None
+        grad_w = g * saved.pop(0) if want_w else None
+        return grad_x, grad_w
+
+    op.defvjp(fwd, bwd, symbolic_zeros=True)
+    return op, (f64(0, (3, 2)), f64(1, (3, 2)))
