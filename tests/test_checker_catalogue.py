@@ -13,7 +13,7 @@ tests/test_opcheck.py uses it too):
   the checks named with the op: the verdict points at the bug. Where the bug is one of
   gradient values, ``jaxext.gradcheck`` rejects it too.
 
-Complex ops are left out: complex support is being added separately.
+Complex ops have their own grid of correct and buggy ops in tests/test_complex_gradients.py.
 """
 
 from __future__ import annotations
@@ -65,6 +65,42 @@ ALWAYS_SKIPPED = {"unwritten_outputs"}
 
 def scalar_output():
     return (lambda x: (x**2).sum()), (f64(0, (3,)),)
+
+
+def scalar_output_two_inputs():
+    return (lambda x, y: jnp.sum(x * y) ** 2), (f64(0, (3,)), f64(1, (3,)))
+
+
+def argsort_index_plain_vjp():
+    """A plain jax.custom_vjp op indexing ``x`` with a permutation computed from ``w``."""
+
+    @jax.custom_vjp
+    def op(x, w):
+        return x[jnp.argsort(w[:, 0])] * w
+
+    def bwd(res, g):
+        x, w = res
+        perm = jnp.argsort(w[:, 0])
+        return jnp.zeros_like(x).at[perm].set(g * w), g * x[perm]
+
+    op.defvjp(lambda x, w: (op(x, w), (x, w)), bwd)
+    return op, (f64(0, (3, 2)), f64(1, (3, 2)))
+
+
+def embedding_jax_int_ids():
+    """A plain function ``tanh(table[ids])`` with the ids a JAX integer array."""
+    return (lambda table, ids: jnp.tanh(table[ids])), (f64(0, (3, 4)), jnp.array([1, 0, 1, 2]))
+
+
+def at_set_add_jax_array():
+    """``.at[]`` updates of an input given as a JAX array (float32, x64 off)."""
+    op, (x,) = at_set_add()
+    return op, (jnp.asarray(x),)
+
+
+def mixed_precision_sin():
+    """sin computed in at least float32: a float32 output for a bfloat16 input."""
+    return (lambda x: jnp.sin(x.astype(jnp.promote_types(x.dtype, jnp.float32)))), (f64(0, (4, 3)),)
 
 
 def temperature_0d():
@@ -178,6 +214,11 @@ CORRECT = {
     "embedding_int_ids": (embedding, (), True),
     "at_set_add": (at_set_add, NO_SYMBOLIC, True),
     "scalar_output": (scalar_output, NO_SYMBOLIC, True),
+    "scalar_output_two_inputs": (scalar_output_two_inputs, NO_SYMBOLIC, True),
+    "argsort_index_plain_vjp": (argsort_index_plain_vjp, NO_FORWARD_MODE, True),
+    "embedding_jax_int_ids": (embedding_jax_int_ids, (), True),
+    "at_set_add_jax_array": (at_set_add_jax_array, NO_SYMBOLIC, True),
+    "mixed_precision_sin": (mixed_precision_sin, (), True),
     "temperature_0d": (temperature_0d, NO_SYMBOLIC, True),
     "mul_constant_numpy_0d": (mul_constant_numpy_0d, (), True),
     "mixed_precision": (mixed_precision, (), True),
