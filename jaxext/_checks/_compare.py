@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._jacobians import FlatJacobians, unit_blocks
+from ._jacobians import FlatJacobians, screen, unit_blocks
 
 __all__ = [
     "NOISE_ULPS",
@@ -350,13 +350,14 @@ class _Tile:
 
     def add(self, start: int, block: np.ndarray) -> None:
         """Adds ``block``, the transposed columns ``start, start + 1, ...``."""
-        cols, rows = np.nonzero(block)
-        if 16 * rows.size < block.nbytes:
-            order = np.argsort(rows, kind="stable")
-            values = block[cols[order], rows[order]]
+        flat = np.flatnonzero(block)
+        if 16 * flat.size < block.nbytes:
+            cols, rows = np.divmod(flat, block.shape[1])
+            order = np.argsort(rows, kind="stable")  # by row, then by column
+            values = block.ravel()[flat[order]]
             sparse = (rows[order].astype(np.int32), cols[order].astype(np.int32), values)
             self.chunks.append((start, None, sparse))
-            self.nbytes += 16 * rows.size
+            self.nbytes += 16 * flat.size
         else:
             self.chunks.append((start, block, None))
             self.nbytes += block.nbytes
@@ -413,12 +414,15 @@ def full_mismatches(
     steps = np.empty(n)
     tile = _Tile(0)
     screen = n * m >= SCREEN_MIN_ENTRIES
+    out_bounds = tuple((s.start, s.stop) for s in out_slices)
     for start in range(0, n, jac.col_chunk):
         cols = range(start, min(n, start + jac.col_chunk))
         if screen:
-            block, padded_steps, count = jac.numerical_on_device(cols, eps)
+            block, maxima, padded_steps, count = jac.numerical_on_device(cols, eps)
             steps[cols.start : cols.stop] = padded_steps[:count]
-            _add_scales(tallies.values(), block, count, start, out_slices, in_slices)
+            if jac.out_bounds != out_bounds:
+                maxima = _column_maxima(block, out_bounds)
+            _add_scales(tallies.values(), maxima, count, start, in_slices)
             numerical = np.asarray(block)[:count]
         else:
             numerical, steps[cols.start : cols.stop] = jac.numerical(cols, eps)
@@ -465,8 +469,9 @@ def _stream_rows(
         stop = min(jac.m, start + jac.row_chunk)
         numerical = tile.rows(start, stop)
         if screen:
-            on_device = jac.reverse_on_device(range(start, stop))
-            if _screened_rows(on_device, numerical, start, tile, steps, noise, atol, rtol, linear):
+            args = (numerical, start, tile, steps, noise, atol, rtol, linear)
+            on_device = _screened_rows(jac, *args)
+            if on_device is None:
                 continue
             automatic = np.asarray(on_device)[: stop - start, col0:col1]
         else:
@@ -483,57 +488,44 @@ def _stream_rows(
 
 @functools.partial(jax.jit, static_argnames=("width",))
 def _screen(numerical, automatic, noise, steps, valid, weights, col0, atol, rtol, *, width):
-    """Whether every valid entry of a chunk passes with room to spare, and the chunk's
-    ``weights``-weighted sums of the numerical rows and of their allowances.
-
-    ``automatic``'s columns ``col0 .. col0 + width`` face ``numerical``; ``noise`` and
-    ``steps`` broadcast against them as in the host comparison. An entry passes the
-    screen when ``|a - n| - (rtol |n| + noise / step) <= atol min(1, |n|) / 2``: the
-    final test of its block pair allows at least ``atol min(1, scale)`` with
-    ``scale >= |n|``, so the entry passes it, and by a margin that rounding cannot
-    eat (an entry with ``n = 0``, or a NaN anywhere, must pass without ``atol``).
-    """
+    """``screen`` of ``automatic``'s columns ``col0 .. col0 + width`` against ``numerical``."""
     automatic = jax.lax.dynamic_slice_in_dim(automatic, col0, width, axis=1)
-    magnitude = jnp.abs(numerical)
-    relative = rtol * magnitude + noise / steps
-    over = jnp.abs(automatic - numerical) - relative
-    finite = jnp.isfinite(numerical)
-    margin = 0.5 * atol * jnp.where(finite, jnp.minimum(magnitude, 1.0), 0.0)
-    clean = jnp.all((over <= margin) | ~valid)
-    return clean, weights @ numerical, jnp.abs(weights) @ (atol + relative)
+    return screen(numerical, automatic, noise, steps, valid, weights, atol, rtol)
 
 
-def _screened_rows(on_device, numerical, start, tile, steps, noise, atol, rtol, linear) -> bool:
-    """Screens rows ``start ..`` of the tile against the VJP rows ``on_device`` (padded);
-    if they pass, adds their share of ``linear`` and returns ``True``."""
-    rows, count = on_device.shape[0], numerical.shape[0]
+def _screened_rows(jac, numerical, start, tile, steps, noise, atol, rtol, linear):
+    """The VJP rows ``start ..`` (padded, on the device), screened in the same program
+    against the tile's rows ``numerical``; ``None`` if they pass, after adding their
+    share of ``linear``."""
+    rows, count = jac.row_chunk, numerical.shape[0]
     col0, col1 = tile.start, tile.stop
-    padded = np.zeros((rows, col1 - col0))
-    padded[:count] = numerical
+    padded = numerical
+    if count < rows:
+        padded = np.zeros((rows, col1 - col0))
+        padded[:count] = numerical
     padded_noise = np.zeros((rows, 1))
     padded_noise[:count, 0] = noise[start : start + count]
     weights = np.zeros(rows)
     if linear is not None:
         weights[:count] = linear[0][start : start + count]
-    valid = (np.arange(rows) < count)[:, None]
-    clean, total, allowance = _screen(
-        padded, on_device, padded_noise, steps[None, col0:col1], valid, weights, col0, atol,
-        rtol, width=col1 - col0,
+    on_device, clean, total, allowance = jac.reverse_screened(
+        range(start, start + count), padded, padded_noise, steps[None, col0:col1], weights,
+        col0, atol, rtol,
     )  # fmt: skip
     if not bool(clean):
-        return False
+        return on_device
     if linear is not None:
         linear[1][col0:col1] += np.asarray(total)
         linear[2][col0:col1] += np.asarray(allowance)
-    return True
+    return None
 
 
-def _add_scales(tallies, block, count: int, start: int, out_slices, in_slices) -> None:
+def _add_scales(tallies, maxima, count: int, start: int, in_slices) -> None:
     """Raises each tally's per-pair scale (largest finite ``|n|``) by the columns
-    ``start .. start + count`` of the numerical Jacobian, ``block`` (transposed, on the
-    device): screened chunks never reach ``_Tally.add``, which also keeps it."""
-    bounds = tuple((s.start, s.stop) for s in out_slices)
-    per_out = np.asarray(_column_maxima(block, bounds))[:count]  # (count, out blocks)
+    ``start .. start + count`` of the numerical Jacobian, given as ``maxima``, their
+    largest finite ``|n|`` per output block (on the device): screened chunks never
+    reach ``_Tally.add``, which also keeps it."""
+    per_out = np.asarray(maxima)[:count]  # (count, out blocks)
     in_starts = np.array([s.start for s in in_slices], dtype=np.int64)
     in_stops = np.array([s.stop for s in in_slices], dtype=np.int64)
     for j, c0, c1 in _overlaps(in_starts, in_stops, start, count):

@@ -455,9 +455,10 @@ def _check(
     problem: Problem, settings: Settings, undefined: bool, batched: bool, reentrant: bool
 ) -> GradcheckError | None:
     """Runs the checks on the flat problem; the first failure becomes the error."""
-    jac = FlatJacobians(problem.f, problem.x0, problem.vjp)
     in_slices = [segment.slice for segment in problem.inputs]
     out_slices = [segment.slice for segment in problem.outputs]
+    out_bounds = [(s.start, s.stop) for s in out_slices]
+    jac = FlatJacobians(problem.f, problem.x0, problem.vjp, out_bounds)
     tolerances = {"atol": settings.atol, "rtol": settings.rtol}
 
     def error(kind: str, mode: str, method: str | None, found: list[Mismatch]) -> GradcheckError:

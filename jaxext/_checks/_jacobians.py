@@ -7,9 +7,9 @@ or columns (fewer for wide problems: ``CHUNK_ENTRIES`` bounds each stacked
 array), so no caller ever needs the whole ``(m, n)`` Jacobian in memory:
 
 * ``numerical(cols, eps)``: central differences. ``f(x + h e_k)`` and
-  ``f(x - h e_k)`` come from two calls of the *same* compiled program on inputs
-  that differ only in entry ``k``, with each perturbed input in the same row of
-  the batch. An output that the step does not touch is therefore bit-for-bit
+  ``f(x - h e_k)`` come from the *same* compiled loop body (one ``lax.map`` over
+  both sides' perturbed inputs) on inputs that differ only in entry ``k``. An
+  output that the step does not touch is therefore bit-for-bit
   the same on both sides and its difference is exactly zero: a true zero of the
   Jacobian is a numerical zero too, whatever the magnitude of the output. The
   divisor is the step actually taken, ``(x_k + h) - (x_k - h)``.
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["CHUNK", "CHUNK_ENTRIES", "FlatJacobians", "chunk_size", "unit_blocks"]
+__all__ = ["CHUNK", "CHUNK_ENTRIES", "FlatJacobians", "chunk_size", "screen", "unit_blocks"]
 
 CHUNK = 128  # most rows or columns per compiled call
 CHUNK_ENTRIES = 2**21  # most entries of one stacked array per call (16 MiB in float64)
@@ -76,7 +76,13 @@ class FlatJacobians:
         [[2.0, 0.0], [0.0, 4.0]]
     """
 
-    def __init__(self, f: FlatFn, x0: jax.Array, vjp: Callable | None = None) -> None:
+    def __init__(
+        self,
+        f: FlatFn,
+        x0: jax.Array,
+        vjp: Callable | None = None,
+        out_bounds: Sequence[tuple[int, int]] | None = None,
+    ) -> None:
         if vjp is None:
 
             def vjp(x):
@@ -90,35 +96,78 @@ class FlatJacobians:
         self.n = int(x0.shape[0])
         self.m = int(jax.eval_shape(f, x0).shape[0])
         n, m = self.n, self.m
+        # The output blocks over which `numerical_on_device` reports column maxima.
+        bounds = ((0, m),) if out_bounds is None else out_bounds
+        self.out_bounds = bounds = tuple((int(lo), int(hi)) for lo, hi in bounds)
         # Columns need stacked inputs and outputs; rows need stacked input-sized gradients.
         self.col_chunk = chunk_size(max(n, m))
         self.row_chunk = chunk_size(n)
 
-        def perturbed(x, ks, values):
-            rows = jnp.broadcast_to(x, (ks.shape[0], n)).at[jnp.arange(ks.shape[0]), ks]
-            return jax.lax.map(f, rows.set(values))
+        def differences(x, ks, plus, minus, count):
+            # f(x + h e_k) and f(x - h e_k) for the first `count` entries of `ks`: rows k
+            # and size + k of one loop, so the same compiled body evaluates both sides.
+            size = ks.shape[0]
 
-        def vjp_rows(x, ks, extra):
-            # Row k is the pullback of the one-hot cotangent e_k, or of `extra` where k < 0.
+            def body(j, y):
+                minus_side = j >= count
+                i = jnp.where(minus_side, j - count, j)
+                value = jnp.where(minus_side, minus[i], plus[i])
+                return y.at[i + size * minus_side].set(f(x.at[ks[i]].set(value)))
+
+            y = jax.lax.fori_loop(0, 2 * count, body, jnp.zeros((2 * size, m)))
+            quotient = (y[:size] - y[size:]) / (plus - minus)[:, None]
+            magnitude = jnp.where(jnp.isfinite(quotient), jnp.abs(quotient), 0.0)
+            maxima = jnp.stack(
+                [jnp.max(magnitude[:, lo:hi], axis=1, initial=0.0) for lo, hi in bounds], axis=1
+            )
+            return quotient, maxima, y[0]
+
+        def vjp_rows(
+            x, ks, count, extra, numerical, noise, steps, valid, weights, col0, atol, rtol
+        ):
+            # Row i < count is the pullback of the one-hot cotangent e_k (k = ks[i]), or of
+            # `extra` where k < 0 (the rows past count are zero); the rows are screened
+            # against `numerical` in the same program (`screen`).
             y, pullback = vjp(x)
-            return y, jax.lax.map(lambda k: pullback(_basis_or(k, m, extra)), ks)
+
+            def body(i, rows):
+                return rows.at[i].set(pullback(_basis_or(ks[i], m, extra)))
+
+            rows = jax.lax.fori_loop(0, count, body, jnp.zeros((ks.shape[0], n)))
+            automatic = jax.lax.dynamic_slice_in_dim(rows, col0, numerical.shape[1], axis=1)
+            verdict = screen(numerical, automatic, noise, steps, valid, weights, atol, rtol)
+            return y, rows, *verdict
 
         def jvp_columns(x, ks, extra):
             y, jvp_fn = jax.linearize(f, x)
             return y, jax.lax.map(lambda k: jvp_fn(_basis_or(k, n, extra)), ks)
 
         # Two programs serve the full method: the stacked evaluations of f (which also
-        # give f(x0)) and the stacked pullbacks (which also give the AD primal and the
-        # pullback of any one cotangent). Each compiles once per check.
-        self._perturbed = jax.jit(perturbed)
+        # give f(x0), the difference quotients and their column maxima) and the stacked
+        # pullbacks (which also give the AD primal, the pullback of any one cotangent and
+        # the screen of a chunk of rows). Each compiles once per check (the pullbacks once
+        # more where the numerical columns are held in several tiles).
+        self._differences = jax.jit(differences)
         self._vjp_rows = jax.jit(vjp_rows)
         self._jvp_columns = jax.jit(jvp_columns)
         self._call = jax.jit(f)
 
+    def _pullbacks(
+        self, ks: np.ndarray, count: int, extra: np.ndarray
+    ) -> tuple[jax.Array, jax.Array]:
+        """``(primal, rows)`` from the program of ``reverse``, with an empty screen."""
+        rows = ks.shape[0]
+        y, block, *_ = self._vjp_rows(
+            self.x0, ks, count, extra, np.zeros((rows, self.n)), np.zeros((rows, 1)),
+            np.ones((1, self.n)), np.zeros((rows, 1), bool), np.zeros(rows), 0, 0.0, 0.0,
+        )  # fmt: skip
+        return y, block
+
     def value(self) -> np.ndarray:
         """``f(x0)``, from the program of ``numerical`` with nothing perturbed."""
         ks = np.zeros(self.col_chunk, dtype=np.int64)
-        return np.asarray(self._perturbed(self.x0, ks, self.x0_host[ks]))[0]
+        values = self.x0_host[ks]
+        return np.asarray(self._differences(self.x0, ks, values, values, 1)[2])
 
     def numerical(
         self, cols: Sequence[int] | range, eps: float | np.ndarray
@@ -138,36 +187,42 @@ class FlatJacobians:
         plus = self.x0_host[ks] + eps
         minus = self.x0_host[ks] - eps
         steps = plus - minus
-        # Two calls of one compiled program, each perturbed input in the same row.
-        y_plus = np.asarray(self._perturbed(self.x0, ks, plus))[:count]
-        y_minus = np.asarray(self._perturbed(self.x0, ks, minus))[:count]
-        steps = steps[:count]
-        return (y_plus - y_minus) / steps[:, None], steps
+        quotient = np.asarray(self._differences(self.x0, ks, plus, minus, count)[0])
+        return quotient[:count], steps[:count]
 
     def numerical_on_device(
         self, cols: Sequence[int] | range, eps: float | np.ndarray
-    ) -> tuple[jax.Array, np.ndarray, int]:
+    ) -> tuple[jax.Array, jax.Array, np.ndarray, int]:
         """``numerical``, with the block left on the device and padded to ``col_chunk`` rows.
 
         Returns:
-            ``(block, steps, count)``: the ``(col_chunk, m)`` block (its rows past
-            ``count`` repeat the last column), the ``(col_chunk,)`` steps, padded the
-            same way, and the number of columns asked for.
+            ``(block, maxima, steps, count)``: the ``(col_chunk, m)`` block (its rows
+            past ``count`` are zero), the ``(col_chunk, len(out_bounds))``
+            largest finite ``|entry|`` of each row in each output block, the
+            ``(col_chunk,)`` steps, padded like the block, and the number of columns
+            asked for.
         """
         ks, count = _padded(cols, self.col_chunk)
         eps = np.broadcast_to(np.asarray(eps, np.float64), (self.n,))[ks]
         plus = self.x0_host[ks] + eps
         minus = self.x0_host[ks] - eps
         steps = plus - minus
-        # Two calls of one compiled program, each perturbed input in the same row.
-        y_plus = self._perturbed(self.x0, ks, plus)
-        y_minus = self._perturbed(self.x0, ks, minus)
-        return _difference_quotient(y_plus, y_minus, steps), steps, count
+        block, maxima, _ = self._differences(self.x0, ks, plus, minus, count)
+        return block, maxima, steps, count
 
-    def reverse_on_device(self, rows: Sequence[int] | range) -> jax.Array:
-        """``reverse``'s block, left on the device and padded to ``row_chunk`` rows."""
-        ks, _ = _padded(rows, self.row_chunk)
-        return self._vjp_rows(self.x0, ks, np.zeros(self.m))[1]
+    def reverse_screened(
+        self, rows: Sequence[int] | range, numerical, noise, steps, weights, col0, atol, rtol
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """``reverse``'s block, left on the device and padded to ``row_chunk`` rows, and
+        ``screen`` of its columns ``col0 ..`` against ``numerical`` (rows past
+        ``len(rows)`` are padding and pass): ``(block, clean, total, allowance)``."""
+        ks, count = _padded(rows, self.row_chunk)
+        valid = (np.arange(self.row_chunk) < count)[:, None]
+        _, block, clean, total, allowance = self._vjp_rows(
+            self.x0, ks, count, np.zeros(self.m), numerical, noise, steps, valid, weights, col0,
+            atol, rtol,
+        )  # fmt: skip
+        return block, clean, total, allowance
 
     def forward_on_device(self, cols: Sequence[int] | range) -> jax.Array:
         """``forward``'s block, left on the device and padded to ``col_chunk`` rows."""
@@ -177,7 +232,7 @@ class FlatJacobians:
     def reverse(self, rows: Sequence[int] | range) -> tuple[np.ndarray, np.ndarray]:
         """``(primal, block)``: rows ``rows`` of the Jacobian, one VJP each."""
         ks, count = _padded(rows, self.row_chunk)
-        y, block = self._vjp_rows(self.x0, ks, np.zeros(self.m))
+        y, block = self._pullbacks(ks, count, np.zeros(self.m))
         return np.asarray(y), np.asarray(block)[:count]
 
     def forward(self, cols: Sequence[int] | range) -> tuple[np.ndarray, np.ndarray]:
@@ -190,14 +245,14 @@ class FlatJacobians:
     def vjp(self, cotangent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(primal, J^T u)`` for one cotangent ``u`` (from the program of ``reverse``)."""
         ks = np.full(self.row_chunk, -1, dtype=np.int64)
-        y, block = self._vjp_rows(self.x0, ks, np.asarray(cotangent, np.float64))
-        return np.asarray(y), np.asarray(block[0])
+        y, block = self._pullbacks(ks, 1, np.asarray(cotangent, np.float64))
+        return np.asarray(y), np.asarray(block)[0]
 
     def jvp(self, tangent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(primal, J v)`` for one tangent ``v`` (from the program of ``forward``)."""
         ks = np.full(self.col_chunk, -1, dtype=np.int64)
         y, block = self._jvp_columns(self.x0, ks, np.asarray(tangent, np.float64))
-        return np.asarray(y), np.asarray(block[0])
+        return np.asarray(y), np.asarray(block)[0]
 
     def difference(self, direction: np.ndarray, eps: float) -> tuple[np.ndarray, float]:
         """``(f(x0 + eps v) - f(x0 - eps v), 2 eps)``, both sides from one program."""
@@ -206,9 +261,24 @@ class FlatJacobians:
         return np.asarray(self._call(plus)) - np.asarray(self._call(minus)), 2 * eps
 
 
-@jax.jit
-def _difference_quotient(y_plus: jax.Array, y_minus: jax.Array, steps: jax.Array) -> jax.Array:
-    return (y_plus - y_minus) / steps[:, None]
+def screen(numerical, automatic, noise, steps, valid, weights, atol, rtol):
+    """Whether every valid entry of a chunk passes with room to spare, and the chunk's
+    ``weights``-weighted sums of the numerical rows and of their allowances.
+
+    ``noise`` and ``steps`` broadcast against ``numerical`` and ``automatic`` as in the
+    host comparison (``_compare``). An entry passes the screen when
+    ``|a - n| - (rtol |n| + noise / step) <= atol min(1, |n|) / 2``: the final test of
+    its block pair allows at least ``atol min(1, scale)`` with ``scale >= |n|``, so the
+    entry passes it, and by a margin that rounding cannot eat (an entry with ``n = 0``,
+    or a NaN anywhere, must pass without ``atol``).
+    """
+    magnitude = jnp.abs(numerical)
+    relative = rtol * magnitude + noise / steps
+    over = jnp.abs(automatic - numerical) - relative
+    finite = jnp.isfinite(numerical)
+    margin = 0.5 * atol * jnp.where(finite, jnp.minimum(magnitude, 1.0), 0.0)
+    clean = jnp.all((over <= margin) | ~valid)
+    return clean, weights @ numerical, jnp.abs(weights) @ (atol + relative)
 
 
 def unit_blocks(rng: np.random.Generator, slices: Sequence[slice], size: int) -> np.ndarray:
