@@ -385,10 +385,14 @@ def _flags(undefined: Any, batched: Any, dtypes: Any) -> tuple[bool, bool, bool]
 def _warn_precision(upcast: list[str], low_outputs: list[str]) -> None:
     """Warns, at the caller of gradcheck/gradgradcheck, about lower-precision floats."""
     if upcast:
+        # complex inputs are named as such only where there are some
+        complex_ = any("complex" in entry for entry in upcast)
+        wide = "float64 (complex128 if complex)" if complex_ else "float64"
+        widened = "float64 (complex128)" if complex_ else "float64"
         warnings.warn(
-            f"gradcheck: {', '.join(upcast)} not float64 (complex128 if complex); upcasting "
-            "to float64 (complex128) for the check (finite differences in lower precision "
-            "are unreliable). Pass float64 (complex128) arrays to silence this warning.",
+            f"gradcheck: {', '.join(upcast)} not {wide}; upcasting to {widened} for the "
+            "check (finite differences in lower precision are unreliable). Pass "
+            f"{widened} arrays to silence this warning.",
             UserWarning,
             stacklevel=4,
         )
