@@ -1010,11 +1010,11 @@ FWD_MISMATCHES = {
         "float32[3]",
     ),
     "dtype_in_a_tuple": (
-        lambda x: (x, x.astype(jnp.float16)),
-        "fwd's output must have the primal's shapes and dtypes float32[3]; got float16[3]",
-        "shapes/dtypes of:\n    (float32[3], float16[3])\nwhile the custom_vjp-decorated "
+        lambda x: (x, x.astype(jnp.bfloat16)),
+        "fwd's output must have the primal's shapes and dtypes float32[3]; got bfloat16[3]",
+        "shapes/dtypes of:\n    (float32[3], bfloat16[3])\nwhile the custom_vjp-decorated "
         "function scale had output shapes/dtypes of:\n    (float32[3], float32[3]))",
-        "at output[1], got fwd output type float16[3] which doesn't match primal output type "
+        "at output[1], got fwd output type bfloat16[3] which doesn't match primal output type "
         "float32[3]",
     ),
     "structure": (
@@ -1111,14 +1111,14 @@ def test_python_float_gradient_returned_as_jax_returns_it(mode, x):
 
 
 def test_python_float_gradient_for_a_low_precision_input_takes_its_dtype():
-    """Where JAX returns the float32 Python float as is, a float16 input gets a float16 array."""
+    """Where JAX returns the float32 Python float as is, a bfloat16 input gets a bfloat16 array."""
 
     @jaxext.custom_vjp
     def f(x):
         return x * 2
 
     f.defvjp(lambda x: (f(x), None), lambda _, g: (99.0,))
-    got = jax.grad(f)(jnp.float16(4.0))
+    got = jax.grad(f)(jnp.bfloat16(4.0))
     assert isinstance(got, jax.Array)
-    assert got.dtype == jnp.float16
+    assert got.dtype == jnp.bfloat16
     assert float(got) == 99.0

@@ -328,7 +328,7 @@ def test_eager_jvp_keeps_raising_for_a_wrong_fwd():
     def f(x):
         return x * 2.0
 
-    f.defvjp(lambda x: ((x * 2.0).astype(jnp.float16), None), lambda _, g: (g * 2.0,))
+    f.defvjp(lambda x: ((x * 2.0).astype(jnp.bfloat16), None), lambda _, g: (g * 2.0,))
     x = jnp.ones(3)
     for _ in range(REPEAT):
         with pytest.raises(TypeError, match="fwd's output must have the primal's"):
