@@ -1319,15 +1319,14 @@ def _eager_jvp_key(
     for leaf in (*in_leaves, *t_in):
         if not isinstance(leaf, (jax.Array, np.ndarray)) or isinstance(leaf, jax.core.Tracer):
             return None
-    nondiff = _static_key(op.nondiff())
+    # What every cached entry of this call is keyed by, plus what only this program reads.
+    base = op.cache_key("jvp", (list(in_leaves), list(t_in)))
     static = _static_key([spec.forward_mode_hint, spec.no_derivatives_message])
-    if nondiff is None or static is None:
+    if base is None or static is None:
         return None
-    rules = (spec.fun, spec.fwd, spec.bwd, spec.jvp, spec.symbolic_zeros, spec.hoist_closures)
-    key = ("jvp", rules, len(op.args), op.diff, nondiff, static, in_tree, perturbed)
     flags = (_bwd_checks_disabled(), bool(jax.config.jax_enable_x64))
+    key = (base, spec.hoist_closures, static, in_tree, perturbed, flags)
     try:
-        key = (*key, flags, tuple(jax.typeof(leaf) for leaf in (*in_leaves, *t_in)))
         hash(key)
     except TypeError:  # a type JAX cannot hash: not cached
         return None
