@@ -33,11 +33,15 @@ __all__ = [
     "TIGHT",
     "DtypeMismatch",
     "batched_gradients",
+    "batched_mismatches",
     "complex_counterpart",
     "dtype_refusal",
     "gradient_dtypes",
+    "loop_and_vmap",
+    "pick",
     "refusal",
     "reentrancy",
+    "stacked",
     "zero_cotangent",
     "zero_like",
 ]
@@ -77,6 +81,77 @@ def reentrancy(
     return None
 
 
+Looped = tuple[Any, Any]  # (the loop's results stacked, vmap's results or its exception)
+
+
+def loop_and_vmap(parts: dict[str, tuple[Callable, Sequence[tuple], tuple, tuple]]) -> dict:
+    """Each part's function called once per batch entry and under ``jax.vmap``.
+
+    ``parts`` maps a name to ``(fn, items, batched_args, in_axes)``: ``fn(*item)``
+    for each item (the loop), and ``jax.vmap(fn, in_axes)(*batched_args)``. All of it
+    runs in one compiled program (one compilation, not two per part); should that
+    program raise, each part's loop and vmap run alone, so an error is attributed to
+    the part, and the side, that raises it.
+
+    Returns:
+        ``{name: (looped, batched)}``: the loop's results stacked on the host, and
+        vmap's results, or the exception that ``jax.vmap`` of the part raised (that
+        is a finding). An error of a loop itself propagates.
+    """
+
+    def everything(items, batched_args):
+        return {
+            name: (
+                [fn(*item) for item in items[name]],
+                jax.vmap(fn, in_axes=axes)(*batched_args[name]),
+            )
+            for name, (fn, _, _, axes) in parts.items()
+        }
+
+    items = {name: list(part[1]) for name, part in parts.items()}
+    batched_args = {name: part[2] for name, part in parts.items()}
+    try:
+        merged = jax.jit(everything)(items, batched_args)
+    except Exception:  # noqa: BLE001 -- run the parts alone below, to attribute the error
+        merged = None
+    results = {}
+    for name, (fn, part_items, args, axes) in parts.items():
+        if merged is not None:
+            looped, batched = merged[name]
+        else:
+            one = jax.jit(fn)
+            looped = [one(*item) for item in part_items]
+            try:
+                batched = jax.jit(jax.vmap(fn, in_axes=axes))(*args)
+            except Exception as err:  # noqa: BLE001 -- any failure of vmap is the finding
+                batched = err
+        results[name] = (stacked(looped), batched)
+    return results
+
+
+def stacked(results: Sequence[Any]) -> Any:
+    return jax.tree_util.tree_map(lambda *leaves: np.stack(leaves), *results)
+
+
+def pick(tree: Any, b: int) -> Any:
+    """Batch entry ``b`` of each array leaf (rank 0 leaves are not batched)."""
+    return jax.tree_util.tree_map(lambda leaf: leaf[b] if np.ndim(leaf) else leaf, tree)
+
+
+def batched_mismatches(looped: Any, batched: Any, size: int, rtol: float) -> list[Mismatch]:
+    """Per leaf of ``size`` stacked results whose vmapped counterpart differs by more
+    than ``rtol`` normwise, its worst entry: ``direction`` is the batch entry,
+    ``in_element`` the flat index inside the leaf, ``expected`` the loop's."""
+    looped = [widened(x) for x in jax.tree_util.tree_leaves(looped)]
+    batched = [widened(x) for x in jax.tree_util.tree_leaves(batched)]
+    found = []
+    for mismatch in leaf_mismatches(looped, batched, atol=0.0, rtol=rtol, normwise=True):
+        per_entry = looped[mismatch.in_block].size // size
+        b, element = divmod(mismatch.in_element, per_entry)
+        found.append(dataclasses.replace(mismatch, in_element=element, direction=b))
+    return found
+
+
 def batched_gradients(
     gradient: Callable[[Any, Any], Sequence[Any]],
     batch: Any,
@@ -90,35 +165,15 @@ def batched_gradients(
     computes in a lower precision inside).
 
     Returns:
-        Per gradient leaf that differs, its worst entry: ``direction`` is the batch
-        entry, ``in_element`` the flat index inside the leaf, ``expected`` the loop's;
-        or the exception ``jax.vmap`` of the gradient raised (that is the finding).
+        Per gradient leaf that differs, its worst entry (``batched_mismatches``), or
+        the exception ``jax.vmap`` of the gradient raised (that is the finding).
     """
-    size = len(cotangents)
-
-    def pick(tree, b):
-        return jax.tree_util.tree_map(lambda leaf: leaf[b] if np.ndim(leaf) else leaf, tree)
-
-    def stacked(results):
-        return jax.tree_util.tree_map(lambda *leaves: np.stack(leaves), *results)
-
-    one = jax.jit(gradient)
-    looped = stacked(
-        [one(None if batch is None else pick(batch, b), u) for b, u in enumerate(cotangents)]
-    )
-    try:
-        vmapped = jax.vmap(gradient, in_axes=(None if batch is None else 0, 0))
-        batched = jax.jit(vmapped)(batch, stacked(cotangents))
-    except Exception as err:  # noqa: BLE001 -- any failure of vmap is the finding
-        return err
-    looped = [widened(x) for x in jax.tree_util.tree_leaves(looped)]
-    batched = [widened(x) for x in jax.tree_util.tree_leaves(batched)]
-    found = []
-    for mismatch in leaf_mismatches(looped, batched, atol=0.0, rtol=rtol, normwise=True):
-        per_entry = looped[mismatch.in_block].size // size
-        b, element = divmod(mismatch.in_element, per_entry)
-        found.append(dataclasses.replace(mismatch, in_element=element, direction=b))
-    return found
+    items = [(None if batch is None else pick(batch, b), u) for b, u in enumerate(cotangents)]
+    part = (gradient, items, (batch, stacked(cotangents)), (None if batch is None else 0, 0))
+    looped, batched = loop_and_vmap({"gradient": part})["gradient"]
+    if isinstance(batched, Exception):
+        return batched
+    return batched_mismatches(looped, batched, len(cotangents), rtol)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,11 +21,14 @@ import numpy as np
 
 from ._backward import (
     TIGHT,
-    batched_gradients,
+    batched_mismatches,
     complex_counterpart,
     dtype_refusal,
     gradient_dtypes,
+    loop_and_vmap,
+    pick,
     refusal,
+    stacked,
     zero_like,
 )
 from ._backward import reentrancy as reentrancy_mismatches
@@ -525,7 +528,7 @@ def _on_host(leaf: Any) -> Any:
 def vmap(op: OpUnderTest, settings: Settings) -> str:
     rng = np.random.default_rng(settings.seed + 4)
     forward = op.forward_error is None
-    checked = []
+    parts = {}
     for index, arg in enumerate(op.args):
         if not _has_arrays(arg):
             continue  # a static argument cannot be batched
@@ -549,30 +552,35 @@ def vmap(op: OpUnderTest, settings: Settings) -> str:
             fn = lambda *v: op.func(*op.args_with(v, args))  # noqa: E731
             return jax.jvp(fn, tuple(op.float_leaves(args)), tuple(t))[1]
 
-        def pick(tree, b):
-            return jax.tree_util.tree_map(lambda leaf: leaf[b] if np.ndim(leaf) else leaf, tree)
-
-        def stacked(results):
-            return jax.tree_util.tree_map(lambda *leaves: np.stack(leaves), *results)
-
-        what = f"vmap over input {index} vs a loop"
-        looped = stacked([jax.jit(apply)(pick(batch, b)) for b in range(_BATCH)])
-        assert_trees_close(
-            jax.jit(jax.vmap(apply))(batch), looped, what=f"{what}: output", rtol=TIGHT
-        )
+        items = [pick(batch, b) for b in range(_BATCH)]
         us = [op.cotangent(rng) for _ in range(_BATCH)]
-        found = batched_gradients(gradient, batch, us)
-        if isinstance(found, Exception):
-            raise found
-        for m in found[:1]:
-            element = (m.direction, *unravel(m.in_element, op.primals[m.in_block].shape))
-            raise CheckFailed(mismatch_text(f"{what}: gradients[{m.in_block}]", m, element))
+        parts[index, "output"] = (apply, [(item,) for item in items], (batch,), 0)
+        parts[index, "gradient"] = (
+            gradient,
+            list(zip(items, us, strict=True)),
+            (batch, stacked(us)),
+            0,
+        )
         if forward:
             ts = [op.tangents(rng) for _ in range(_BATCH)]
-            looped = stacked([jax.jit(tangent)(pick(batch, b), ts[b]) for b in range(_BATCH)])
-            batched = jax.jit(jax.vmap(tangent))(batch, stacked(ts))
-            assert_trees_close(batched, looped, what=f"{what}: JVP", rtol=TIGHT)
-        checked.append(index)
+            parts[index, "JVP"] = (
+                tangent,
+                list(zip(items, ts, strict=True)),
+                (batch, stacked(ts)),
+                0,
+            )
+    # Every batched input's output, gradient and JVP, looped and vmapped: one program.
+    for (index, part), (looped, batched) in loop_and_vmap(parts).items():
+        what = f"vmap over input {index} vs a loop"
+        if isinstance(batched, Exception):
+            raise batched
+        if part != "gradient":
+            assert_trees_close(batched, looped, what=f"{what}: {part}", rtol=TIGHT)
+            continue
+        for m in batched_mismatches(looped, batched, _BATCH, TIGHT)[:1]:
+            element = (m.direction, *unravel(m.in_element, op.primals[m.in_block].shape))
+            raise CheckFailed(mismatch_text(f"{what}: gradients[{m.in_block}]", m, element))
+    checked = sorted({index for index, _ in parts})
     parts = "output, gradient and JVP" if forward else "output and gradient"
     return f"{parts} under vmap over input(s) {checked} equal a loop"
 
