@@ -85,6 +85,17 @@ def _fresh(op: OpUnderTest) -> Callable:
     return lambda *values: op.func(*op.args_with(values))
 
 
+def _jitted_together(fns: dict[str, Callable], *args: Any) -> dict[str, Any]:
+    """``{name: fn(*args)}`` for each of ``fns``, jitted: all in one compiled program (one
+    compilation, not one each); should that raise, each in its own, so that an error
+    comes from the computation that raises it."""
+    try:
+        merged = jax.jit(lambda *a: {name: fn(*a) for name, fn in fns.items()})(*args)
+    except Exception:  # noqa: BLE001 -- each alone below, to attribute the error
+        return {name: jax.jit(fn)(*args) for name, fn in fns.items()}
+    return {name: merged[name] for name in fns}  # in the order of `fns`, not sorted
+
+
 def _gradient_settings(settings: Settings, modes: tuple[str, ...]) -> Settings:
     return Settings(
         eps=settings.eps, atol=settings.atol, rtol=settings.rtol, nondet_tol=settings.nondet_tol,
@@ -167,12 +178,13 @@ def _assert_written(checked: Any, plain: Any, what: str, targets: list[str]) -> 
 def forward_rule(op: OpUnderTest, settings: Settings) -> str:
     primals = op.primals
     plain = op.jitted(*primals)
-    via_vjp = jax.jit(lambda *p: jax.vjp(op.call, *p)[0])(*primals)
-    assert_trees_close(via_vjp, plain, what="primal output of jax.vjp vs the op", rtol=TIGHT)
+    primal_of = {"jax.vjp": lambda *p: jax.vjp(op.call, *p)[0]}
+    if op.forward_error is None:
+        primal_of["jax.jvp"] = lambda *p: jax.jvp(op.call, p, p)[0]
+    for how, primal in _jitted_together(primal_of, *primals).items():
+        assert_trees_close(primal, plain, what=f"primal output of {how} vs the op", rtol=TIGHT)
     if op.forward_error is not None:
         return "jax.vjp's primal equals the op's output (no forward mode to compare)"
-    via_jvp = jax.jit(lambda *p: jax.jvp(op.call, p, p)[0])(*primals)
-    assert_trees_close(via_jvp, plain, what="primal output of jax.jvp vs the op", rtol=TIGHT)
     return "the primal outputs of jax.vjp and jax.jvp equal the op's output"
 
 
@@ -295,19 +307,27 @@ def _second_order_forward(op: OpUnderTest, settings: Settings, outer: str) -> st
         pairs = zip(_vjp(op.call, p, u), t, strict=True)
         return sum(jnp.real(jnp.sum(g * ti)) for g, ti in pairs)
 
+    if outer == "rev":
+        fns = {"got": lambda *p: _vjp(jvp_of, p, u)}
+        how = "jax.vjp of the JVP"
+    else:
+        fns = {"got": lambda *p: jax.jvp(jvp_of, p, tuple(s))[1]}
+        how = "jax.jvp of the JVP"
+    # Reverse over reverse, the same for both checks (the same seed): computed once, in
+    # the program of the first of them to run.
+    if "reverse_over_reverse" not in op.cache:
+        fns["reference"] = jax.grad(vjp_of, argnums=everything)
     try:
-        if outer == "rev":
-            got = jax.jit(lambda *p: _vjp(jvp_of, p, u))(*primals)
-            value, scale = _contract(got, s)
-            how = "jax.vjp of the JVP"
-        else:
-            got = jax.jit(lambda *p: jax.jvp(jvp_of, p, tuple(s))[1])(*primals)
-            value, scale = float(_inner(u, got)), float(_inner(u, got, absolute=True))
-            how = "jax.jvp of the JVP"
-        reference = jax.jit(jax.grad(vjp_of, argnums=everything))(*primals)
+        results = _jitted_together(fns, *primals)
     except Exception as err:
         _skip_if_not_differentiable(op, settings, err)
         raise
+    got = results["got"]
+    reference = op.cache.setdefault("reverse_over_reverse", results.get("reference"))
+    if outer == "rev":
+        value, scale = _contract(got, s)
+    else:
+        value, scale = float(_inner(u, got)), float(_inner(u, got, absolute=True))
     expected, expected_scale = _contract(reference, s)
     allowed = TIGHT * max(scale, expected_scale)
     if not abs(value - expected) <= allowed:
@@ -341,8 +361,9 @@ def jvp_vjp(op: OpUnderTest, settings: Settings) -> str:
     _require_forward_mode(op)
     rng = np.random.default_rng(settings.seed + 1)
     primals, u, v = op.primals, op.cotangent(rng), op.tangents(rng)
-    jv = jax.jit(lambda *p: jax.jvp(op.call, p, v)[1])(*primals)
-    jtu = jax.jit(lambda *p: _vjp(op.call, p, u))(*primals)
+    both = {"jv": lambda *p: jax.jvp(op.call, p, v)[1], "jtu": lambda *p: _vjp(op.call, p, u)}
+    got = _jitted_together(both, *primals)
+    jv, jtu = got["jv"], got["jtu"]
     left = float(_inner(u, jv))
     right = float(sum(np.real(np.sum(np.asarray(a) * b)) for a, b in zip(jtu, v, strict=True)))
     scale = float(_inner(u, jv, absolute=True))
@@ -390,9 +411,11 @@ def jit_reuse(op: OpUnderTest, settings: Settings) -> str:
         return _vjp(op.with_only(subset, fn), [primals[i] for i in subset], cotangent)
 
     # The reference: every input differentiated at once, in a fresh trace.
-    fresh_full = jax.jit(lambda c: grads(_fresh(op), everything, c))
-    full = {id(c): fresh_full(c) for c in (u, u2, u3, u4, u5)}
-    square_weight = 2 * float(_inner(u5, op.call(*primals)))
+    fresh_full = jax.jit(lambda c: (grads(_fresh(op), everything, c), _inner(c, op.call(*primals))))
+    full, inner = {}, {}
+    for c in (u, u2, u3, u4, u5):
+        full[id(c)], inner[id(c)] = fresh_full(c)
+    square_weight = 2 * float(inner[id(u5)])
 
     def expected_uses(i, first, second):
         expected = square_weight * np.asarray(full[id(u5)][i])
@@ -682,11 +705,14 @@ def reentrancy(op: OpUnderTest, settings: Settings) -> str:
 def checkpoint(op: OpUnderTest, settings: Settings) -> str:
     rng = np.random.default_rng(settings.seed + 8)
     primals, u = op.primals, op.cotangent(rng)
-    reference = jax.jit(lambda *p: _vjp(op.call, p, u))(*primals)
+    gradients = {"reference": lambda *p: _vjp(op.call, p, u)}
     for name, policy in _POLICIES.items():
         remat = jax.checkpoint(_fresh(op), policy=policy)
-        got = jax.jit(lambda *p, remat=remat: _vjp(remat, p, u))(*primals)
-        for label, a, e in zip(op.labels, got, reference, strict=True):
+        gradients[name] = lambda *p, remat=remat: _vjp(remat, p, u)
+    got = _jitted_together(gradients, *primals)
+    reference = got.pop("reference")
+    for name, grads in got.items():
+        for label, a, e in zip(op.labels, grads, reference, strict=True):
             what = f"gradient of {label} under jax.checkpoint(policy={name})"
             assert_trees_close(a, e, what=what, rtol=TIGHT)
     return f"same gradients under jax.checkpoint with {len(_POLICIES)} policies"
