@@ -88,6 +88,15 @@ class OpUnderTest(FloatLeaves):
             self.cache["jitted"] = jax.jit(self.call)
         return self.cache["jitted"]
 
+    @property
+    def pullback(self) -> Callable[[Sequence[Any], Any], Any]:
+        """``jax.jit`` of ``(primals, u) -> J^T u`` (the gradients of the float inputs for
+        the cotangent ``u``), one for all checks: ``u`` is an argument, so every check
+        that differentiates the op at the same dtypes runs the same compiled program."""
+        if "pullback" not in self.cache:
+            self.cache["pullback"] = jax.jit(lambda p, u: jax.vjp(self.call, *p)[1](u))
+        return self.cache["pullback"]
+
     def output_shapes(self) -> Any:
         """The shapes and dtypes of the op's output (traced once)."""
         if "output_shapes" not in self.cache:
