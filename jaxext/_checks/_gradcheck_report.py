@@ -194,16 +194,22 @@ def gradcheck_error(
         }[kind]
         lines += [f"  {names[0]}: {num:.10g}", f"  {names[1]}: {auto:.10g}"]
         unit, reference = "gradient elements", names[0]
-    lines += [
-        f"  abs error: {abs_error:.3e}, rel error: {rel_error:.3e}; allowed: {worst.allowed:.3e}"
-        + (
+    if math.isnan(num) != math.isnan(auto):  # no tolerance covers it: not "allowed: nan"
+        error = "  abs error: nan (NaN on one side only: no tolerance covers it)"
+    else:
+        error = (
+            f"  abs error: {abs_error:.3e}, rel error: {rel_error:.3e}; "
+            f"allowed: {worst.allowed:.3e}"
+        ) + (
             f" (atol, times the pair's largest |{reference}| where that is below 1, "
             f"+ rtol * |{reference}| + finite-difference noise)"
             if kind == "jacobian" and method == "full"
             else f" (atol + rtol * |{reference}| + finite-difference noise)"
             if kind == "jacobian"
             else ""
-        ),
+        )
+    lines += [
+        error,
         f"  mismatched: {worst.count} of {worst.total} {unit}",
     ]
     if problem.order == 2 and problem.inner == "fwd":
