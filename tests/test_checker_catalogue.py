@@ -203,8 +203,9 @@ def once_differentiable():
 
 # The checks an op truly cannot run, each SKIP with its reason:
 # export_symbolic needs a first float input of two or more dimensions whose leading
-# dimension the op can trace symbolically (not 1-D inputs, not an empty batch, not a
-# shape tied to another input's).
+# dimension the op can trace symbolically, alone or shared with the inputs of the same
+# leading dimension (not 1-D inputs, not an empty batch, not a shape tied to another
+# input's in another way).
 NO_SYMBOLIC = ("export_symbolic",)
 
 # name -> (builder, SKIPs expected beyond unwritten_outputs, twice differentiable).

@@ -418,6 +418,25 @@ def test_export_checks_skip_without_the_serializer_package(monkeypatch):
         assert result.status == "SKIP" and "jaxext[export]" in result.detail, str(report)
 
 
+@pytest.mark.parametrize(
+    ("op", "shapes", "symbolic"),
+    [
+        (jaxext.linear, [(4, 3), (2, 3), (2,)], "input 0"),  # w's 2 is not x's batch
+        (lambda x, y: x * jnp.sin(y), [(3, 4), (3, 4)], "input 0 and input 1"),
+        (lambda x, y, z: x * y + z, [(5, 2), (5, 2), (2,)], "input 0 and input 1"),
+    ],
+    ids=["linear", "elementwise_pair", "elementwise_broadcast"],
+)
+def test_export_symbolic_shares_the_batch_dimension_where_the_op_ties_inputs(op, shapes, symbolic):
+    # An elementwise op cannot take a symbolic batch on one input against a fixed one on
+    # the other: every input with input 0's leading dimension gets the same symbol.
+    args = tuple(f64(i, shape) for i, shape in enumerate(shapes))
+    report = jaxext.opcheck(op, args, checks=["export_symbolic"])
+    detail = report["export_symbolic"].detail
+    assert report["export_symbolic"].status == "PASS", str(report)
+    assert detail == f"exported with a symbolic leading dimension of {symbolic}: same values"
+
+
 # -- no state left behind -------------------------------------------------------------------
 
 

@@ -772,22 +772,37 @@ def export_symbolic(op: OpUnderTest, settings: Settings) -> str:
             f"{op.labels[batched]} has an empty leading dimension: jax.export's symbolic "
             "dimensions are at least 1, so it cannot be called with 0"
         )
-    specs = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in primals]
-    shape = jax.export.symbolic_shape("b, " + ", ".join(map(str, primals[batched].shape[1:])))
-    specs[batched] = jax.ShapeDtypeStruct(shape, primals[batched].dtype)
-    try:
-        call = _round_trip(_fresh(op), specs)
-    except Exception as err:  # noqa: BLE001 -- a capability the op lacks, not a wrong result
-        message = str(err).splitlines()[0] if str(err) else ""
+    leading = primals[batched].shape[0]
+    # The symbolic dimension on input `batched` alone; where the op ties its shape to
+    # another input's (two inputs of an elementwise op), on every float input of the
+    # same leading dimension: one shared batch dimension.
+    shared = [i for i, p in enumerate(primals) if p.ndim >= 1 and p.shape[0] == leading]
+    attempts = [[batched]] + ([shared] if shared != [batched] else [])
+    for symbolic in attempts:
+        specs = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in primals]
+        scope = jax.export.SymbolicScope()  # one `b` for all of them
+        for i in symbolic:
+            dims = ", ".join(["b", *map(str, primals[i].shape[1:])])
+            shape = jax.export.symbolic_shape(dims, scope=scope)
+            specs[i] = jax.ShapeDtypeStruct(shape, primals[i].dtype)
+        try:
+            call = _round_trip(_fresh(op), specs)
+            break
+        except Exception as err:  # noqa: BLE001 -- a capability the op lacks, not a wrong result
+            if symbolic is attempts[0]:
+                first_error = err
+    else:
+        message = str(first_error).splitlines()[0] if str(first_error) else ""
         raise Skip(
             f"the op does not trace with a symbolic leading dimension of {op.labels[batched]} "
-            f"({type(err).__name__}: {message[:200]})"
-        ) from err
+            f"({type(first_error).__name__}: {message[:200]})"
+        ) from first_error
+    names = " and ".join(op.labels[i] for i in symbolic)
+    what = f"a symbolic leading dimension of {names}"
     assert_trees_close(
-        call(*primals), op.jitted(*primals), what="output exported with a symbolic "
-        f"leading dimension of {op.labels[batched]}", rtol=TIGHT,
-    )  # fmt: skip
-    return f"exported with a symbolic leading dimension of {op.labels[batched]}: same values"
+        call(*primals), op.jitted(*primals), what=f"output exported with {what}", rtol=TIGHT
+    )
+    return f"exported with {what}: same values"
 
 
 # -- 11. lower precision --------------------------------------------------------------------

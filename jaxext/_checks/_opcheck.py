@@ -92,8 +92,10 @@ def opcheck(
       standard policies.
     * ``export``: a ``jax.export`` round trip (serialize, deserialize, call)
       gives the same values and gradients; ``export_symbolic`` exports with a
-      symbolic leading dimension on the first input of two or more dimensions
-      (SKIP when the op does not trace with one, or when that dimension is 0:
+      symbolic leading dimension on the first input of two or more dimensions,
+      or, where the op ties it to other inputs (an elementwise op), on every input
+      of that leading dimension, one shared symbol
+      (SKIP when the op does not trace with either, or when that dimension is 0:
       ``jax.export``'s symbolic dimensions are at least 1). Calls of C++ kernels of
       :mod:`jaxext.cpp_extension` are exported with
       ``jax.export.DisabledSafetyCheck.custom_call`` for their targets.
