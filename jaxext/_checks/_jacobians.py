@@ -25,7 +25,9 @@ the function's batching rule, which ``jaxext.opcheck`` checks on its own.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +68,13 @@ class FlatJacobians:
         x0: the point, shape ``(n,)``.
         vjp: ``x -> (f(x), pullback)`` with ``pullback(u) = J(x)^T u``; ``None``
             means ``jax.vjp`` of ``f``.
+        out_bounds: the output blocks ``(start, stop)`` over which
+            ``numerical_on_device`` reports column maxima (default: one block).
+        screen_min_entries: from this many Jacobian entries (``n * m``) up, the
+            programs also compute the column maxima and the screen of
+            ``numerical_on_device`` and ``reverse_screened`` (``screened``); below it,
+            or with ``None``, they are left out (less to compile) and those two
+            methods are not available.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -82,6 +91,7 @@ class FlatJacobians:
         x0: jax.Array,
         vjp: Callable | None = None,
         out_bounds: Sequence[tuple[int, int]] | None = None,
+        screen_min_entries: int | None = None,
     ) -> None:
         if vjp is None:
 
@@ -96,6 +106,10 @@ class FlatJacobians:
         self.n = int(x0.shape[0])
         self.m = int(jax.eval_shape(f, x0).shape[0])
         n, m = self.n, self.m
+        # Only a problem that is screened (`numerical_on_device`, `reverse_screened`) has
+        # the column maxima and the screen compiled into its programs: they cost compile
+        # time, which is most of a small check's time.
+        self.screened = screened = screen_min_entries is not None and n * m >= screen_min_entries
         # The output blocks over which `numerical_on_device` reports column maxima.
         bounds = ((0, m),) if out_bounds is None else out_bounds
         self.out_bounds = bounds = tuple((int(lo), int(hi)) for lo, hi in bounds)
@@ -116,24 +130,27 @@ class FlatJacobians:
 
             y = jax.lax.fori_loop(0, 2 * count, body, jnp.zeros((2 * size, m)))
             quotient = (y[:size] - y[size:]) / (plus - minus)[:, None]
+            if not screened:
+                return quotient, y[0]
             magnitude = jnp.where(jnp.isfinite(quotient), jnp.abs(quotient), 0.0)
             maxima = jnp.stack(
                 [jnp.max(magnitude[:, lo:hi], axis=1, initial=0.0) for lo, hi in bounds], axis=1
             )
             return quotient, maxima, y[0]
 
-        def vjp_rows(
-            x, ks, count, extra, numerical, noise, steps, valid, weights, col0, atol, rtol
-        ):
+        def vjp_rows(x, ks, count, extra, *screen_args):
             # Row i < count is the pullback of the one-hot cotangent e_k (k = ks[i]), or of
-            # `extra` where k < 0 (the rows past count are zero); the rows are screened
-            # against `numerical` in the same program (`screen`).
+            # `extra` where k < 0 (the rows past count are zero); for a screened problem,
+            # the rows are screened against `numerical` in the same program (`screen`).
             y, pullback = vjp(x)
 
             def body(i, rows):
                 return rows.at[i].set(pullback(_basis_or(ks[i], m, extra)))
 
             rows = jax.lax.fori_loop(0, count, body, jnp.zeros((ks.shape[0], n)))
+            if not screen_args:
+                return y, rows
+            numerical, noise, steps, valid, weights, col0, atol, rtol = screen_args
             automatic = jax.lax.dynamic_slice_in_dim(rows, col0, numerical.shape[1], axis=1)
             verdict = screen(numerical, automatic, noise, steps, valid, weights, atol, rtol)
             return y, rows, *verdict
@@ -143,19 +160,30 @@ class FlatJacobians:
             return y, jax.lax.map(lambda k: jvp_fn(_basis_or(k, n, extra)), ks)
 
         # Two programs serve the full method: the stacked evaluations of f (which also
-        # give f(x0), the difference quotients and their column maxima) and the stacked
-        # pullbacks (which also give the AD primal, the pullback of any one cotangent and
-        # the screen of a chunk of rows). Each compiles once per check (the pullbacks once
-        # more where the numerical columns are held in several tiles).
-        self._differences = jax.jit(differences)
-        self._vjp_rows = jax.jit(vjp_rows)
-        self._jvp_columns = jax.jit(jvp_columns)
+        # give f(x0), the difference quotients and, for a screened problem, their column
+        # maxima) and the stacked pullbacks (which also give the AD primal, the pullback
+        # of any one cotangent and the screen of a chunk of rows). Each compiles once per
+        # check (the pullbacks once more where the numerical columns are held in several
+        # tiles).
+        self._differences = _Program(jax.jit(differences))
+        self._vjp_rows = _Program(jax.jit(vjp_rows))
+        self._jvp_columns = _Program(jax.jit(jvp_columns))
+        self._screen = _Program(_SCREEN)
         self._call = jax.jit(f)
+
+    def _require_screen(self, method: str) -> None:
+        if not self.screened:
+            raise ValueError(
+                f"`{method}` needs the screen compiled in: construct FlatJacobians with "
+                f"`screen_min_entries` at most n * m = {self.n * self.m}."
+            )
 
     def _pullbacks(
         self, ks: np.ndarray, count: int, extra: np.ndarray
     ) -> tuple[jax.Array, jax.Array]:
         """``(primal, rows)`` from the program of ``reverse``, with an empty screen."""
+        if not self.screened:
+            return self._vjp_rows(self.x0, ks, count, extra)
         rows = ks.shape[0]
         y, block, *_ = self._vjp_rows(
             self.x0, ks, count, extra, np.zeros((rows, self.n)), np.zeros((rows, 1)),
@@ -167,7 +195,14 @@ class FlatJacobians:
         """``f(x0)``, from the program of ``numerical`` with nothing perturbed."""
         ks = np.zeros(self.col_chunk, dtype=np.int64)
         values = self.x0_host[ks]
-        return np.asarray(self._differences(self.x0, ks, values, values, 1)[2])
+        return np.asarray(self._differences(self.x0, ks, values, values, 1)[-1])
+
+    def _difference_args(self, cols: Sequence[int] | range, eps: float | np.ndarray):
+        ks, count = _padded(cols, self.col_chunk)
+        eps = np.broadcast_to(np.asarray(eps, np.float64), (self.n,))[ks]
+        plus = self.x0_host[ks] + eps
+        minus = self.x0_host[ks] - eps
+        return (self.x0, ks, plus, minus, count), plus - minus, count
 
     def numerical(
         self, cols: Sequence[int] | range, eps: float | np.ndarray
@@ -182,47 +217,78 @@ class FlatJacobians:
             respect to input ``cols[k]``) and the step actually taken for each
             column, ``(x_k + eps) - (x_k - eps)``.
         """
-        ks, count = _padded(cols, self.col_chunk)
-        eps = np.broadcast_to(np.asarray(eps, np.float64), (self.n,))[ks]
-        plus = self.x0_host[ks] + eps
-        minus = self.x0_host[ks] - eps
-        steps = plus - minus
-        quotient = np.asarray(self._differences(self.x0, ks, plus, minus, count)[0])
+        args, steps, count = self._difference_args(cols, eps)
+        quotient = np.asarray(self._differences(*args)[0])
         return quotient[:count], steps[:count]
 
     def numerical_on_device(
         self, cols: Sequence[int] | range, eps: float | np.ndarray
-    ) -> tuple[jax.Array, jax.Array, np.ndarray, int]:
-        """``numerical``, with the block left on the device and padded to ``col_chunk`` rows.
+    ) -> Callable[[], tuple[jax.Array, jax.Array, np.ndarray, int]]:
+        """``numerical``, with the block left on the device and padded to ``col_chunk`` rows,
+        as a call that any thread can make (see ``_Program``; only a screened problem).
 
         Returns:
-            ``(block, maxima, steps, count)``: the ``(col_chunk, m)`` block (its rows
-            past ``count`` are zero), the ``(col_chunk, len(out_bounds))``
-            largest finite ``|entry|`` of each row in each output block, the
-            ``(col_chunk,)`` steps, padded like the block, and the number of columns
-            asked for.
+            A function of no arguments that returns ``(block, maxima, steps, count)``:
+            the ``(col_chunk, m)`` block (its rows past ``count`` are zero), the
+            ``(col_chunk, len(out_bounds))`` largest finite ``|entry|`` of each row in
+            each output block, the ``(col_chunk,)`` steps, padded like the block, and
+            the number of columns asked for.
         """
+        self._require_screen("numerical_on_device")
+        args, steps, count = self._difference_args(cols, eps)
+        run = self._differences.bind(*args)
+
+        def call():
+            block, maxima, _ = run(*args)
+            return block, maxima, steps, count
+
+        return call
+
+    def forward_screened(
+        self, cols: Sequence[int] | range, noise, atol: float, rtol: float
+    ) -> Callable[[jax.Array, np.ndarray], tuple[jax.Array, jax.Array]]:
+        """``forward``'s block, left on the device and padded to ``col_chunk`` rows, and
+        whether it passes ``screen`` against a ``numerical_on_device`` block (rows past
+        ``len(cols)`` are padding and pass), as a call that any thread can make: a
+        function of that block and its steps (shape ``(col_chunk, 1)``) that returns
+        ``(block, clean)``."""
+        self._require_screen("forward_screened")
         ks, count = _padded(cols, self.col_chunk)
-        eps = np.broadcast_to(np.asarray(eps, np.float64), (self.n,))[ks]
-        plus = self.x0_host[ks] + eps
-        minus = self.x0_host[ks] - eps
-        steps = plus - minus
-        block, maxima, _ = self._differences(self.x0, ks, plus, minus, count)
-        return block, maxima, steps, count
+        forward_args = (self.x0, ks, np.zeros(self.n))
+        forward = self._jvp_columns.bind(*forward_args)
+        valid = (np.arange(self.col_chunk) < count)[:, None]
+        block = jax.ShapeDtypeStruct((self.col_chunk, self.m), np.float64)
+        steps = jax.ShapeDtypeStruct((self.col_chunk, 1), np.float64)
+        rest = (valid, np.zeros(self.col_chunk), float(atol), float(rtol))
+        check = self._screen.bind(block, block, noise, steps, *rest)
+
+        def call(numerical, steps):
+            automatic = forward(*forward_args)[1]
+            return automatic, check(numerical, automatic, noise, steps, *rest)[0]
+
+        return call
 
     def reverse_screened(
         self, rows: Sequence[int] | range, numerical, noise, steps, weights, col0, atol, rtol
-    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    ) -> Callable[[], tuple[jax.Array, jax.Array, jax.Array, jax.Array]]:
         """``reverse``'s block, left on the device and padded to ``row_chunk`` rows, and
         ``screen`` of its columns ``col0 ..`` against ``numerical`` (rows past
-        ``len(rows)`` are padding and pass): ``(block, clean, total, allowance)``."""
+        ``len(rows)`` are padding and pass), as a call that any thread can make: a
+        function of no arguments that returns ``(block, clean, total, allowance)``."""
+        self._require_screen("reverse_screened")
         ks, count = _padded(rows, self.row_chunk)
         valid = (np.arange(self.row_chunk) < count)[:, None]
-        _, block, clean, total, allowance = self._vjp_rows(
-            self.x0, ks, count, np.zeros(self.m), numerical, noise, steps, valid, weights, col0,
-            atol, rtol,
+        args = (
+            self.x0, ks, count, np.zeros(self.m), numerical, noise, steps, valid, weights,
+            int(col0), float(atol), float(rtol),
         )  # fmt: skip
-        return block, clean, total, allowance
+        run = self._vjp_rows.bind(*args)
+
+        def call():
+            _, block, clean, total, allowance = run(*args)
+            return block, clean, total, allowance
+
+        return call
 
     def forward_on_device(self, cols: Sequence[int] | range) -> jax.Array:
         """``forward``'s block, left on the device and padded to ``col_chunk`` rows."""
@@ -279,6 +345,51 @@ def screen(numerical, automatic, noise, steps, valid, weights, atol, rtol):
     margin = 0.5 * atol * jnp.where(finite, jnp.minimum(magnitude, 1.0), 0.0)
     clean = jnp.all((over <= margin) | ~valid)
     return clean, weights @ numerical, jnp.abs(weights) @ (atol + relative)
+
+
+_SCREEN = jax.jit(screen)
+
+
+def _signature(value: Any) -> Any:
+    """What an executable compiled for ``value`` requires of an argument."""
+    if isinstance(value, (bool, int, float)):
+        return type(value)  # a weakly typed scalar
+    return tuple(value.shape), np.dtype(value.dtype).str
+
+
+class _Program:
+    """A ``jax.jit`` program, run through executables compiled ahead of time, so that
+    worker threads can run it too.
+
+    JAX's configuration (x64 above all, also the default device and matmul precision)
+    is thread-local: a worker thread calling a jitted function would look it up, and
+    trace it anew, under its own defaults (float32). ``bind`` compiles (or finds: JAX
+    shares its cache with plain calls, so this costs no second compilation) the
+    executable for the arguments' types in the thread that owns the check, under its
+    configuration, and returns a function that runs it from any thread.
+    """
+
+    def __init__(self, jitted: Callable) -> None:
+        self.jitted = jitted
+        self.executables: dict[tuple, Any] = {}
+        self.owner = threading.get_ident()
+
+    def bind(self, *args: Any) -> Callable:
+        key = tuple(_signature(a) for a in args)
+        executable = self.executables.get(key)
+        if executable is None:
+            if threading.get_ident() != self.owner:
+                raise RuntimeError("a program was bound outside the thread that owns it")
+            executable = self.executables[key] = self.jitted.lower(*args).compile()
+
+        def run(*args):
+            with jax.enable_x64(True):  # Python scalars are weakly typed 64-bit ones
+                return executable(*args)
+
+        return run
+
+    def __call__(self, *args: Any) -> Any:
+        return self.bind(*args)(*args)
 
 
 def unit_blocks(rng: np.random.Generator, slices: Sequence[slice], size: int) -> np.ndarray:
