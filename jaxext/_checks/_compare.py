@@ -353,7 +353,7 @@ class _Tile:
     def __init__(self, start: int) -> None:
         self.start = self.stop = start
         self.nbytes = 0
-        self.chunks: list[tuple[int, np.ndarray | None, tuple | None]] = []
+        self.chunks: list[tuple[int, int, np.ndarray | None, tuple | None]] = []
 
     @staticmethod
     def pack(block: np.ndarray) -> tuple[np.ndarray | None, tuple | None, int, int]:
@@ -374,14 +374,14 @@ class _Tile:
     def append(self, start: int, packed: tuple) -> None:
         """Adds a block packed by ``pack``."""
         dense, sparse, nbytes, columns = packed
-        self.chunks.append((start, dense, sparse))
+        self.chunks.append((start, columns, dense, sparse))
         self.nbytes += nbytes
         self.stop = start + columns
 
     def rows(self, first: int, stop: int) -> np.ndarray:
         """The dense ``(stop - first, self.stop - self.start)`` block of rows ``[first, stop)``."""
         out = np.zeros((stop - first, self.stop - self.start))
-        for start, dense, sparse in self.chunks:
+        for start, _, dense, sparse in self.chunks:
             offset = start - self.start
             if dense is not None:
                 out[:, offset : offset + dense.shape[0]] = dense[:, first:stop].T
@@ -390,6 +390,25 @@ class _Tile:
                 lo, hi = np.searchsorted(rows, [first, stop])
                 out[rows[lo:hi] - first, cols[lo:hi] + offset] = values[lo:hi]
         return out
+
+    def weighted(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(u^T N, |u|^T |N|)`` for the tile's columns ``N`` (all ``m`` rows)."""
+        parts = []
+        for _, columns, dense, sparse in self.chunks:
+            if dense is not None:
+                parts.append((dense @ u, np.abs(dense) @ np.abs(u)))
+            else:
+                rows, cols, values = sparse
+                products = u[rows] * values
+                parts.append(
+                    (
+                        np.bincount(cols, products, minlength=columns),
+                        np.bincount(cols, np.abs(products), minlength=columns),
+                    )
+                )
+        if not parts:
+            return np.zeros(0), np.zeros(0)
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
 @dataclasses.dataclass
@@ -554,33 +573,32 @@ def _stream_rows(
     jac, tile: _Tile, steps, noise, atol, rtol, tally: _Tally, linear, *, screen: bool = False
 ) -> None:
     """Compares the columns held in ``tile`` with VJP rows, a chunk of rows at a time;
-    with ``linear = (u, sum, allowance)``, adds ``u^T`` times the rows to ``sum``.
+    with ``linear = (u, sum, allowance)``, adds ``u^T`` times the tile to ``sum`` and the
+    ``|u|``-weighted sum of its entries' allowances to ``allowance``.
     With ``screen``, the rows are screened on the device (``_screened_rows``), by
     ``WORKERS`` threads, and a chunk of rows that passes skips the host comparison."""
     col0, col1 = tile.start, tile.stop
+    if linear is not None:
+        # sum_i |u_i| (atol + rtol |n_ij| + noise_i / step_j), term by term.
+        u, total, allowance = linear
+        weighted, weighted_magnitude = tile.weighted(u)
+        total[col0:col1] += weighted
+        noise_share = np.abs(u) @ noise / steps[col0:col1]
+        allowance[col0:col1] += atol * np.abs(u).sum() + rtol * weighted_magnitude + noise_share
     if screen:
-        tasks = _screened_rows(jac, tile, steps, noise, atol, rtol, linear)
+        tasks = _screened_rows(jac, tile, steps, noise, atol, rtol)
         chunks = _in_order(tasks, WORKERS)
     else:
         chunks = (
             (start, tile.rows(start, stop), jac.reverse(range(start, stop))[1][:, col0:col1])
             for start, stop in _row_chunks(jac)
         )
-    for start, numerical, automatic, *sums in chunks:
-        stop = start + numerical.shape[0]
-        if automatic is None:  # passed the screen: only its share of `linear` is left
-            if linear is not None:
-                linear[1][col0:col1] += sums[0]
-                linear[2][col0:col1] += sums[1]
+    for start, numerical, automatic in chunks:
+        if automatic is None:  # passed the screen
             continue
+        stop = start + numerical.shape[0]
         relative = _allowed(numerical, 0.0, rtol, noise[start:stop, None] / steps[None, col0:col1])
         tally.add(start, col0, numerical, automatic, relative)
-        allowed = atol + relative
-        if linear is not None:
-            u, total, allowance = linear
-            weights = u[start:stop]
-            total[col0:col1] += weights @ numerical
-            allowance[col0:col1] += np.abs(weights) @ allowed
 
 
 def _row_chunks(jac) -> Iterator[tuple[int, int]]:
@@ -588,11 +606,10 @@ def _row_chunks(jac) -> Iterator[tuple[int, int]]:
         yield start, min(jac.m, start + jac.row_chunk)
 
 
-def _screened_rows(jac, tile, steps, noise, atol, rtol, linear) -> Iterator[Callable[[], tuple]]:
+def _screened_rows(jac, tile, steps, noise, atol, rtol) -> Iterator[Callable[[], tuple]]:
     """Tasks for ``_in_order``: each computes a chunk of VJP rows (padded, on the device),
     screened in the same program against the tile's rows, and returns ``(start,
-    numerical, automatic, total, allowance)``: ``automatic`` is ``None`` where the rows
-    pass the screen, and then ``total`` and ``allowance`` are their share of ``linear``."""
+    numerical, automatic)``, with ``automatic`` ``None`` where the rows pass the screen."""
     rows = jac.row_chunk
     col0, col1 = tile.start, tile.stop
     for start, stop in _row_chunks(jac):
@@ -603,21 +620,15 @@ def _screened_rows(jac, tile, steps, noise, atol, rtol, linear) -> Iterator[Call
             padded[:count] = numerical
         padded_noise = np.zeros((rows, 1))
         padded_noise[:count, 0] = noise[start:stop]
-        weights = np.zeros(rows)
-        if linear is not None:
-            weights[:count] = linear[0][start:stop]
         call = jac.reverse_screened(
-            range(start, stop), padded, padded_noise, steps[None, col0:col1], weights, col0,
-            atol, rtol,
-        )  # fmt: skip
+            range(start, stop), padded, padded_noise, steps[None, col0:col1], col0, atol, rtol
+        )
 
         def task(start=start, numerical=numerical, call=call, count=count) -> tuple:
-            on_device, clean, total, allowance = call()
-            if not bool(clean):
-                return start, numerical, np.asarray(on_device)[:count, col0:col1], None, None
-            if linear is None:
-                return start, numerical, None, None, None
-            return start, numerical, None, np.asarray(total), np.asarray(allowance)
+            on_device, clean = call()
+            if bool(clean):
+                return start, numerical, None
+            return start, numerical, np.asarray(on_device)[:count, col0:col1]
 
         yield task
 

@@ -122,13 +122,18 @@ class FlatJacobians:
             # and size + k of one loop, so the same compiled body evaluates both sides.
             size = ks.shape[0]
 
-            def body(j, y):
+            def body(j, carry):
+                # The perturbed input is carried and restored in place (x with entry k
+                # set, as `x.at[k].set(value)`, without copying all of x each time).
+                perturbed, y = carry
                 minus_side = j >= count
                 i = jnp.where(minus_side, j - count, j)
                 value = jnp.where(minus_side, minus[i], plus[i])
-                return y.at[i + size * minus_side].set(f(x.at[ks[i]].set(value)))
+                perturbed = perturbed.at[ks[i]].set(value)
+                y = y.at[i + size * minus_side].set(f(perturbed))
+                return perturbed.at[ks[i]].set(x[ks[i]]), y
 
-            y = jax.lax.fori_loop(0, 2 * count, body, jnp.zeros((2 * size, m)))
+            _, y = jax.lax.fori_loop(0, 2 * count, body, (x, jnp.zeros((2 * size, m))))
             quotient = (y[:size] - y[size:]) / (plus - minus)[:, None]
             if not screened:
                 return quotient, y[0]
@@ -150,10 +155,9 @@ class FlatJacobians:
             rows = jax.lax.fori_loop(0, count, body, jnp.zeros((ks.shape[0], n)))
             if not screen_args:
                 return y, rows
-            numerical, noise, steps, valid, weights, col0, atol, rtol = screen_args
+            numerical, noise, steps, valid, col0, atol, rtol = screen_args
             automatic = jax.lax.dynamic_slice_in_dim(rows, col0, numerical.shape[1], axis=1)
-            verdict = screen(numerical, automatic, noise, steps, valid, weights, atol, rtol)
-            return y, rows, *verdict
+            return y, rows, screen(numerical, automatic, noise, steps, valid, atol, rtol)
 
         def jvp_columns(x, ks, extra):
             y, jvp_fn = jax.linearize(f, x)
@@ -187,7 +191,7 @@ class FlatJacobians:
         rows = ks.shape[0]
         y, block, *_ = self._vjp_rows(
             self.x0, ks, count, extra, np.zeros((rows, self.n)), np.zeros((rows, 1)),
-            np.ones((1, self.n)), np.zeros((rows, 1), bool), np.zeros(rows), 0, 0.0, 0.0,
+            np.ones((1, self.n)), np.zeros((rows, 1), bool), 0, 0.0, 0.0,
         )  # fmt: skip
         return y, block
 
@@ -259,34 +263,34 @@ class FlatJacobians:
         valid = (np.arange(self.col_chunk) < count)[:, None]
         block = jax.ShapeDtypeStruct((self.col_chunk, self.m), np.float64)
         steps = jax.ShapeDtypeStruct((self.col_chunk, 1), np.float64)
-        rest = (valid, np.zeros(self.col_chunk), float(atol), float(rtol))
+        rest = (valid, float(atol), float(rtol))
         check = self._screen.bind(block, block, noise, steps, *rest)
 
         def call(numerical, steps):
             automatic = forward(*forward_args)[1]
-            return automatic, check(numerical, automatic, noise, steps, *rest)[0]
+            return automatic, check(numerical, automatic, noise, steps, *rest)
 
         return call
 
     def reverse_screened(
-        self, rows: Sequence[int] | range, numerical, noise, steps, weights, col0, atol, rtol
-    ) -> Callable[[], tuple[jax.Array, jax.Array, jax.Array, jax.Array]]:
+        self, rows: Sequence[int] | range, numerical, noise, steps, col0, atol, rtol
+    ) -> Callable[[], tuple[jax.Array, jax.Array]]:
         """``reverse``'s block, left on the device and padded to ``row_chunk`` rows, and
         ``screen`` of its columns ``col0 ..`` against ``numerical`` (rows past
         ``len(rows)`` are padding and pass), as a call that any thread can make: a
-        function of no arguments that returns ``(block, clean, total, allowance)``."""
+        function of no arguments that returns ``(block, clean)``."""
         self._require_screen("reverse_screened")
         ks, count = _padded(rows, self.row_chunk)
         valid = (np.arange(self.row_chunk) < count)[:, None]
         args = (
-            self.x0, ks, count, np.zeros(self.m), numerical, noise, steps, valid, weights,
-            int(col0), float(atol), float(rtol),
+            self.x0, ks, count, np.zeros(self.m), numerical, noise, steps, valid, int(col0),
+            float(atol), float(rtol),
         )  # fmt: skip
         run = self._vjp_rows.bind(*args)
 
         def call():
-            _, block, clean, total, allowance = run(*args)
-            return block, clean, total, allowance
+            _, block, clean = run(*args)
+            return block, clean
 
         return call
 
@@ -327,9 +331,8 @@ class FlatJacobians:
         return np.asarray(self._call(plus)) - np.asarray(self._call(minus)), 2 * eps
 
 
-def screen(numerical, automatic, noise, steps, valid, weights, atol, rtol):
-    """Whether every valid entry of a chunk passes with room to spare, and the chunk's
-    ``weights``-weighted sums of the numerical rows and of their allowances.
+def screen(numerical, automatic, noise, steps, valid, atol, rtol):
+    """Whether every valid entry of a chunk passes with room to spare.
 
     ``noise`` and ``steps`` broadcast against ``numerical`` and ``automatic`` as in the
     host comparison (``_compare``). An entry passes the screen when
@@ -344,7 +347,7 @@ def screen(numerical, automatic, noise, steps, valid, weights, atol, rtol):
     finite = jnp.isfinite(numerical)
     margin = 0.5 * atol * jnp.where(finite, jnp.minimum(magnitude, 1.0), 0.0)
     clean = jnp.all((over <= margin) | ~valid)
-    return clean, weights @ numerical, jnp.abs(weights) @ (atol + relative)
+    return clean
 
 
 _SCREEN = jax.jit(screen)
