@@ -563,6 +563,11 @@ SCREEN_CASES = {
     ),
     "wrong_jvp": (lambda x, w: square_with_wrong_jvp()(x) @ w.T, ((6, 5), (7, 5)), ("rev", "fwd")),
     "correct_both_modes": (lambda x, w: jnp.tanh(x) @ w.T, ((6, 5), (7, 5)), ("rev", "fwd")),
+    # A closed-over array: a constant of the compiled programs that the threads run.
+    "closure_constant": (
+        lambda x, w: jnp.tanh(x) @ (w * jnp.asarray(f64(9, (7, 5)))).T, ((6, 5), (7, 5)),
+        ("rev", "fwd"),
+    ),
 }  # fmt: skip
 
 
@@ -587,7 +592,7 @@ def test_device_screen_changes_no_verdict_and_no_report(monkeypatch, name, worke
         except jaxext.GradcheckError as err:
             reports.append((str(err), err.kind, err.num_mismatched, err.input_element))
     assert reports[1] == reports[0]
-    passes = name in {"correct", "correct_both_modes", "tiny_gradient_correct"}
+    passes = name in {"correct", "correct_both_modes", "tiny_gradient_correct", "closure_constant"}
     assert (reports[0] is True) == passes
 
 

@@ -27,6 +27,11 @@ of its block pair), and only a chunk that does not goes through the exact
 comparison on the host. A screened chunk cannot hold a failing entry, nor the
 worst entry of a failing pair, so verdicts and error reports are unchanged; the
 host work of a passing check shrinks to copying the numerical columns once.
+The chunks of a screened problem are computed by ``WORKERS`` threads
+(``_in_order``): JAX runs the programs of one thread one after the other, those of
+two threads on two cores at once, and the host copies of one chunk overlap the
+computation of the next. The results are consumed in order, each computed exactly
+as it would be alone, so nothing depends on the threads.
 ``directional_mismatches`` compares ``u . J v`` for random unit vectors.
 Both return ``Mismatch`` records: the worst entry of each failing pair of an
 output block and an input block.

@@ -369,7 +369,9 @@ class _Program:
     trace it anew, under its own defaults (float32). ``bind`` compiles (or finds: JAX
     shares its cache with plain calls, so this costs no second compilation) the
     executable for the arguments' types in the thread that owns the check, under its
-    configuration, and returns a function that runs it from any thread.
+    configuration, and returns a function that runs it from any thread. Calls in the
+    owning thread go through ``jax.jit`` itself (whatever JAX does there, as always:
+    an op that leaks a tracer raises ``UnexpectedTracerError``, say).
     """
 
     def __init__(self, jitted: Callable) -> None:
@@ -392,7 +394,8 @@ class _Program:
         return run
 
     def __call__(self, *args: Any) -> Any:
-        return self.bind(*args)(*args)
+        """A plain call of the jitted program, in this thread."""
+        return self.jitted(*args)
 
 
 def unit_blocks(rng: np.random.Generator, slices: Sequence[slice], size: int) -> np.ndarray:
