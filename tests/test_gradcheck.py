@@ -596,10 +596,15 @@ def test_device_screen_changes_no_verdict_and_no_report(monkeypatch, name, worke
     assert (reports[0] is True) == passes
 
 
-def test_screened_programs_compute_the_same_chunks(x64):
-    # The screen is compiled into the programs only for screened problems; both kinds
-    # must compute the same numerical and automatic chunks, bit for bit.
+@pytest.mark.parametrize("merged", [False, True])
+def test_screened_programs_compute_the_same_chunks(x64, monkeypatch, merged):
+    # The screen is compiled into the programs only for screened problems, and small
+    # problems merge their two programs into one; all must compute the same numerical
+    # and automatic chunks, bit for bit.
+    from jaxext._checks import _jacobians
     from jaxext._checks._jacobians import FlatJacobians
+
+    monkeypatch.setattr(_jacobians, "MERGE_MAX_ENTRIES", 2**18 if merged else 0)
 
     dense = jnp.asarray(f64(1, (7, 5)))
 
@@ -610,6 +615,7 @@ def test_screened_programs_compute_the_same_chunks(x64):
     lean = FlatJacobians(f, x0)
     screened = FlatJacobians(f, x0, screen_min_entries=0)
     assert (lean.screened, screened.screened) == (False, True)
+    assert (lean._both is not None, screened._both) == (merged, None)
     np.testing.assert_array_equal(lean.value(), screened.value())
     np.testing.assert_allclose(lean.value(), np.asarray(f(x0)), rtol=1e-14, atol=1e-15)
     cols, eps = range(3, 9), np.linspace(1e-6, 2e-6, 9)

@@ -37,6 +37,8 @@ __all__ = ["CHUNK", "CHUNK_ENTRIES", "FlatJacobians", "chunk_size", "screen", "u
 
 CHUNK = 128  # most rows or columns per compiled call
 CHUNK_ENTRIES = 2**21  # most entries of one stacked array per call (16 MiB in float64)
+# Most entries of a chunk of columns plus a chunk of rows for one merged program.
+MERGE_MAX_ENTRIES = 2**18
 
 FlatFn = Callable[[jax.Array], jax.Array]
 
@@ -171,6 +173,19 @@ class FlatJacobians:
         # tiles).
         self._differences = _Program(jax.jit(differences))
         self._vjp_rows = _Program(jax.jit(vjp_rows))
+        # A small problem compiles the two as one program (XLA's cost per program is a
+        # good part of a small check's time); each call runs one of the loops, the
+        # other for zero rows (its outputs, zeros, are small here).
+        self._both = None
+        if not screened and self.col_chunk * m + self.row_chunk * n <= MERGE_MAX_ENTRIES:
+
+            def both(x, kc, plus, minus, count_cols, kr, count_rows, extra):
+                return (
+                    *differences(x, kc, plus, minus, count_cols),
+                    *vjp_rows(x, kr, count_rows, extra),
+                )
+
+            self._both = _Program(jax.jit(both))
         self._jvp_columns = _Program(jax.jit(jvp_columns))
         self._screen = _Program(_SCREEN)
         self._call = jax.jit(f)
@@ -187,6 +202,10 @@ class FlatJacobians:
     ) -> tuple[jax.Array, jax.Array]:
         """``(primal, rows)`` from the program of ``reverse``, with an empty screen."""
         if not self.screened:
+            if self._both is not None:
+                kc = np.zeros(self.col_chunk, np.int64)
+                plus, minus = np.ones(self.col_chunk), np.zeros(self.col_chunk)
+                return self._both(self.x0, kc, plus, minus, 0, ks, count, extra)[2:]
             return self._vjp_rows(self.x0, ks, count, extra)
         rows = ks.shape[0]
         y, block, *_ = self._vjp_rows(
@@ -199,7 +218,15 @@ class FlatJacobians:
         """``f(x0)``, from the program of ``numerical`` with nothing perturbed."""
         ks = np.zeros(self.col_chunk, dtype=np.int64)
         values = self.x0_host[ks]
-        return np.asarray(self._differences(self.x0, ks, values, values, 1)[-1])
+        return np.asarray(self._run_differences(self.x0, ks, values, values, 1)[1])
+
+    def _run_differences(self, *args) -> tuple:
+        """``differences(*args)``: ``(quotient, f(x with entry ks[0] set to plus[0]))``."""
+        if self._both is not None:
+            kr = np.zeros(self.row_chunk, np.int64)
+            return self._both(*args, kr, 0, np.zeros(self.m))[:2]
+        quotient, *_, y = self._differences(*args)
+        return quotient, y
 
     def _difference_args(self, cols: Sequence[int] | range, eps: float | np.ndarray):
         ks, count = _padded(cols, self.col_chunk)
@@ -222,7 +249,7 @@ class FlatJacobians:
             column, ``(x_k + eps) - (x_k - eps)``.
         """
         args, steps, count = self._difference_args(cols, eps)
-        quotient = np.asarray(self._differences(*args)[0])
+        quotient = np.asarray(self._run_differences(*args)[0])
         return quotient[:count], steps[:count]
 
     def numerical_on_device(
