@@ -7,7 +7,7 @@ or columns (fewer for wide problems: ``CHUNK_ENTRIES`` bounds each stacked
 array), so no caller ever needs the whole ``(m, n)`` Jacobian in memory:
 
 * ``numerical(cols, eps)``: central differences. ``f(x + h e_k)`` and
-  ``f(x - h e_k)`` come from the *same* compiled loop body (one ``lax.map`` over
+  ``f(x - h e_k)`` come from the *same* compiled loop body (one ``fori_loop`` over
   both sides' perturbed inputs) on inputs that differ only in entry ``k``. An
   output that the step does not touch is therefore bit-for-bit
   the same on both sides and its difference is exactly zero: a true zero of the
@@ -18,9 +18,16 @@ array), so no caller ever needs the whole ``(m, n)`` Jacobian in memory:
 * ``directional(...)``: ``u . J v`` for random unit vectors, numerical and
   automatic, for problems too large for the above.
 
-Rows of a chunk are computed one after the other inside the program
-(``jax.lax.map``), not with ``jax.vmap``: checking derivatives must not depend on
+Rows of a chunk are computed one after the other inside the program (a
+``jax.lax`` loop), not with ``jax.vmap``: checking derivatives must not depend on
 the function's batching rule, which ``jaxext.opcheck`` checks on its own.
+
+What is compiled depends on the size: a screened problem (``screen_min_entries``)
+has the screen and the column maxima in its programs, and its chunks can be run
+from worker threads (``numerical_on_device``, ``forward_screened``,
+``reverse_screened`` return calls bound to executables compiled in the owning
+thread, ``_Program``); a small one (``MERGE_MAX_ENTRIES``) compiles its two loops
+as one program.
 """
 
 from __future__ import annotations
@@ -176,7 +183,8 @@ class FlatJacobians:
         # A small problem compiles the two as one program (XLA's cost per program is a
         # good part of a small check's time); each call runs one of the loops, the
         # other for zero rows (its outputs, zeros, are small here).
-        self._both = None
+        self._both: _Program | None = None
+        self._both_checked = False
         if not screened and self.col_chunk * m + self.row_chunk * n <= MERGE_MAX_ENTRIES:
 
             def both(x, kc, plus, minus, count_cols, kr, count_rows, extra):
@@ -202,9 +210,9 @@ class FlatJacobians:
     ) -> tuple[jax.Array, jax.Array]:
         """``(primal, rows)`` from the program of ``reverse``, with an empty screen."""
         if not self.screened:
-            if self._both is not None:
-                kc = np.zeros(self.col_chunk, np.int64)
-                plus, minus = np.ones(self.col_chunk), np.zeros(self.col_chunk)
+            kc = np.zeros(self.col_chunk, np.int64)
+            plus, minus = np.ones(self.col_chunk), np.zeros(self.col_chunk)
+            if self._merged(self.x0, kc, plus, minus, 0, ks, count, extra):
                 return self._both(self.x0, kc, plus, minus, 0, ks, count, extra)[2:]
             return self._vjp_rows(self.x0, ks, count, extra)
         rows = ks.shape[0]
@@ -220,10 +228,25 @@ class FlatJacobians:
         values = self.x0_host[ks]
         return np.asarray(self._run_differences(self.x0, ks, values, values, 1)[1])
 
+    def _merged(self, *args) -> bool:
+        """Whether the merged program serves (decided at its first call, from ``args``).
+
+        Not for a function with a Python callback: XLA runs a larger program on a
+        thread of its own, where JAX's x64 setting (thread-local) is off, and a
+        callback's float64 results are then refused as float32."""
+        if self._both is None:
+            return False
+        if self._both_checked:
+            return True
+        self._both_checked = True
+        if "callback" in self._both.jitted.lower(*args).as_text():
+            self._both = None
+        return self._both is not None
+
     def _run_differences(self, *args) -> tuple:
         """``differences(*args)``: ``(quotient, f(x with entry ks[0] set to plus[0]))``."""
-        if self._both is not None:
-            kr = np.zeros(self.row_chunk, np.int64)
+        kr = np.zeros(self.row_chunk, np.int64)
+        if self._merged(*args, kr, 0, np.zeros(self.m)):
             return self._both(*args, kr, 0, np.zeros(self.m))[:2]
         quotient, *_, y = self._differences(*args)
         return quotient, y
