@@ -612,7 +612,7 @@ def test_screened_programs_compute_the_same_chunks(x64, monkeypatch, merged):
         return jnp.tanh(dense @ x[:5]) * x[5:].sum()
 
     x0 = jnp.asarray(f64(0, (9,)))
-    lean = FlatJacobians(f, x0)
+    lean = FlatJacobians(f, x0, merge=True)
     screened = FlatJacobians(f, x0, screen_min_entries=0)
     assert (lean.screened, screened.screened) == (False, True)
     assert (lean._both is not None, screened._both) == (merged, None)

@@ -84,6 +84,9 @@ class FlatJacobians:
             ``numerical_on_device`` and ``reverse_screened`` (``screened``); below it,
             or with ``None``, they are left out (less to compile) and those two
             methods are not available.
+        merge: whether a small unscreened problem (``MERGE_MAX_ENTRIES``) may compile
+            its two loops as one program; that traces the VJP whichever method runs
+            first, so it is for reverse-mode checks.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -101,6 +104,7 @@ class FlatJacobians:
         vjp: Callable | None = None,
         out_bounds: Sequence[tuple[int, int]] | None = None,
         screen_min_entries: int | None = None,
+        merge: bool = False,
     ) -> None:
         if vjp is None:
 
@@ -185,7 +189,8 @@ class FlatJacobians:
         # other for zero rows (its outputs, zeros, are small here).
         self._both: _Program | None = None
         self._both_checked = False
-        if not screened and self.col_chunk * m + self.row_chunk * n <= MERGE_MAX_ENTRIES:
+        small = self.col_chunk * m + self.row_chunk * n <= MERGE_MAX_ENTRIES
+        if merge and not screened and small:
 
             def both(x, kc, plus, minus, count_cols, kr, count_rows, extra):
                 return (
