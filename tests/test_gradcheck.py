@@ -563,19 +563,27 @@ SCREEN_CASES = {
     ),
     "wrong_jvp": (lambda x, w: square_with_wrong_jvp()(x) @ w.T, ((6, 5), (7, 5)), ("rev", "fwd")),
     "correct_both_modes": (lambda x, w: jnp.tanh(x) @ w.T, ((6, 5), (7, 5)), ("rev", "fwd")),
+    # A closed-over array: a constant of the compiled programs that the threads run.
+    "closure_constant": (
+        lambda x, w: jnp.tanh(x) @ (w * jnp.asarray(f64(9, (7, 5)))).T, ((6, 5), (7, 5)),
+        ("rev", "fwd"),
+    ),
 }  # fmt: skip
 
 
+@pytest.mark.parametrize("workers", [1, 3])
 @pytest.mark.parametrize("name", sorted(SCREEN_CASES))
-def test_device_screen_changes_no_verdict_and_no_report(monkeypatch, name):
-    # Large problems are screened chunk by chunk on the device first; small chunks and
-    # tiles here make some chunks pass the screen and others go to the host comparison.
+def test_device_screen_changes_no_verdict_and_no_report(monkeypatch, name, workers):
+    # Large problems are screened chunk by chunk on the device first, by worker threads;
+    # small chunks and tiles here make some chunks pass the screen and others go to the
+    # host comparison, and many chunks in flight at once.
     from jaxext._checks import _compare, _jacobians
 
     func, shapes, modes = SCREEN_CASES[name]
     inputs = tuple(f64(seed, shape) for seed, shape in enumerate(shapes))
     monkeypatch.setattr(_jacobians, "CHUNK", 4)
     monkeypatch.setattr(_compare, "TILE_BYTES", 2**9)
+    monkeypatch.setattr(_compare, "WORKERS", workers)
     reports = []
     for minimum in (2**62, 0):  # the host comparison alone; every chunk screened
         monkeypatch.setattr(_compare, "SCREEN_MIN_ENTRIES", minimum)
@@ -584,8 +592,77 @@ def test_device_screen_changes_no_verdict_and_no_report(monkeypatch, name):
         except jaxext.GradcheckError as err:
             reports.append((str(err), err.kind, err.num_mismatched, err.input_element))
     assert reports[1] == reports[0]
-    passes = name in {"correct", "correct_both_modes", "tiny_gradient_correct"}
+    passes = name in {"correct", "correct_both_modes", "tiny_gradient_correct", "closure_constant"}
     assert (reports[0] is True) == passes
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_screened_programs_compute_the_same_chunks(x64, monkeypatch, merged):
+    # The screen is compiled into the programs only for screened problems, and small
+    # problems merge their two programs into one; all must compute the same numerical
+    # and automatic chunks, bit for bit.
+    from jaxext._checks import _jacobians
+    from jaxext._checks._jacobians import FlatJacobians
+
+    monkeypatch.setattr(_jacobians, "MERGE_MAX_ENTRIES", 2**18 if merged else 0)
+
+    dense = jnp.asarray(f64(1, (7, 5)))
+
+    def f(x):
+        return jnp.tanh(dense @ x[:5]) * x[5:].sum()
+
+    x0 = jnp.asarray(f64(0, (9,)))
+    lean = FlatJacobians(f, x0, merge=True)
+    screened = FlatJacobians(f, x0, screen_min_entries=0)
+    assert (lean.screened, screened.screened) == (False, True)
+    assert (lean._both is not None, screened._both) == (merged, None)
+    np.testing.assert_array_equal(lean.value(), screened.value())
+    np.testing.assert_allclose(lean.value(), np.asarray(f(x0)), rtol=1e-14, atol=1e-15)
+    cols, eps = range(3, 9), np.linspace(1e-6, 2e-6, 9)
+    for jac in (lean, screened):
+        np.testing.assert_array_equal(jac.numerical(cols, eps)[0], lean.numerical(cols, eps)[0])
+        np.testing.assert_array_equal(jac.reverse(range(2, 7))[1], lean.reverse(range(2, 7))[1])
+        reference = jax.grad(lambda x: f(x).sum())(x0)
+        np.testing.assert_allclose(jac.vjp(np.ones(7))[1], reference, rtol=1e-14, atol=1e-15)
+    block, maxima, steps, count = screened.numerical_on_device(cols, eps)()
+    expected, expected_steps = lean.numerical(cols, eps)
+    assert count == 6
+    np.testing.assert_array_equal(np.asarray(block)[:count], expected)
+    np.testing.assert_array_equal(np.asarray(maxima)[:count, 0], np.abs(expected).max(axis=1))
+    np.testing.assert_array_equal(steps[:count], expected_steps)
+    with pytest.raises(ValueError, match="`numerical_on_device` needs the screen"):
+        lean.numerical_on_device(cols, eps)
+
+
+def test_programs_run_from_worker_threads_as_compiled(x64):
+    # JAX's configuration is thread-local: a worker thread runs the executable compiled
+    # in the check's thread (float64 here), and never compiles one under its own.
+    import threading
+
+    from jaxext._checks._jacobians import FlatJacobians
+
+    jac = FlatJacobians(lambda x: jnp.sin(x) * 3.0, jnp.asarray(f64(0, (5,))), None, None, 0)
+    call = jac.numerical_on_device(range(5), 1e-7)
+    expected = jac.numerical(range(5), 1e-7)[0]
+    results = {}
+
+    def worker():
+        assert not jax.config.jax_enable_x64  # a new thread has JAX's defaults
+        block = call()[0]
+        results["block"] = np.asarray(block)
+        try:
+            jac.numerical_on_device(range(5), np.full(5, 1e-7))  # bound before: allowed
+            jac.forward_screened(range(5), np.zeros((1, 5)), 0.0, 0.0)  # not bound before
+        except RuntimeError as err:
+            results["error"] = err
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert results["block"].dtype == np.float64
+    np.testing.assert_array_equal(results["block"][:5], expected)
+    np.testing.assert_allclose(np.diag(results["block"][:5]), 3 * np.cos(f64(0, (5,))), rtol=1e-8)
+    assert "outside the thread" in str(results["error"])
 
 
 def test_directional_fallback_warns_and_says_what_it_can_miss():

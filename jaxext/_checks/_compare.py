@@ -27,6 +27,11 @@ of its block pair), and only a chunk that does not goes through the exact
 comparison on the host. A screened chunk cannot hold a failing entry, nor the
 worst entry of a failing pair, so verdicts and error reports are unchanged; the
 host work of a passing check shrinks to copying the numerical columns once.
+The chunks of a screened problem are computed by ``WORKERS`` threads
+(``_in_order``): JAX runs the programs of one thread one after the other, those of
+two threads on two cores at once, and the host copies of one chunk overlap the
+computation of the next. The results are consumed in order, each computed exactly
+as it would be alone, so nothing depends on the threads.
 ``directional_mismatches`` compares ``u . J v`` for random unit vectors.
 Both return ``Mismatch`` records: the worst entry of each failing pair of an
 output block and an input block.
@@ -34,16 +39,19 @@ output block and an input block.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import functools
-from collections.abc import Sequence
-from typing import Any
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._jacobians import FlatJacobians, screen, unit_blocks
+from ._jacobians import FlatJacobians, unit_blocks
 
 __all__ = [
     "NOISE_ULPS",
@@ -65,6 +73,10 @@ TILE_BYTES = 2**27  # numerical-Jacobian columns held at once (128 MiB)
 # Jacobians from this many entries up are screened chunk by chunk on the device.
 SCREEN_MIN_ENTRIES = 2**22
 _EPS64 = float(np.finfo(np.float64).eps)
+# Threads that compute the chunks of a screened problem (`_in_order`).
+WORKERS = max(1, min(4, os.cpu_count() or 1))
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,27 +358,35 @@ class _Tile:
     def __init__(self, start: int) -> None:
         self.start = self.stop = start
         self.nbytes = 0
-        self.chunks: list[tuple[int, np.ndarray | None, tuple | None]] = []
+        self.chunks: list[tuple[int, int, np.ndarray | None, tuple | None]] = []
 
-    def add(self, start: int, block: np.ndarray) -> None:
-        """Adds ``block``, the transposed columns ``start, start + 1, ...``."""
+    @staticmethod
+    def pack(block: np.ndarray) -> tuple[np.ndarray | None, tuple | None, int, int]:
+        """``block`` as the tile holds it: ``(dense, sparse, nbytes, columns)``."""
         flat = np.flatnonzero(block)
         if 16 * flat.size < block.nbytes:
             cols, rows = np.divmod(flat, block.shape[1])
             order = np.argsort(rows, kind="stable")  # by row, then by column
             values = block.ravel()[flat[order]]
             sparse = (rows[order].astype(np.int32), cols[order].astype(np.int32), values)
-            self.chunks.append((start, None, sparse))
-            self.nbytes += 16 * flat.size
-        else:
-            self.chunks.append((start, block, None))
-            self.nbytes += block.nbytes
-        self.stop = start + block.shape[0]
+            return None, sparse, 16 * flat.size, block.shape[0]
+        return block, None, block.nbytes, block.shape[0]
+
+    def add(self, start: int, block: np.ndarray) -> None:
+        """Adds ``block``, the transposed columns ``start, start + 1, ...``."""
+        self.append(start, self.pack(block))
+
+    def append(self, start: int, packed: tuple) -> None:
+        """Adds a block packed by ``pack``."""
+        dense, sparse, nbytes, columns = packed
+        self.chunks.append((start, columns, dense, sparse))
+        self.nbytes += nbytes
+        self.stop = start + columns
 
     def rows(self, first: int, stop: int) -> np.ndarray:
         """The dense ``(stop - first, self.stop - self.start)`` block of rows ``[first, stop)``."""
         out = np.zeros((stop - first, self.stop - self.start))
-        for start, dense, sparse in self.chunks:
+        for start, _, dense, sparse in self.chunks:
             offset = start - self.start
             if dense is not None:
                 out[:, offset : offset + dense.shape[0]] = dense[:, first:stop].T
@@ -375,6 +395,104 @@ class _Tile:
                 lo, hi = np.searchsorted(rows, [first, stop])
                 out[rows[lo:hi] - first, cols[lo:hi] + offset] = values[lo:hi]
         return out
+
+    def weighted(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(u^T N, |u|^T |N|)`` for the tile's columns ``N`` (all ``m`` rows)."""
+        parts = []
+        for _, columns, dense, sparse in self.chunks:
+            if dense is not None:
+                parts.append((dense @ u, np.abs(dense) @ np.abs(u)))
+            else:
+                rows, cols, values = sparse
+                products = u[rows] * values
+                parts.append(
+                    (
+                        np.bincount(cols, products, minlength=columns),
+                        np.bincount(cols, np.abs(products), minlength=columns),
+                    )
+                )
+        if not parts:
+            return np.zeros(0), np.zeros(0)
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+@dataclasses.dataclass
+class _Columns:
+    """One chunk of columns of the numerical Jacobian, on the host, and what goes with it.
+
+    ``numerical`` is the transposed block (``count`` rows); ``maxima`` its largest
+    finite ``|n|`` per column and output block (screened problems; ``block`` is the
+    padded block on the device where the maxima are still to be taken); ``forward``
+    the JVP columns to compare on the host (``None`` where there are none, or where
+    the screen passed them); ``packed`` the block as the tile holds it.
+    """
+
+    start: int
+    numerical: np.ndarray
+    steps: np.ndarray
+    maxima: np.ndarray | None = None
+    block: Any = None
+    forward: np.ndarray | None = None
+    packed: tuple | None = None
+
+
+def _host_columns(jac: FlatJacobians, eps, forward: bool) -> Iterator[_Columns]:
+    """The chunks of columns, one after the other, for the host comparison."""
+    for start in range(0, jac.n, jac.col_chunk):
+        cols = range(start, min(jac.n, start + jac.col_chunk))
+        numerical, steps = jac.numerical(cols, eps)
+        automatic = jac.forward(cols)[1] if forward else None
+        yield _Columns(start, numerical, steps, forward=automatic)
+
+
+def _screened_columns(
+    jac: FlatJacobians, eps, noise, atol, rtol, *, forward: bool, pack: bool, maxima: bool
+) -> Iterator[Callable[[], _Columns]]:
+    """Tasks for ``_in_order``: each computes a chunk of columns on the device (and
+    screens its JVP columns there) and brings to the host what the comparison needs."""
+    for start in range(0, jac.n, jac.col_chunk):
+        cols = range(start, min(jac.n, start + jac.col_chunk))
+        numerical = jac.numerical_on_device(cols, eps)
+        screened = jac.forward_screened(cols, noise[None, :], atol, rtol) if forward else None
+
+        def task(start=start, numerical=numerical, screened=screened) -> _Columns:
+            block, column_maxima, steps, count = numerical()
+            host = np.asarray(block)[:count]
+            chunk = _Columns(start, host, steps[:count], packed=_Tile.pack(host) if pack else None)
+            if maxima:
+                chunk.maxima = np.asarray(column_maxima)[:count]
+            else:
+                chunk.block = block
+            if screened is not None:
+                automatic, clean = screened(block, steps[:, None])
+                chunk.forward = None if bool(clean) else np.asarray(automatic)[:count]
+            return chunk
+
+        yield task
+
+
+def _in_order(tasks: Iterator[Callable[[], T]], workers: int) -> Iterator[T]:
+    """The results of ``tasks`` (functions of no arguments, made in this thread as they
+    are needed), in order, computed by ``workers`` threads, with at most ``workers + 1``
+    submitted and not yet collected (so memory stays bounded).
+
+    JAX dispatch from one thread runs programs one after the other; from two threads,
+    on two cores at once (and the host copies and bookkeeping of one chunk overlap the
+    computation of the next). Each chunk is computed exactly as it would be alone, and
+    the caller consumes the results in order, so nothing depends on the threads.
+    """
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        pending: collections.deque = collections.deque()
+        try:
+            for task in tasks:
+                pending.append(pool.submit(task))
+                if len(pending) > workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
 
 
 def full_mismatches(
@@ -399,6 +517,10 @@ def full_mismatches(
     allowances weighted by ``|u|``, so a backward that passes entry by entry and is
     linear always passes.
 
+    Chunks are screened on the device first (see the module's docstring) where ``jac``
+    was built for it (``jac.screened``: ``_gradcheck`` passes ``SCREEN_MIN_ENTRIES``);
+    then they are also computed by ``WORKERS`` threads (``_in_order``).
+
     Returns:
         For each mode, the failing block pairs in output-major order; with a
         ``cotangent``, also ``"rev_cotangent"``: the input blocks whose VJP of it differs.
@@ -413,41 +535,35 @@ def full_mismatches(
     noise = NOISE_ULPS * _EPS64 * np.abs(y0)
     steps = np.empty(n)
     tile = _Tile(0)
-    screen = n * m >= SCREEN_MIN_ENTRIES
+    screen = jac.screened
     out_bounds = tuple((s.start, s.stop) for s in out_slices)
-    for start in range(0, n, jac.col_chunk):
-        cols = range(start, min(n, start + jac.col_chunk))
+    if screen:
+        tasks = _screened_columns(
+            jac, eps, noise, atol, rtol, forward="fwd" in modes, pack="rev" in modes,
+            maxima=jac.out_bounds == out_bounds,
+        )  # fmt: skip
+        columns = _in_order(tasks, WORKERS)
+    else:
+        columns = _host_columns(jac, eps, "fwd" in modes)
+    for chunk in columns:
+        start, numerical = chunk.start, chunk.numerical
+        stop = start + numerical.shape[0]
+        steps[start:stop] = chunk.steps
         if screen:
-            block, maxima, padded_steps, count = jac.numerical_on_device(cols, eps)
-            steps[cols.start : cols.stop] = padded_steps[:count]
-            if jac.out_bounds != out_bounds:
-                maxima = _column_maxima(block, out_bounds)
-            _add_scales(tallies.values(), maxima, count, start, in_slices)
-            numerical = np.asarray(block)[:count]
-        else:
-            numerical, steps[cols.start : cols.stop] = jac.numerical(cols, eps)
-        if "fwd" in modes:
-            automatic = None
-            if screen:
-                automatic = jac.forward_on_device(cols)
-                valid = (np.arange(block.shape[0]) < count)[:, None]
-                clean = _screen(
-                    block, automatic, noise[None, :], padded_steps[:, None], valid,
-                    np.zeros(block.shape[0]), 0, atol, rtol, width=m,
-                )[0]  # fmt: skip
-                automatic = None if bool(clean) else np.asarray(automatic)[:count]
-            else:
-                automatic = jac.forward(cols)[1]
-            if automatic is not None:
-                relative = _allowed(numerical, 0.0, rtol, noise[None, :] / steps[cols, None])
-                tallies["fwd"].add(0, start, numerical.T, automatic.T, relative.T)
+            maxima = chunk.maxima
+            if maxima is None:
+                maxima = np.asarray(_column_maxima(chunk.block, out_bounds))[: stop - start]
+            _add_scales(tallies.values(), maxima, stop - start, start, in_slices)
+        if chunk.forward is not None:
+            relative = _allowed(numerical, 0.0, rtol, noise[None, :] / chunk.steps[:, None])
+            tallies["fwd"].add(0, start, numerical.T, chunk.forward.T, relative.T)
         if "rev" in modes:
-            tile.add(start, numerical)
-            if tile.nbytes >= tile_bytes or cols.stop == n:
+            tile.append(start, chunk.packed if chunk.packed is not None else tile.pack(numerical))
+            if tile.nbytes >= tile_bytes or stop == n:
                 _stream_rows(
                     jac, tile, steps, noise, atol, rtol, tallies["rev"], linear, screen=screen
                 )
-                tile = _Tile(cols.stop)
+                tile = _Tile(stop)
     results = {mode: tally.mismatches() for mode, tally in tallies.items()}
     if linear is not None:
         u, expected, allowed = linear
@@ -462,62 +578,64 @@ def _stream_rows(
     jac, tile: _Tile, steps, noise, atol, rtol, tally: _Tally, linear, *, screen: bool = False
 ) -> None:
     """Compares the columns held in ``tile`` with VJP rows, a chunk of rows at a time;
-    with ``linear = (u, sum, allowance)``, adds ``u^T`` times the rows to ``sum``.
-    With ``screen``, a chunk of rows that passes ``_screen`` skips the host comparison."""
+    with ``linear = (u, sum, allowance)``, adds ``u^T`` times the tile to ``sum`` and the
+    ``|u|``-weighted sum of its entries' allowances to ``allowance``.
+    With ``screen``, the rows are screened on the device (``_screened_rows``), by
+    ``WORKERS`` threads, and a chunk of rows that passes skips the host comparison."""
     col0, col1 = tile.start, tile.stop
-    for start in range(0, jac.m, jac.row_chunk):
-        stop = min(jac.m, start + jac.row_chunk)
-        numerical = tile.rows(start, stop)
-        if screen:
-            args = (numerical, start, tile, steps, noise, atol, rtol, linear)
-            on_device = _screened_rows(jac, *args)
-            if on_device is None:
-                continue
-            automatic = np.asarray(on_device)[: stop - start, col0:col1]
-        else:
-            automatic = jac.reverse(range(start, stop))[1][:, col0:col1]
+    if linear is not None:
+        # sum_i |u_i| (atol + rtol |n_ij| + noise_i / step_j), term by term.
+        u, total, allowance = linear
+        weighted, weighted_magnitude = tile.weighted(u)
+        total[col0:col1] += weighted
+        noise_share = np.abs(u) @ noise / steps[col0:col1]
+        allowance[col0:col1] += atol * np.abs(u).sum() + rtol * weighted_magnitude + noise_share
+    if screen:
+        tasks = _screened_rows(jac, tile, steps, noise, atol, rtol)
+        chunks = _in_order(tasks, WORKERS)
+    else:
+        chunks = (
+            (start, tile.rows(start, stop), jac.reverse(range(start, stop))[1][:, col0:col1])
+            for start, stop in _row_chunks(jac)
+        )
+    for start, numerical, automatic in chunks:
+        if automatic is None:  # passed the screen
+            continue
+        stop = start + numerical.shape[0]
         relative = _allowed(numerical, 0.0, rtol, noise[start:stop, None] / steps[None, col0:col1])
         tally.add(start, col0, numerical, automatic, relative)
-        allowed = atol + relative
-        if linear is not None:
-            u, total, allowance = linear
-            weights = u[start:stop]
-            total[col0:col1] += weights @ numerical
-            allowance[col0:col1] += np.abs(weights) @ allowed
 
 
-@functools.partial(jax.jit, static_argnames=("width",))
-def _screen(numerical, automatic, noise, steps, valid, weights, col0, atol, rtol, *, width):
-    """``screen`` of ``automatic``'s columns ``col0 .. col0 + width`` against ``numerical``."""
-    automatic = jax.lax.dynamic_slice_in_dim(automatic, col0, width, axis=1)
-    return screen(numerical, automatic, noise, steps, valid, weights, atol, rtol)
+def _row_chunks(jac) -> Iterator[tuple[int, int]]:
+    for start in range(0, jac.m, jac.row_chunk):
+        yield start, min(jac.m, start + jac.row_chunk)
 
 
-def _screened_rows(jac, numerical, start, tile, steps, noise, atol, rtol, linear):
-    """The VJP rows ``start ..`` (padded, on the device), screened in the same program
-    against the tile's rows ``numerical``; ``None`` if they pass, after adding their
-    share of ``linear``."""
-    rows, count = jac.row_chunk, numerical.shape[0]
+def _screened_rows(jac, tile, steps, noise, atol, rtol) -> Iterator[Callable[[], tuple]]:
+    """Tasks for ``_in_order``: each computes a chunk of VJP rows (padded, on the device),
+    screened in the same program against the tile's rows, and returns ``(start,
+    numerical, automatic)``, with ``automatic`` ``None`` where the rows pass the screen."""
+    rows = jac.row_chunk
     col0, col1 = tile.start, tile.stop
-    padded = numerical
-    if count < rows:
-        padded = np.zeros((rows, col1 - col0))
-        padded[:count] = numerical
-    padded_noise = np.zeros((rows, 1))
-    padded_noise[:count, 0] = noise[start : start + count]
-    weights = np.zeros(rows)
-    if linear is not None:
-        weights[:count] = linear[0][start : start + count]
-    on_device, clean, total, allowance = jac.reverse_screened(
-        range(start, start + count), padded, padded_noise, steps[None, col0:col1], weights,
-        col0, atol, rtol,
-    )  # fmt: skip
-    if not bool(clean):
-        return on_device
-    if linear is not None:
-        linear[1][col0:col1] += np.asarray(total)
-        linear[2][col0:col1] += np.asarray(allowance)
-    return None
+    for start, stop in _row_chunks(jac):
+        numerical, count = tile.rows(start, stop), stop - start
+        padded = numerical
+        if count < rows:
+            padded = np.zeros((rows, col1 - col0))
+            padded[:count] = numerical
+        padded_noise = np.zeros((rows, 1))
+        padded_noise[:count, 0] = noise[start:stop]
+        call = jac.reverse_screened(
+            range(start, stop), padded, padded_noise, steps[None, col0:col1], col0, atol, rtol
+        )
+
+        def task(start=start, numerical=numerical, call=call, count=count) -> tuple:
+            on_device, clean = call()
+            if bool(clean):
+                return start, numerical, None
+            return start, numerical, np.asarray(on_device)[:count, col0:col1]
+
+        yield task
 
 
 def _add_scales(tallies, maxima, count: int, start: int, in_slices) -> None:

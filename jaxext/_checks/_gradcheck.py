@@ -25,6 +25,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from . import _compare
 from ._backward import (
     TIGHT,
     batched_gradients,
@@ -462,7 +463,12 @@ def _check(
     in_slices = [segment.slice for segment in problem.inputs]
     out_slices = [segment.slice for segment in problem.outputs]
     out_bounds = [(s.start, s.stop) for s in out_slices]
-    jac = FlatJacobians(problem.f, problem.x0, problem.vjp, out_bounds)
+    # The screen is compiled in only where the full method could use it (see _compare).
+    screen_min = None if settings.fast_mode is True else _compare.SCREEN_MIN_ENTRIES
+    # One merged program only where reverse mode alone is checked: it traces the VJP
+    # first, and forward mode must work (and be reported) without one.
+    merge = "fwd" not in settings.modes
+    jac = FlatJacobians(problem.f, problem.x0, problem.vjp, out_bounds, screen_min, merge)
     tolerances = {"atol": settings.atol, "rtol": settings.rtol}
 
     def error(kind: str, mode: str, method: str | None, found: list[Mismatch]) -> GradcheckError:

@@ -7,7 +7,7 @@ or columns (fewer for wide problems: ``CHUNK_ENTRIES`` bounds each stacked
 array), so no caller ever needs the whole ``(m, n)`` Jacobian in memory:
 
 * ``numerical(cols, eps)``: central differences. ``f(x + h e_k)`` and
-  ``f(x - h e_k)`` come from the *same* compiled loop body (one ``lax.map`` over
+  ``f(x - h e_k)`` come from the *same* compiled loop body (one ``fori_loop`` over
   both sides' perturbed inputs) on inputs that differ only in entry ``k``. An
   output that the step does not touch is therefore bit-for-bit
   the same on both sides and its difference is exactly zero: a true zero of the
@@ -18,14 +18,23 @@ array), so no caller ever needs the whole ``(m, n)`` Jacobian in memory:
 * ``directional(...)``: ``u . J v`` for random unit vectors, numerical and
   automatic, for problems too large for the above.
 
-Rows of a chunk are computed one after the other inside the program
-(``jax.lax.map``), not with ``jax.vmap``: checking derivatives must not depend on
+Rows of a chunk are computed one after the other inside the program (a
+``jax.lax`` loop), not with ``jax.vmap``: checking derivatives must not depend on
 the function's batching rule, which ``jaxext.opcheck`` checks on its own.
+
+What is compiled depends on the size: a screened problem (``screen_min_entries``)
+has the screen and the column maxima in its programs, and its chunks can be run
+from worker threads (``numerical_on_device``, ``forward_screened``,
+``reverse_screened`` return calls bound to executables compiled in the owning
+thread, ``_Program``); a small one (``MERGE_MAX_ENTRIES``) compiles its two loops
+as one program.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +44,8 @@ __all__ = ["CHUNK", "CHUNK_ENTRIES", "FlatJacobians", "chunk_size", "screen", "u
 
 CHUNK = 128  # most rows or columns per compiled call
 CHUNK_ENTRIES = 2**21  # most entries of one stacked array per call (16 MiB in float64)
+# Most entries of a chunk of columns plus a chunk of rows for one merged program.
+MERGE_MAX_ENTRIES = 2**18
 
 FlatFn = Callable[[jax.Array], jax.Array]
 
@@ -66,6 +77,16 @@ class FlatJacobians:
         x0: the point, shape ``(n,)``.
         vjp: ``x -> (f(x), pullback)`` with ``pullback(u) = J(x)^T u``; ``None``
             means ``jax.vjp`` of ``f``.
+        out_bounds: the output blocks ``(start, stop)`` over which
+            ``numerical_on_device`` reports column maxima (default: one block).
+        screen_min_entries: from this many Jacobian entries (``n * m``) up, the
+            programs also compute the column maxima and the screen of
+            ``numerical_on_device`` and ``reverse_screened`` (``screened``); below it,
+            or with ``None``, they are left out (less to compile) and those two
+            methods are not available.
+        merge: whether a small unscreened problem (``MERGE_MAX_ENTRIES``) may compile
+            its two loops as one program; that traces the VJP whichever method runs
+            first, so it is for reverse-mode checks.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -82,6 +103,8 @@ class FlatJacobians:
         x0: jax.Array,
         vjp: Callable | None = None,
         out_bounds: Sequence[tuple[int, int]] | None = None,
+        screen_min_entries: int | None = None,
+        merge: bool = False,
     ) -> None:
         if vjp is None:
 
@@ -96,6 +119,10 @@ class FlatJacobians:
         self.n = int(x0.shape[0])
         self.m = int(jax.eval_shape(f, x0).shape[0])
         n, m = self.n, self.m
+        # Only a problem that is screened (`numerical_on_device`, `reverse_screened`) has
+        # the column maxima and the screen compiled into its programs: they cost compile
+        # time, which is most of a small check's time.
+        self.screened = screened = screen_min_entries is not None and n * m >= screen_min_entries
         # The output blocks over which `numerical_on_device` reports column maxima.
         bounds = ((0, m),) if out_bounds is None else out_bounds
         self.out_bounds = bounds = tuple((int(lo), int(hi)) for lo, hi in bounds)
@@ -108,58 +135,95 @@ class FlatJacobians:
             # and size + k of one loop, so the same compiled body evaluates both sides.
             size = ks.shape[0]
 
-            def body(j, y):
+            def body(j, carry):
+                # The perturbed input is carried and restored in place (x with entry k
+                # set, as `x.at[k].set(value)`, without copying all of x each time).
+                perturbed, y = carry
                 minus_side = j >= count
                 i = jnp.where(minus_side, j - count, j)
                 value = jnp.where(minus_side, minus[i], plus[i])
-                return y.at[i + size * minus_side].set(f(x.at[ks[i]].set(value)))
+                perturbed = perturbed.at[ks[i]].set(value)
+                y = y.at[i + size * minus_side].set(f(perturbed))
+                return perturbed.at[ks[i]].set(x[ks[i]]), y
 
-            y = jax.lax.fori_loop(0, 2 * count, body, jnp.zeros((2 * size, m)))
+            _, y = jax.lax.fori_loop(0, 2 * count, body, (x, jnp.zeros((2 * size, m))))
             quotient = (y[:size] - y[size:]) / (plus - minus)[:, None]
+            if not screened:
+                return quotient, y[0]
             magnitude = jnp.where(jnp.isfinite(quotient), jnp.abs(quotient), 0.0)
             maxima = jnp.stack(
                 [jnp.max(magnitude[:, lo:hi], axis=1, initial=0.0) for lo, hi in bounds], axis=1
             )
             return quotient, maxima, y[0]
 
-        def vjp_rows(
-            x, ks, count, extra, numerical, noise, steps, valid, weights, col0, atol, rtol
-        ):
+        def vjp_rows(x, ks, count, extra, *screen_args):
             # Row i < count is the pullback of the one-hot cotangent e_k (k = ks[i]), or of
-            # `extra` where k < 0 (the rows past count are zero); the rows are screened
-            # against `numerical` in the same program (`screen`).
+            # `extra` where k < 0 (the rows past count are zero); for a screened problem,
+            # the rows are screened against `numerical` in the same program (`screen`).
             y, pullback = vjp(x)
 
             def body(i, rows):
                 return rows.at[i].set(pullback(_basis_or(ks[i], m, extra)))
 
             rows = jax.lax.fori_loop(0, count, body, jnp.zeros((ks.shape[0], n)))
+            if not screen_args:
+                return y, rows
+            numerical, noise, steps, valid, col0, atol, rtol = screen_args
             automatic = jax.lax.dynamic_slice_in_dim(rows, col0, numerical.shape[1], axis=1)
-            verdict = screen(numerical, automatic, noise, steps, valid, weights, atol, rtol)
-            return y, rows, *verdict
+            return y, rows, screen(numerical, automatic, noise, steps, valid, atol, rtol)
 
         def jvp_columns(x, ks, extra):
             y, jvp_fn = jax.linearize(f, x)
             return y, jax.lax.map(lambda k: jvp_fn(_basis_or(k, n, extra)), ks)
 
         # Two programs serve the full method: the stacked evaluations of f (which also
-        # give f(x0), the difference quotients and their column maxima) and the stacked
-        # pullbacks (which also give the AD primal, the pullback of any one cotangent and
-        # the screen of a chunk of rows). Each compiles once per check (the pullbacks once
-        # more where the numerical columns are held in several tiles).
-        self._differences = jax.jit(differences)
-        self._vjp_rows = jax.jit(vjp_rows)
-        self._jvp_columns = jax.jit(jvp_columns)
+        # give f(x0), the difference quotients and, for a screened problem, their column
+        # maxima) and the stacked pullbacks (which also give the AD primal, the pullback
+        # of any one cotangent and the screen of a chunk of rows). Each compiles once per
+        # check (the pullbacks once more where the numerical columns are held in several
+        # tiles).
+        self._differences = _Program(jax.jit(differences))
+        self._vjp_rows = _Program(jax.jit(vjp_rows))
+        # A small problem compiles the two as one program (XLA's cost per program is a
+        # good part of a small check's time); each call runs one of the loops, the
+        # other for zero rows (its outputs, zeros, are small here).
+        self._both: _Program | None = None
+        self._both_checked = False
+        small = self.col_chunk * m + self.row_chunk * n <= MERGE_MAX_ENTRIES
+        if merge and not screened and small:
+
+            def both(x, kc, plus, minus, count_cols, kr, count_rows, extra):
+                return (
+                    *differences(x, kc, plus, minus, count_cols),
+                    *vjp_rows(x, kr, count_rows, extra),
+                )
+
+            self._both = _Program(jax.jit(both))
+        self._jvp_columns = _Program(jax.jit(jvp_columns))
+        self._screen = _Program(_SCREEN)
         self._call = jax.jit(f)
+
+    def _require_screen(self, method: str) -> None:
+        if not self.screened:
+            raise ValueError(
+                f"`{method}` needs the screen compiled in: construct FlatJacobians with "
+                f"`screen_min_entries` at most n * m = {self.n * self.m}."
+            )
 
     def _pullbacks(
         self, ks: np.ndarray, count: int, extra: np.ndarray
     ) -> tuple[jax.Array, jax.Array]:
         """``(primal, rows)`` from the program of ``reverse``, with an empty screen."""
+        if not self.screened:
+            kc = np.zeros(self.col_chunk, np.int64)
+            plus, minus = np.ones(self.col_chunk), np.zeros(self.col_chunk)
+            if self._merged(self.x0, kc, plus, minus, 0, ks, count, extra):
+                return self._both(self.x0, kc, plus, minus, 0, ks, count, extra)[2:]
+            return self._vjp_rows(self.x0, ks, count, extra)
         rows = ks.shape[0]
         y, block, *_ = self._vjp_rows(
             self.x0, ks, count, extra, np.zeros((rows, self.n)), np.zeros((rows, 1)),
-            np.ones((1, self.n)), np.zeros((rows, 1), bool), np.zeros(rows), 0, 0.0, 0.0,
+            np.ones((1, self.n)), np.zeros((rows, 1), bool), 0, 0.0, 0.0,
         )  # fmt: skip
         return y, block
 
@@ -167,7 +231,37 @@ class FlatJacobians:
         """``f(x0)``, from the program of ``numerical`` with nothing perturbed."""
         ks = np.zeros(self.col_chunk, dtype=np.int64)
         values = self.x0_host[ks]
-        return np.asarray(self._differences(self.x0, ks, values, values, 1)[2])
+        return np.asarray(self._run_differences(self.x0, ks, values, values, 1)[1])
+
+    def _merged(self, *args) -> bool:
+        """Whether the merged program serves (decided at its first call, from ``args``).
+
+        Not for a function with a Python callback: XLA runs a larger program on a
+        thread of its own, where JAX's x64 setting (thread-local) is off, and a
+        callback's float64 results are then refused as float32."""
+        if self._both is None:
+            return False
+        if self._both_checked:
+            return True
+        self._both_checked = True
+        if "callback" in self._both.jitted.lower(*args).as_text():
+            self._both = None
+        return self._both is not None
+
+    def _run_differences(self, *args) -> tuple:
+        """``differences(*args)``: ``(quotient, f(x with entry ks[0] set to plus[0]))``."""
+        kr = np.zeros(self.row_chunk, np.int64)
+        if self._merged(*args, kr, 0, np.zeros(self.m)):
+            return self._both(*args, kr, 0, np.zeros(self.m))[:2]
+        quotient, *_, y = self._differences(*args)
+        return quotient, y
+
+    def _difference_args(self, cols: Sequence[int] | range, eps: float | np.ndarray):
+        ks, count = _padded(cols, self.col_chunk)
+        eps = np.broadcast_to(np.asarray(eps, np.float64), (self.n,))[ks]
+        plus = self.x0_host[ks] + eps
+        minus = self.x0_host[ks] - eps
+        return (self.x0, ks, plus, minus, count), plus - minus, count
 
     def numerical(
         self, cols: Sequence[int] | range, eps: float | np.ndarray
@@ -182,47 +276,78 @@ class FlatJacobians:
             respect to input ``cols[k]``) and the step actually taken for each
             column, ``(x_k + eps) - (x_k - eps)``.
         """
-        ks, count = _padded(cols, self.col_chunk)
-        eps = np.broadcast_to(np.asarray(eps, np.float64), (self.n,))[ks]
-        plus = self.x0_host[ks] + eps
-        minus = self.x0_host[ks] - eps
-        steps = plus - minus
-        quotient = np.asarray(self._differences(self.x0, ks, plus, minus, count)[0])
+        args, steps, count = self._difference_args(cols, eps)
+        quotient = np.asarray(self._run_differences(*args)[0])
         return quotient[:count], steps[:count]
 
     def numerical_on_device(
         self, cols: Sequence[int] | range, eps: float | np.ndarray
-    ) -> tuple[jax.Array, jax.Array, np.ndarray, int]:
-        """``numerical``, with the block left on the device and padded to ``col_chunk`` rows.
+    ) -> Callable[[], tuple[jax.Array, jax.Array, np.ndarray, int]]:
+        """``numerical``, with the block left on the device and padded to ``col_chunk`` rows,
+        as a call that any thread can make (see ``_Program``; only a screened problem).
 
         Returns:
-            ``(block, maxima, steps, count)``: the ``(col_chunk, m)`` block (its rows
-            past ``count`` are zero), the ``(col_chunk, len(out_bounds))``
-            largest finite ``|entry|`` of each row in each output block, the
-            ``(col_chunk,)`` steps, padded like the block, and the number of columns
-            asked for.
+            A function of no arguments that returns ``(block, maxima, steps, count)``:
+            the ``(col_chunk, m)`` block (its rows past ``count`` are zero), the
+            ``(col_chunk, len(out_bounds))`` largest finite ``|entry|`` of each row in
+            each output block, the ``(col_chunk,)`` steps, padded like the block, and
+            the number of columns asked for.
         """
+        self._require_screen("numerical_on_device")
+        args, steps, count = self._difference_args(cols, eps)
+        run = self._differences.bind(*args)
+
+        def call():
+            block, maxima, _ = run(*args)
+            return block, maxima, steps, count
+
+        return call
+
+    def forward_screened(
+        self, cols: Sequence[int] | range, noise, atol: float, rtol: float
+    ) -> Callable[[jax.Array, np.ndarray], tuple[jax.Array, jax.Array]]:
+        """``forward``'s block, left on the device and padded to ``col_chunk`` rows, and
+        whether it passes ``screen`` against a ``numerical_on_device`` block (rows past
+        ``len(cols)`` are padding and pass), as a call that any thread can make: a
+        function of that block and its steps (shape ``(col_chunk, 1)``) that returns
+        ``(block, clean)``."""
+        self._require_screen("forward_screened")
         ks, count = _padded(cols, self.col_chunk)
-        eps = np.broadcast_to(np.asarray(eps, np.float64), (self.n,))[ks]
-        plus = self.x0_host[ks] + eps
-        minus = self.x0_host[ks] - eps
-        steps = plus - minus
-        block, maxima, _ = self._differences(self.x0, ks, plus, minus, count)
-        return block, maxima, steps, count
+        forward_args = (self.x0, ks, np.zeros(self.n))
+        forward = self._jvp_columns.bind(*forward_args)
+        valid = (np.arange(self.col_chunk) < count)[:, None]
+        block = jax.ShapeDtypeStruct((self.col_chunk, self.m), np.float64)
+        steps = jax.ShapeDtypeStruct((self.col_chunk, 1), np.float64)
+        rest = (valid, float(atol), float(rtol))
+        check = self._screen.bind(block, block, noise, steps, *rest)
+
+        def call(numerical, steps):
+            automatic = forward(*forward_args)[1]
+            return automatic, check(numerical, automatic, noise, steps, *rest)
+
+        return call
 
     def reverse_screened(
-        self, rows: Sequence[int] | range, numerical, noise, steps, weights, col0, atol, rtol
-    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        self, rows: Sequence[int] | range, numerical, noise, steps, col0, atol, rtol
+    ) -> Callable[[], tuple[jax.Array, jax.Array]]:
         """``reverse``'s block, left on the device and padded to ``row_chunk`` rows, and
         ``screen`` of its columns ``col0 ..`` against ``numerical`` (rows past
-        ``len(rows)`` are padding and pass): ``(block, clean, total, allowance)``."""
+        ``len(rows)`` are padding and pass), as a call that any thread can make: a
+        function of no arguments that returns ``(block, clean)``."""
+        self._require_screen("reverse_screened")
         ks, count = _padded(rows, self.row_chunk)
         valid = (np.arange(self.row_chunk) < count)[:, None]
-        _, block, clean, total, allowance = self._vjp_rows(
-            self.x0, ks, count, np.zeros(self.m), numerical, noise, steps, valid, weights, col0,
-            atol, rtol,
+        args = (
+            self.x0, ks, count, np.zeros(self.m), numerical, noise, steps, valid, int(col0),
+            float(atol), float(rtol),
         )  # fmt: skip
-        return block, clean, total, allowance
+        run = self._vjp_rows.bind(*args)
+
+        def call():
+            _, block, clean = run(*args)
+            return block, clean
+
+        return call
 
     def forward_on_device(self, cols: Sequence[int] | range) -> jax.Array:
         """``forward``'s block, left on the device and padded to ``col_chunk`` rows."""
@@ -261,9 +386,8 @@ class FlatJacobians:
         return np.asarray(self._call(plus)) - np.asarray(self._call(minus)), 2 * eps
 
 
-def screen(numerical, automatic, noise, steps, valid, weights, atol, rtol):
-    """Whether every valid entry of a chunk passes with room to spare, and the chunk's
-    ``weights``-weighted sums of the numerical rows and of their allowances.
+def screen(numerical, automatic, noise, steps, valid, atol, rtol):
+    """Whether every valid entry of a chunk passes with room to spare.
 
     ``noise`` and ``steps`` broadcast against ``numerical`` and ``automatic`` as in the
     host comparison (``_compare``). An entry passes the screen when
@@ -278,7 +402,55 @@ def screen(numerical, automatic, noise, steps, valid, weights, atol, rtol):
     finite = jnp.isfinite(numerical)
     margin = 0.5 * atol * jnp.where(finite, jnp.minimum(magnitude, 1.0), 0.0)
     clean = jnp.all((over <= margin) | ~valid)
-    return clean, weights @ numerical, jnp.abs(weights) @ (atol + relative)
+    return clean
+
+
+_SCREEN = jax.jit(screen)
+
+
+def _signature(value: Any) -> Any:
+    """What an executable compiled for ``value`` requires of an argument."""
+    if isinstance(value, (bool, int, float)):
+        return type(value)  # a weakly typed scalar
+    return tuple(value.shape), np.dtype(value.dtype).str
+
+
+class _Program:
+    """A ``jax.jit`` program, run through executables compiled ahead of time, so that
+    worker threads can run it too.
+
+    JAX's configuration (x64 above all, also the default device and matmul precision)
+    is thread-local: a worker thread calling a jitted function would look it up, and
+    trace it anew, under its own defaults (float32). ``bind`` compiles (or finds: JAX
+    shares its cache with plain calls, so this costs no second compilation) the
+    executable for the arguments' types in the thread that owns the check, under its
+    configuration, and returns a function that runs it from any thread. Calls in the
+    owning thread go through ``jax.jit`` itself (whatever JAX does there, as always:
+    an op that leaks a tracer raises ``UnexpectedTracerError``, say).
+    """
+
+    def __init__(self, jitted: Callable) -> None:
+        self.jitted = jitted
+        self.executables: dict[tuple, Any] = {}
+        self.owner = threading.get_ident()
+
+    def bind(self, *args: Any) -> Callable:
+        key = tuple(_signature(a) for a in args)
+        executable = self.executables.get(key)
+        if executable is None:
+            if threading.get_ident() != self.owner:
+                raise RuntimeError("a program was bound outside the thread that owns it")
+            executable = self.executables[key] = self.jitted.lower(*args).compile()
+
+        def run(*args):
+            with jax.enable_x64(True):  # Python scalars are weakly typed 64-bit ones
+                return executable(*args)
+
+        return run
+
+    def __call__(self, *args: Any) -> Any:
+        """A plain call of the jitted program, in this thread."""
+        return self.jitted(*args)
 
 
 def unit_blocks(rng: np.random.Generator, slices: Sequence[slice], size: int) -> np.ndarray:
