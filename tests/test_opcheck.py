@@ -117,6 +117,53 @@ def test_low_precision_allows_for_a_gradient_that_cancels_and_still_catches_erro
         assert "bfloat16 gradient" in report["low_precision"].detail
 
 
+def _softmax_by_hand(buggy_dtype=None, factor=1.0):
+    """softmax with a hand-written backward that keeps the output as its residual, as a
+    user writes it; the gradients of ``buggy_dtype`` inputs are scaled by ``factor``."""
+
+    @jaxext.custom_vjp
+    def op(x):
+        return jax.nn.softmax(x)
+
+    def fwd(x):
+        y = op(x)
+        return y, y
+
+    def bwd(y, g):
+        scale = factor if y.dtype == buggy_dtype else 1.0
+        return (scale * y * (g - jnp.sum(g * y, axis=-1, keepdims=True)),)
+
+    op.defvjp(fwd, bwd)
+    return op
+
+
+@pytest.mark.parametrize("op", ["jax.nn.softmax", "by_hand"])
+@pytest.mark.parametrize("scale", [1.0, 20.0, 40.0, 80.0])
+@pytest.mark.parametrize("seed", [0, 3])
+def test_low_precision_passes_softmax_of_large_logits(op, scale, seed):
+    # With logits in the tens the largest probability rounds to within eps of 1, and the
+    # backward's g - sum(g * y) keeps eps * |g| of error in an entry of size ~1e-7: the
+    # rounding of the residual y, which no float32 backward avoids. These inputs FAILed
+    # (4 of the 8 points) when the allowance was 16 eps of the gradient's size alone.
+    fn = jax.nn.softmax if op == "jax.nn.softmax" else _softmax_by_hand()
+    report = jaxext.opcheck(fn, (scale * f64(seed, (4, 16)),), checks=["low_precision"])
+    assert report.statuses == {"low_precision": "PASS"}, str(report)
+
+
+@pytest.mark.parametrize("scale", [1.0, 40.0])
+@pytest.mark.parametrize(("dtype", "factor"), [(jnp.bfloat16, 2.0), (jnp.float32, 1.0001)])
+def test_low_precision_still_catches_a_wrong_low_precision_gradient(scale, dtype, factor):
+    # The allowance for residual rounding is per entry: the entries that rounding barely
+    # touches keep a tight one, so a wrong gradient of one dtype's path FAILs even where
+    # another entry of the same gradient has no correct digit left.
+    op = _softmax_by_hand(dtype, factor)
+    report = jaxext.opcheck(
+        op, (scale * f64(3, (4, 16)),), checks=["low_precision"], raise_exception=False
+    )
+    assert report.statuses == {"low_precision": "FAIL"}, str(report)
+    assert f"{jnp.dtype(dtype).name} gradient of input 0" in report["low_precision"].detail
+
+
 def test_a_dtype_without_a_kernel_is_a_skip_with_the_reason():
     # jnp.linalg.solve has no bfloat16 kernel on CPU: what the op cannot do, not a bug.
     if jax.default_backend() != "cpu":

@@ -104,7 +104,9 @@ def opcheck(
       at the same rounded inputs (rounding the inputs is not the op's error;
       the cotangent takes each output's dtype, so a float32 output for a
       bfloat16 input is fine); a gradient whose terms cancel is held to 16 eps
-      of the size of its terms, estimated in float64 with random-sign cotangents.
+      of the size of its terms, estimated in float64 with random-sign cotangents,
+      and a gradient may be off by 8 times what residuals off by ``eps`` change in
+      its float64 value (the rounding of the values the backward computes from).
       A dtype the op refuses while tracing, with a
       ``TypeError`` naming it (as an op whose kernels have no handler for that
       dtype should), or has no kernel for (``NotImplementedError``), is a SKIP
