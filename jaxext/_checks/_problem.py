@@ -120,7 +120,9 @@ def first_order(func: Callable[..., Any], args: tuple) -> tuple[Problem, list[st
         segments.append(segment)
         arrays.append(array.reshape(-1).view(np.float64) if complex_ else array.ravel())
         offset += segment.size
-    x0 = jnp.asarray(np.concatenate(arrays))
+    # device_put, not jnp.asarray: the latter compiles a small program on a process's
+    # first call, which is a good part of a small check's cold time.
+    x0 = jax.device_put(np.concatenate(arrays))
     out_positions: list[int] = []
 
     def f_tree(x):
