@@ -476,6 +476,7 @@ def _check(
 
     if jac.n == 0 or jac.m == 0:
         return None  # an empty input or output: no derivative to check (as in PyTorch)
+    jac.compile_ahead(forward="fwd" in settings.modes)
     y_call = jac.value()
     for mode in settings.modes:
         y_auto = _ad_primal(jac, mode)

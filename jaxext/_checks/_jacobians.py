@@ -32,6 +32,7 @@ as one program.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -220,12 +221,58 @@ class FlatJacobians:
             if self._merged(self.x0, kc, plus, minus, 0, ks, count, extra):
                 return self._both(self.x0, kc, plus, minus, 0, ks, count, extra)[2:]
             return self._vjp_rows(self.x0, ks, count, extra)
+        y, block, *_ = self._vjp_rows(*self._unscreened_rows_args(ks, count, extra))
+        return y, block
+
+    def _unscreened_rows_args(self, ks: np.ndarray, count: int, extra: np.ndarray) -> tuple:
+        """The arguments of a screened problem's ``vjp_rows`` with an empty screen."""
         rows = ks.shape[0]
-        y, block, *_ = self._vjp_rows(
+        return (
             self.x0, ks, count, extra, np.zeros((rows, self.n)), np.zeros((rows, 1)),
             np.ones((1, self.n)), np.zeros((rows, 1), bool), 0, 0.0, 0.0,
         )  # fmt: skip
-        return y, block
+
+    def compile_ahead(self, forward: bool) -> None:
+        """Compiles the programs side by side, before their first use.
+
+        ``value``, ``vjp`` and (with ``forward``) ``jvp`` would each compile their
+        program at its first call, one after the other, and compilation is most of a
+        small check's time (a large problem's programs take a good part of a second
+        each). XLA compiles with the GIL released, so this thread lowers them (tracing
+        under its configuration, as a call would) and worker threads compile them at
+        once; JAX caches the executables, where those first calls and
+        ``_Program.bind`` find them. A program that fails to lower or compile is left
+        to its first call, which raises as it always did. Nothing to do where one
+        merged program serves.
+        """
+        if self._both is not None:
+            return
+        kc, kr = np.zeros(self.col_chunk, np.int64), np.zeros(self.row_chunk, np.int64)
+        values = self.x0_host[kc]
+        extra = np.zeros(self.m)
+        rows_args = (
+            self._unscreened_rows_args(kr, 1, extra) if self.screened else (self.x0, kr, 1, extra)
+        )
+        calls = [
+            (self._differences, (self.x0, kc, values, values, 1)),
+            (self._vjp_rows, rows_args),
+        ]
+        if forward:
+            calls.append((self._jvp_columns, (self.x0, kc, np.zeros(self.n))))
+        lowered = []
+        for program, args in calls:
+            try:
+                lowered.append(program.jitted.lower(*args))
+            except Exception:  # noqa: BLE001 - raised again, as before, by the first call
+                continue
+        if not lowered:
+            return
+        with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
+            for future in [pool.submit(program.compile) for program in lowered]:
+                try:
+                    future.result()
+                except Exception:  # noqa: BLE001 - raised again by the first call
+                    continue
 
     def value(self) -> np.ndarray:
         """``f(x0)``, from the program of ``numerical`` with nothing perturbed."""
