@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import rand, reference_linear
+from helpers import CompileCounter, rand, reference_linear
 from jax.test_util import check_grads
 
 import jaxext
@@ -594,6 +594,35 @@ def test_device_screen_changes_no_verdict_and_no_report(monkeypatch, name, worke
     assert reports[1] == reports[0]
     passes = name in {"correct", "correct_both_modes", "tiny_gradient_correct", "closure_constant"}
     assert (reports[0] is True) == passes
+
+
+# Programs one full check compiles: the merged one (small, reverse mode only); the
+# differences, VJP rows and JVP columns; screened, the screen of forward chunks too.
+PROGRAMS = {
+    (False, ("rev",)): 1,
+    (False, ("rev", "fwd")): 3,
+    (True, ("rev",)): 2,
+    (True, ("rev", "fwd")): 4,
+}
+
+
+@pytest.mark.parametrize(("screened", "modes"), sorted(PROGRAMS))
+def test_full_check_compiles_each_program_once(monkeypatch, screened, modes):
+    # The programs are compiled side by side before their first call (compile_ahead),
+    # with the signatures of those calls: a mismatch would compile a program twice. The
+    # flat input is staged without compiling anything.
+    from jaxext._checks import _compare
+
+    monkeypatch.setattr(_compare, "SCREEN_MIN_ENTRIES", 1 if screened else 2**62)
+    inputs = (f64(0, (4, 3)), f64(1, (2, 3)))
+    jaxext.linear(*inputs)  # the op's own programs, compiled outside the count
+
+    def op(x, w):  # a new function: nothing of it is cached
+        return jaxext.linear(x, w)
+
+    with CompileCounter() as compiles:
+        assert jaxext.gradcheck(op, inputs, modes=modes, check_batched_grad=False)
+    assert compiles.count == PROGRAMS[screened, modes]
 
 
 @pytest.mark.parametrize("merged", [False, True])
