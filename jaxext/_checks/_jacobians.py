@@ -40,6 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._quick import quick_jit
+
 __all__ = ["CHUNK", "CHUNK_ENTRIES", "FlatJacobians", "chunk_size", "screen", "unit_blocks"]
 
 CHUNK = 128  # most rows or columns per compiled call
@@ -182,8 +184,9 @@ class FlatJacobians:
         # of any one cotangent and the screen of a chunk of rows). Each compiles once per
         # check (the pullbacks once more where the numerical columns are held in several
         # tiles).
-        self._differences = _Program(jax.jit(differences))
-        self._vjp_rows = _Program(jax.jit(vjp_rows))
+        # A small problem's programs compile quickly (``_quick``; n * m entries).
+        self._differences = _Program(quick_jit(differences, n * m))
+        self._vjp_rows = _Program(quick_jit(vjp_rows, n * m))
         # A small problem compiles the two as one program (XLA's cost per program is a
         # good part of a small check's time); each call runs one of the loops, the
         # other for zero rows (its outputs, zeros, are small here).
@@ -198,8 +201,8 @@ class FlatJacobians:
                     *vjp_rows(x, kr, count_rows, extra),
                 )
 
-            self._both = _Program(jax.jit(both))
-        self._jvp_columns = _Program(jax.jit(jvp_columns))
+            self._both = _Program(quick_jit(both, n * m))
+        self._jvp_columns = _Program(quick_jit(jvp_columns, n * m))
         self._screen = _Program(_SCREEN)
         self._call = jax.jit(f)
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from ._compare import Mismatch, leaf_mismatches, unravel, widened
 from ._leaves import FloatLeaves, wide_dtype
+from ._quick import quick_jit
 
 __all__ = ["CheckFailed", "OpUnderTest", "assert_trees_close", "mismatch_text"]
 
@@ -81,11 +82,24 @@ class OpUnderTest(FloatLeaves):
     # -- random data ---------------------------------------------------------------------
 
     @property
+    def entries(self) -> int:
+        """The number of entries of the float inputs and of the output's array leaves."""
+        if "entries" not in self.cache:
+            leaves = [*self.primals, *jax.tree_util.tree_leaves(self.output_shapes())]
+            self.cache["entries"] = sum(int(np.prod(np.shape(leaf))) for leaf in leaves)
+        return self.cache["entries"]
+
+    def quick_jit(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``jax.jit`` of ``fn``, compiled quickly for a small op (``_quick``); only for a
+        program called at the top level."""
+        return quick_jit(fn, self.entries)
+
+    @property
     def jitted(self) -> Callable[..., Any]:
         """``jax.jit`` of ``call``, one for all checks (a bound method is a new function at
         each access: jitting ``op.call`` afresh would compile the same program again)."""
         if "jitted" not in self.cache:
-            self.cache["jitted"] = jax.jit(self.call)
+            self.cache["jitted"] = self.quick_jit(self.call)
         return self.cache["jitted"]
 
     @property
@@ -94,7 +108,7 @@ class OpUnderTest(FloatLeaves):
         the cotangent ``u``), one for all checks: ``u`` is an argument, so every check
         that differentiates the op at the same dtypes runs the same compiled program."""
         if "pullback" not in self.cache:
-            self.cache["pullback"] = jax.jit(lambda p, u: jax.vjp(self.call, *p)[1](u))
+            self.cache["pullback"] = self.quick_jit(lambda p, u: jax.vjp(self.call, *p)[1](u))
         return self.cache["pullback"]
 
     def output_shapes(self) -> Any:
