@@ -665,6 +665,23 @@ def test_small_problem_in_both_modes_compiles_one_program(x64):
     np.testing.assert_allclose(got[2], jacobian[1:6], rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize(("size", "quick"), [(16, True), (256, False)])
+def test_programs_compile_quickly_only_for_little_work(x64, monkeypatch, size, quick):
+    # The programs compile with XLA's optimisations off only where they compute little:
+    # with 256 inputs, f's (256, 256) intermediate, evaluated per column, is too much,
+    # though the Jacobian has only 65 536 entries.
+    from jaxext._checks import _jacobians, _quick
+
+    works = []
+    monkeypatch.setattr(_jacobians, "quick_jit", lambda fn, work: works.append(work) or jax.jit(fn))
+    _jacobians.FlatJacobians(lambda x: jnp.tanh(x[:, None] * x[None, :]).sum(1), jnp.ones(size))
+    # f computes size**2 entries twice (the product, its tanh), and a few vectors: at
+    # least 2 size**2 entries, in 4 (n + m) evaluations.
+    expected = 4 * (2 * size) * (2 * size**2)
+    assert works and all(w >= expected for w in works)
+    assert all((w <= _quick.QUICK_MAX_WORK) == quick for w in works)
+
+
 def test_merged_program_falls_back_for_a_function_without_forward_mode(x64):
     # A plain jax.custom_vjp has no JVP: the merged program does not lower, and each
     # loop compiles alone: reverse mode works, forward mode raises as it would alone.

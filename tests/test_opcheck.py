@@ -292,8 +292,8 @@ def test_quick_compilation_changes_no_verdict(monkeypatch, name):
     cases = [BUGGY_OPS[name][0](), (jaxext.linear, (f64(0, (4, 3)), f64(1, (2, 3)), f64(2, 2)))]
     for op, args in cases:
         statuses = []
-        for limit in (_quick.QUICK_MAX_ENTRIES, -1):
-            monkeypatch.setattr(_quick, "QUICK_MAX_ENTRIES", limit)
+        for limit in (_quick.QUICK_MAX_WORK, -1):
+            monkeypatch.setattr(_quick, "QUICK_MAX_WORK", limit)
             report = jaxext.opcheck(op, args, raise_exception=False)
             statuses.append(report.statuses)
         assert statuses[0] == statuses[1]

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._quick import quick_jit
+from ._quick import entries, quick_jit
 
 __all__ = ["CHUNK", "CHUNK_ENTRIES", "FlatJacobians", "chunk_size", "screen", "unit_blocks"]
 
@@ -123,8 +123,12 @@ class FlatJacobians:
         self.x0 = x0
         self.x0_host = np.asarray(x0)
         self.n = int(x0.shape[0])
-        self.m = int(jax.eval_shape(f, x0).shape[0])
+        jaxpr, shape = jax.make_jaxpr(f, return_shape=True)(x0)
+        self.m = int(shape.shape[0])
         n, m = self.n, self.m
+        # The entries the programs compute, estimated (``_quick``): 2n evaluations of f
+        # for the differences, m VJPs and n JVPs (a derivative costing about two).
+        work = 4 * (n + m) * entries(jaxpr)
         # Only a problem that is screened (`numerical_on_device`, `reverse_screened`) has
         # the column maxima and the screen compiled into its programs: they cost compile
         # time, which is most of a small check's time.
@@ -197,9 +201,9 @@ class FlatJacobians:
         # of any one cotangent and the screen of a chunk of rows). Each compiles once per
         # check (the pullbacks once more where the numerical columns are held in several
         # tiles).
-        # A small problem's programs compile quickly (``_quick``; n * m entries).
-        self._differences = _Program(quick_jit(differences, n * m))
-        self._vjp_rows = _Program(quick_jit(vjp_rows, n * m))
+        # A small problem's programs compile quickly (``_quick``).
+        self._differences = _Program(quick_jit(differences, work))
+        self._vjp_rows = _Program(quick_jit(vjp_rows, work))
         # A small problem compiles the two (with `merge_forward`, the three) as one
         # program (XLA's cost per program is a good part of a small check's time); each
         # call runs one of the loops, the others for zero rows (their outputs, zeros, are
@@ -218,8 +222,8 @@ class FlatJacobians:
                     *(jvp_loop(x, *forward) if forward else ()),
                 )
 
-            self._both = _Program(quick_jit(both, n * m))
-        self._jvp_columns = _Program(quick_jit(jvp_columns, n * m))
+            self._both = _Program(quick_jit(both, work))
+        self._jvp_columns = _Program(quick_jit(jvp_columns, work))
         self._screen = _Program(_SCREEN)
         self._call = jax.jit(f)
 

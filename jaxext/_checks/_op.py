@@ -18,7 +18,7 @@ import numpy as np
 
 from ._compare import Mismatch, leaf_mismatches, unravel, widened
 from ._leaves import FloatLeaves, wide_dtype
-from ._quick import quick_jit
+from ._quick import entries, quick_jit
 
 __all__ = ["CheckFailed", "OpUnderTest", "assert_trees_close", "mismatch_text"]
 
@@ -82,17 +82,19 @@ class OpUnderTest(FloatLeaves):
     # -- random data ---------------------------------------------------------------------
 
     @property
-    def entries(self) -> int:
-        """The number of entries of the float inputs and of the output's array leaves."""
-        if "entries" not in self.cache:
-            leaves = [*self.primals, *jax.tree_util.tree_leaves(self.output_shapes())]
-            self.cache["entries"] = sum(int(np.prod(np.shape(leaf))) for leaf in leaves)
-        return self.cache["entries"]
+    def work(self) -> int:
+        """The entries a check's program computes, estimated (``_quick``): those of one
+        call of the op (its jaxpr's ``entries``) times ``_EVALUATIONS``."""
+        if "work" not in self.cache:
+            jaxpr, shapes = jax.make_jaxpr(self.call, return_shape=True)(*self.primals)
+            self.cache.setdefault("output_shapes", shapes)
+            self.cache["work"] = _EVALUATIONS * entries(jaxpr)
+        return self.cache["work"]
 
     def quick_jit(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``jax.jit`` of ``fn``, compiled quickly for a small op (``_quick``); only for a
         program called at the top level."""
-        return quick_jit(fn, self.entries)
+        return quick_jit(fn, self.work)
 
     @property
     def jitted(self) -> Callable[..., Any]:
@@ -125,6 +127,11 @@ class OpUnderTest(FloatLeaves):
     def tangents(self, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
         """Random tangents for the float inputs (complex for a complex input)."""
         return tuple(_standard_normal(rng, p.shape, p.dtype) for p in self.primals)
+
+
+# The op's evaluations in a check's largest program (vmap's: output, gradient and JVP
+# of each of 3 batch entries, looped and vmapped), a gradient counting as two or three.
+_EVALUATIONS = 32
 
 
 def _standard_normal(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any) -> np.ndarray:

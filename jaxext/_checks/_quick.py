@@ -7,15 +7,20 @@ microseconds and their optimisation costs milliseconds. ``quick_jit`` compiles a
 program with LLVM's optimisations off and, where XLA still has them, its older
 (simpler) loop emitters instead of the MLIR-based fusion emitters (XLA's
 graph-level passes, fusion among them, still run; dots and convolutions still
-call their library kernels) when the problem has at most ``QUICK_MAX_ENTRIES``
-entries, and as ``jax.jit`` does otherwise. Options that this XLA does not know
-are left out (found once per process, by compiling a trivial program).
+call their library kernels) when the work its runs in one check do is at most
+``QUICK_MAX_WORK`` entries computed, and as ``jax.jit`` does otherwise. Options
+that this XLA does not know are left out (found once per process, by compiling a
+trivial program).
 
-Without LLVM's vectorisation an elementwise loop runs a few times slower: at
-``2**16`` float64 entries (512 KiB) that is well under a millisecond per pass,
-less than the compile time saved (tens of milliseconds per program). Results
-differ only by rounding (no fast-math either way): every comparison between two
-programs allows for that (``TIGHT``, gradcheck's tolerances).
+The work is estimated from the function's jaxpr (``entries``: every entry of
+every value it computes, a loop's body counted once) times the evaluations a
+check makes. Without LLVM's vectorisation an elementwise loop runs two to three
+times slower (measured on a chain of transcendental functions: about 3 ns more
+per entry); at ``2**23`` entries that is some 25 ms per check, less than the
+compile time saved (tens of milliseconds per program, several programs per
+check). Results differ only by rounding (no fast-math either way): every
+comparison between two programs allows for that (``TIGHT``, gradcheck's
+tolerances).
 """
 
 from __future__ import annotations
@@ -27,10 +32,10 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["QUICK_MAX_ENTRIES", "quick_jit"]
+__all__ = ["QUICK_MAX_WORK", "entries", "quick_jit"]
 
-# Most entries (inputs and outputs, or Jacobian entries) of a problem compiled quickly.
-QUICK_MAX_ENTRIES = 2**16
+# Most entries computed by the runs of a check's programs for them to compile quickly.
+QUICK_MAX_WORK = 2**23
 # LLVM at -O0 and without its expensive passes (XLA's CPU backend reads both), and the
 # older loop emitters (an option of XLA's CPU backend until it dropped them): tried in
 # this order, the first set this XLA compiles with is used.
@@ -60,9 +65,40 @@ def _options() -> dict[str, Any] | None:
     return None
 
 
-def quick_jit(fn: Callable[..., Any], entries: int) -> Any:
-    """``jax.jit(fn)``, compiled quickly where ``entries`` (the problem's size) is at most
-    ``QUICK_MAX_ENTRIES`` and the program compiles for the CPU.
+def _jaxprs(value: Any) -> list:
+    """The jaxprs in an equation's parameter (a jaxpr, a closed one, or a sequence)."""
+    if hasattr(value, "eqns"):
+        return [value]
+    if hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
+        return [value.jaxpr]
+    if isinstance(value, (tuple, list)):
+        return [j for item in value for j in _jaxprs(item)]
+    return []
+
+
+def entries(jaxpr: Any) -> int:
+    """The entries of a jaxpr's inputs and of every value its equations compute, those
+    of nested jaxprs (loop bodies, branches, custom rules) counted once.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jaxext._checks._quick import entries
+        >>> entries(jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(jnp.ones(3)))
+        9
+    """
+    jaxpr = jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr
+    total = sum(int(np.prod(getattr(v.aval, "shape", ()))) for v in jaxpr.invars)
+    for eqn in jaxpr.eqns:
+        total += sum(int(np.prod(getattr(v.aval, "shape", ()))) for v in eqn.outvars)
+        for value in eqn.params.values():
+            total += sum(entries(sub) for sub in _jaxprs(value))
+    return total
+
+
+def quick_jit(fn: Callable[..., Any], work: int) -> Any:
+    """``jax.jit(fn)``, compiled quickly where ``work`` (the entries computed by the
+    check's runs of it, estimated) is at most ``QUICK_MAX_WORK`` and the program
+    compiles for the CPU.
 
     Only for a program called at the top level (not inside another ``jax.jit``: JAX
     refuses compiler options on a nested one).
@@ -70,10 +106,10 @@ def quick_jit(fn: Callable[..., Any], entries: int) -> Any:
     Example:
         >>> import jax.numpy as jnp
         >>> from jaxext._checks._quick import quick_jit
-        >>> print(quick_jit(lambda x: 2 * x, entries=3)(jnp.arange(3.0)))
+        >>> print(quick_jit(lambda x: 2 * x, work=3)(jnp.arange(3.0)))
         [0. 2. 4.]
     """
-    if entries <= QUICK_MAX_ENTRIES and _on_cpu():
+    if work <= QUICK_MAX_WORK and _on_cpu():
         options = _options()
         if options is not None:
             return jax.jit(fn, compiler_options=options)
