@@ -663,6 +663,73 @@ def test_screened_programs_compute_the_same_chunks(x64, monkeypatch, merged):
         lean.numerical_on_device(cols, eps)
 
 
+def test_small_problem_in_both_modes_compiles_one_program(x64):
+    # A small problem checked in both modes runs its differences, VJPs and JVPs from one
+    # merged program (one compilation, not three), with the values of separate programs.
+    from jaxext._checks._jacobians import FlatJacobians
+
+    dense = jnp.asarray(f64(1, (7, 5)))
+
+    def f(x):
+        return jnp.tanh(dense @ x[:5]) * x[5:].sum()
+
+    x0 = jnp.asarray(f64(0, (9,)))
+    separate = FlatJacobians(f, x0)
+    cols, eps, u, t = range(2, 9), 1e-6, f64(2, (7,)), f64(3, (9,))
+    expected = (
+        separate.value(), separate.numerical(cols, eps)[0], separate.reverse(range(1, 6))[1],
+        separate.forward(cols)[1], separate.vjp(u)[1], separate.jvp(t)[1],
+    )  # fmt: skip
+    merged = FlatJacobians(f, x0, merge=True, merge_forward=True)
+    with CompileCounter() as compiles:
+        got = (
+            merged.value(), merged.numerical(cols, eps)[0], merged.reverse(range(1, 6))[1],
+            merged.forward(cols)[1], merged.vjp(u)[1], merged.jvp(t)[1],
+        )  # fmt: skip
+    assert compiles.count == 1
+    for a, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(a, e, rtol=1e-12, atol=1e-14)
+    jacobian = jax.jacfwd(f)(x0)
+    np.testing.assert_allclose(got[3], jacobian[:, 2:].T, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(got[2], jacobian[1:6], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize(("size", "quick"), [(16, True), (256, False)])
+def test_programs_compile_quickly_only_for_little_work(x64, monkeypatch, size, quick):
+    # The programs compile with XLA's optimisations off only where they compute little:
+    # with 256 inputs, f's (256, 256) intermediate, evaluated per column, is too much,
+    # though the Jacobian has only 65 536 entries.
+    from jaxext._checks import _jacobians, _quick
+
+    works = []
+    monkeypatch.setattr(_jacobians, "quick_jit", lambda fn, work: works.append(work) or jax.jit(fn))
+    _jacobians.FlatJacobians(lambda x: jnp.tanh(x[:, None] * x[None, :]).sum(1), jnp.ones(size))
+    # f computes size**2 entries twice (the product, its tanh), and a few vectors: at
+    # least 2 size**2 entries, in 4 (n + m) evaluations.
+    expected = 4 * (2 * size) * (2 * size**2)
+    assert works and all(w >= expected for w in works)
+    assert all((w <= _quick.QUICK_MAX_WORK) == quick for w in works)
+
+
+def test_merged_program_falls_back_for_a_function_without_forward_mode(x64):
+    # A plain jax.custom_vjp has no JVP: the merged program does not lower, and each
+    # loop compiles alone: reverse mode works, forward mode raises as it would alone.
+    from jaxext._checks._jacobians import FlatJacobians
+
+    @jax.custom_vjp
+    def double(x):
+        return 2 * x
+
+    double.defvjp(lambda x: (2 * x, None), lambda _, g: (2 * g,))
+    x0 = jnp.asarray(f64(0, (4,)))
+    jac = FlatJacobians(double, x0, merge=True, merge_forward=True)
+    np.testing.assert_array_equal(jac.reverse(range(4))[1], 2 * np.eye(4))
+    np.testing.assert_allclose(jac.numerical(range(4), 1e-6)[0], 2 * np.eye(4), rtol=1e-8)
+    assert jac._both is None
+    with pytest.raises(TypeError):
+        jac.forward(range(4))
+
+
 def test_programs_run_from_worker_threads_as_compiled(x64):
     # JAX's configuration is thread-local: a worker thread runs the executable compiled
     # in the check's thread (float64 here), and never compiles one under its own.

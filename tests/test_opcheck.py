@@ -326,6 +326,26 @@ def test_buggy_op_rejected_by_the_right_check(name):
     assert report.failed == (check,)
 
 
+@pytest.mark.parametrize(
+    "name", ["wrong_backward_value", "jvp_rule_cut_at_second_order", "eager_and_jit_differ"]
+)
+def test_quick_compilation_changes_no_verdict(monkeypatch, name):
+    # Small problems' programs compile with XLA's CPU optimisations off (jaxext._checks.
+    # _quick): every check gives the verdict it gives with them on, for a buggy op and
+    # for a correct one.
+    from jaxext._checks import _quick
+
+    assert _quick._options() is not None  # the CPU backend takes the options
+    cases = [BUGGY_OPS[name][0](), (jaxext.linear, (f64(0, (4, 3)), f64(1, (2, 3)), f64(2, 2)))]
+    for op, args in cases:
+        statuses = []
+        for limit in (_quick.QUICK_MAX_WORK, -1):
+            monkeypatch.setattr(_quick, "QUICK_MAX_WORK", limit)
+            report = jaxext.opcheck(op, args, raise_exception=False)
+            statuses.append(report.statuses)
+        assert statuses[0] == statuses[1]
+
+
 def test_jit_reuse_runs_the_pattern_with_constants():
     """`op(a, c) + op(c, b) + op(a, b) ** 2`, c a constant, with the op jitted once: the
     verdict of jit_reuse must be what JAX gives for it, against plain autodiff (on JAX

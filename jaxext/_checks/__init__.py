@@ -3,6 +3,7 @@
 One idea per module; data flows down this list:
 
 * ``_precision``: float64 numerics on any backend.
+* ``_quick``: small problems' programs compiled quickly (XLA's CPU optimisations off).
 * ``_leaves``: the caller's function as a function of its float array leaves
   (which are checked, how messages name them), for both entry points.
 * ``_problem``: the caller's function and pytrees as a flat ``R^n -> R^m``.

@@ -84,14 +84,17 @@ def reentrancy(
 Looped = tuple[Any, Any]  # (the loop's results stacked, vmap's results or its exception)
 
 
-def loop_and_vmap(parts: dict[str, tuple[Callable, Sequence[tuple], tuple, tuple]]) -> dict:
+def loop_and_vmap(
+    parts: dict[str, tuple[Callable, Sequence[tuple], tuple, tuple]],
+    jit: Callable[[Callable], Callable] = jax.jit,
+) -> dict:
     """Each part's function called once per batch entry and under ``jax.vmap``.
 
     ``parts`` maps a name to ``(fn, items, batched_args, in_axes)``: ``fn(*item)``
     for each item (the loop), and ``jax.vmap(fn, in_axes)(*batched_args)``. All of it
-    runs in one compiled program (one compilation, not two per part); should that
-    program raise, each part's loop and vmap run alone, so an error is attributed to
-    the part, and the side, that raises it.
+    runs in one compiled program, jitted with ``jit`` (one compilation, not two per
+    part); should that program raise, each part's loop and vmap run alone, so an
+    error is attributed to the part, and the side, that raises it.
 
     Returns:
         ``{name: (looped, batched)}``: the loop's results stacked on the host, and
@@ -111,7 +114,7 @@ def loop_and_vmap(parts: dict[str, tuple[Callable, Sequence[tuple], tuple, tuple
     items = {name: list(part[1]) for name, part in parts.items()}
     batched_args = {name: part[2] for name, part in parts.items()}
     try:
-        merged = jax.jit(everything)(items, batched_args)
+        merged = jit(everything)(items, batched_args)
     except Exception:  # noqa: BLE001 -- run the parts alone below, to attribute the error
         merged = None
     results = {}

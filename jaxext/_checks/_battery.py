@@ -85,14 +85,14 @@ def _fresh(op: OpUnderTest) -> Callable:
     return lambda *values: op.func(*op.args_with(values))
 
 
-def _jitted_together(fns: dict[str, Callable], *args: Any) -> dict[str, Any]:
-    """``{name: fn(*args)}`` for each of ``fns``, jitted: all in one compiled program (one
-    compilation, not one each); should that raise, each in its own, so that an error
-    comes from the computation that raises it."""
+def _jitted_together(op: OpUnderTest, fns: dict[str, Callable], *args: Any) -> dict[str, Any]:
+    """``{name: fn(*args)}`` for each of ``fns``, jitted (``op.quick_jit``): all in one
+    compiled program (one compilation, not one each); should that raise, each in its
+    own, so that an error comes from the computation that raises it."""
     try:
-        merged = jax.jit(lambda *a: {name: fn(*a) for name, fn in fns.items()})(*args)
+        merged = op.quick_jit(lambda *a: {name: fn(*a) for name, fn in fns.items()})(*args)
     except Exception:  # noqa: BLE001 -- each alone below, to attribute the error
-        return {name: jax.jit(fn)(*args) for name, fn in fns.items()}
+        return {name: op.quick_jit(fn)(*args) for name, fn in fns.items()}
     return {name: merged[name] for name in fns}  # in the order of `fns`, not sorted
 
 
@@ -181,7 +181,7 @@ def forward_rule(op: OpUnderTest, settings: Settings) -> str:
     primal_of = {"jax.vjp": lambda *p: jax.vjp(op.call, *p)[0]}
     if op.forward_error is None:
         primal_of["jax.jvp"] = lambda *p: jax.jvp(op.call, p, p)[0]
-    for how, primal in _jitted_together(primal_of, *primals).items():
+    for how, primal in _jitted_together(op, primal_of, *primals).items():
         assert_trees_close(primal, plain, what=f"primal output of {how} vs the op", rtol=TIGHT)
     if op.forward_error is not None:
         return "jax.vjp's primal equals the op's output (no forward mode to compare)"
@@ -318,7 +318,7 @@ def _second_order_forward(op: OpUnderTest, settings: Settings, outer: str) -> st
     if "reverse_over_reverse" not in op.cache:
         fns["reference"] = jax.grad(vjp_of, argnums=everything)
     try:
-        results = _jitted_together(fns, *primals)
+        results = _jitted_together(op, fns, *primals)
     except Exception as err:
         _skip_if_not_differentiable(op, settings, err)
         raise
@@ -362,7 +362,7 @@ def jvp_vjp(op: OpUnderTest, settings: Settings) -> str:
     rng = np.random.default_rng(settings.seed + 1)
     primals, u, v = op.primals, op.cotangent(rng), op.tangents(rng)
     both = {"jv": lambda *p: jax.jvp(op.call, p, v)[1], "jtu": lambda *p: _vjp(op.call, p, u)}
-    got = _jitted_together(both, *primals)
+    got = _jitted_together(op, both, *primals)
     jv, jtu = got["jv"], got["jtu"]
     left = float(_inner(u, jv))
     right = float(sum(np.real(np.sum(np.asarray(a) * b)) for a, b in zip(jtu, v, strict=True)))
@@ -411,7 +411,9 @@ def jit_reuse(op: OpUnderTest, settings: Settings) -> str:
         return _vjp(op.with_only(subset, fn), [primals[i] for i in subset], cotangent)
 
     # The reference: every input differentiated at once, in a fresh trace.
-    fresh_full = jax.jit(lambda c: (grads(_fresh(op), everything, c), _inner(c, op.call(*primals))))
+    fresh_full = op.quick_jit(
+        lambda c: (grads(_fresh(op), everything, c), _inner(c, op.call(*primals)))
+    )
     full, inner = {}, {}
     for c in (u, u2, u3, u4, u5):
         full[id(c)], inner[id(c)] = fresh_full(c)
@@ -438,7 +440,7 @@ def jit_reuse(op: OpUnderTest, settings: Settings) -> str:
                 # Every subset's jitted runs in one program: one compilation, not two per
                 # subset. Should it raise, each subset's runs go alone, to name the subset.
                 try:
-                    merged = jax.jit(
+                    merged = op.quick_jit(
                         lambda: {h: [b(t) for t in subsets] for h, b in bodies.items()}
                     )()
                 except Exception as err:  # noqa: BLE001 -- attributed to a subset below
@@ -593,7 +595,7 @@ def vmap(op: OpUnderTest, settings: Settings) -> str:
                 0,
             )
     # Every batched input's output, gradient and JVP, looped and vmapped: one program.
-    for (index, part), (looped, batched) in loop_and_vmap(parts).items():
+    for (index, part), (looped, batched) in loop_and_vmap(parts, op.quick_jit).items():
         what = f"vmap over input {index} vs a loop"
         if isinstance(batched, Exception):
             raise batched
@@ -633,9 +635,9 @@ def zero_cotangent(op: OpUnderTest, settings: Settings) -> str:
                 [leaf for i, (_, leaf) in enumerate(float_output_leaves(op.call(*p))) if i == keep],
             )
 
-        got = jax.jit(jax.grad(loss, argnums=tuple(range(len(primals)))))(*primals)
+        got = op.quick_jit(jax.grad(loss, argnums=tuple(range(len(primals)))))(*primals)
         only = _only_float_leaf(u, keep)
-        expected = jax.jit(lambda *p, only=only: _vjp(op.call, p, only))(*primals)
+        expected = op.quick_jit(lambda *p, only=only: _vjp(op.call, p, only))(*primals)
         for label, a, e in zip(op.labels, got, expected, strict=True):
             what = f"gradient of {label} with only output {path or keep} used (symbolic zeros)"
             assert_trees_close(a, e, what=what, rtol=TIGHT)
@@ -710,7 +712,7 @@ def checkpoint(op: OpUnderTest, settings: Settings) -> str:
     for name, policy in _POLICIES.items():
         remat = jax.checkpoint(_fresh(op), policy=policy)
         gradients[name] = lambda *p, remat=remat: _vjp(remat, p, u)
-    got = _jitted_together(gradients, *primals)
+    got = _jitted_together(op, gradients, *primals)
     reference = got.pop("reference")
     for name, grads in got.items():
         for label, a, e in zip(op.labels, grads, reference, strict=True):

@@ -41,6 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._quick import entries, quick_jit
+
 __all__ = ["CHUNK", "CHUNK_ENTRIES", "FlatJacobians", "chunk_size", "screen", "unit_blocks"]
 
 CHUNK = 128  # most rows or columns per compiled call
@@ -88,6 +90,9 @@ class FlatJacobians:
         merge: whether a small unscreened problem (``MERGE_MAX_ENTRIES``) may compile
             its two loops as one program; that traces the VJP whichever method runs
             first, so it is for reverse-mode checks.
+        merge_forward: with ``merge``, the loop of JVPs in that program too (one program,
+            not three, for checks of both modes); should it fail to trace or lower (no
+            forward mode, say), the three loops compile alone instead.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -106,6 +111,7 @@ class FlatJacobians:
         out_bounds: Sequence[tuple[int, int]] | None = None,
         screen_min_entries: int | None = None,
         merge: bool = False,
+        merge_forward: bool = False,
     ) -> None:
         if vjp is None:
 
@@ -118,8 +124,12 @@ class FlatJacobians:
         self.x0 = x0
         self.x0_host = np.asarray(x0)
         self.n = int(x0.shape[0])
-        self.m = int(jax.eval_shape(f, x0).shape[0])
+        jaxpr, shape = jax.make_jaxpr(f, return_shape=True)(x0)
+        self.m = int(shape.shape[0])
         n, m = self.n, self.m
+        # The entries the programs compute, estimated (``_quick``): 2n evaluations of f
+        # for the differences, m VJPs and n JVPs (a derivative costing about two).
+        work = 4 * (n + m) * entries(jaxpr)
         # Only a problem that is screened (`numerical_on_device`, `reverse_screened`) has
         # the column maxima and the screen compiled into its programs: they cost compile
         # time, which is most of a small check's time.
@@ -177,30 +187,44 @@ class FlatJacobians:
             y, jvp_fn = jax.linearize(f, x)
             return y, jax.lax.map(lambda k: jvp_fn(_basis_or(k, n, extra)), ks)
 
+        def jvp_loop(x, ks, count, extra):
+            # `jvp_columns` for the first `count` entries of `ks` (the rest are zero).
+            y, jvp_fn = jax.linearize(f, x)
+
+            def body(i, cols):
+                return cols.at[i].set(jvp_fn(_basis_or(ks[i], n, extra)))
+
+            return y, jax.lax.fori_loop(0, count, body, jnp.zeros((ks.shape[0], m)))
+
         # Two programs serve the full method: the stacked evaluations of f (which also
         # give f(x0), the difference quotients and, for a screened problem, their column
         # maxima) and the stacked pullbacks (which also give the AD primal, the pullback
         # of any one cotangent and the screen of a chunk of rows). Each compiles once per
         # check (the pullbacks once more where the numerical columns are held in several
         # tiles).
-        self._differences = _Program(jax.jit(differences))
-        self._vjp_rows = _Program(jax.jit(vjp_rows))
-        # A small problem compiles the two as one program (XLA's cost per program is a
-        # good part of a small check's time); each call runs one of the loops, the
-        # other for zero rows (its outputs, zeros, are small here).
+        # A small problem's programs compile quickly (``_quick``).
+        self._differences = _Program(quick_jit(differences, work))
+        self._vjp_rows = _Program(quick_jit(vjp_rows, work))
+        # A small problem compiles the two (with `merge_forward`, the three) as one
+        # program (XLA's cost per program is a good part of a small check's time); each
+        # call runs one of the loops, the others for zero rows (their outputs, zeros, are
+        # small here).
         self._both: _Program | None = None
         self._both_checked = False
-        small = self.col_chunk * m + self.row_chunk * n <= MERGE_MAX_ENTRIES
+        columns = (2 if merge_forward else 1) * self.col_chunk * m  # the JVPs' block too
+        small = columns + self.row_chunk * n <= MERGE_MAX_ENTRIES
+        self._forward_merged = merge_forward
         if merge and not screened and small:
 
-            def both(x, kc, plus, minus, count_cols, kr, count_rows, extra):
+            def both(x, kc, plus, minus, count_cols, kr, count_rows, extra, *forward):
                 return (
                     *differences(x, kc, plus, minus, count_cols),
                     *vjp_rows(x, kr, count_rows, extra),
+                    *(jvp_loop(x, *forward) if forward else ()),
                 )
 
-            self._both = _Program(jax.jit(both))
-        self._jvp_columns = _Program(jax.jit(jvp_columns))
+            self._both = _Program(quick_jit(both, work))
+        self._jvp_columns = _Program(quick_jit(jvp_columns, work))
         self._screen = _Program(_SCREEN)
         self._call = jax.jit(f)
 
@@ -211,15 +235,29 @@ class FlatJacobians:
                 f"`screen_min_entries` at most n * m = {self.n * self.m}."
             )
 
+    def _idle(self, part: str) -> tuple:
+        """The arguments of ``part`` of the merged program that run none of its loop."""
+        if part == "differences":
+            return (
+                np.zeros(self.col_chunk, np.int64),
+                np.ones(self.col_chunk),
+                np.zeros(self.col_chunk),
+                0,
+            )
+        if part == "rows":
+            return np.zeros(self.row_chunk, np.int64), 0, np.zeros(self.m)
+        if not self._forward_merged:
+            return ()
+        return np.zeros(self.col_chunk, np.int64), 0, np.zeros(self.n)
+
     def _pullbacks(
         self, ks: np.ndarray, count: int, extra: np.ndarray
     ) -> tuple[jax.Array, jax.Array]:
         """``(primal, rows)`` from the program of ``reverse``, with an empty screen."""
         if not self.screened:
-            kc = np.zeros(self.col_chunk, np.int64)
-            plus, minus = np.ones(self.col_chunk), np.zeros(self.col_chunk)
-            if self._merged(self.x0, kc, plus, minus, 0, ks, count, extra):
-                return self._both(self.x0, kc, plus, minus, 0, ks, count, extra)[2:]
+            args = (self.x0, *self._idle("differences"), ks, count, extra, *self._idle("fwd"))
+            if self._merged(*args):
+                return self._both(*args)[2:4]
             return self._vjp_rows(self.x0, ks, count, extra)
         y, block, *_ = self._vjp_rows(*self._unscreened_rows_args(ks, count, extra))
         return y, block
@@ -291,15 +329,21 @@ class FlatJacobians:
         if self._both_checked:
             return True
         self._both_checked = True
-        if "callback" in self._both.jitted.lower(*args).as_text():
+        try:
+            text = self._both.jitted.lower(*args).as_text()
+        except Exception:
+            if not self._forward_merged:
+                raise
+            text = "callback"  # e.g. no forward mode: each loop alone raises what it raises
+        if "callback" in text:
             self._both = None
         return self._both is not None
 
     def _run_differences(self, *args) -> tuple:
         """``differences(*args)``: ``(quotient, f(x with entry ks[0] set to plus[0]))``."""
-        kr = np.zeros(self.row_chunk, np.int64)
-        if self._merged(*args, kr, 0, np.zeros(self.m)):
-            return self._both(*args, kr, 0, np.zeros(self.m))[:2]
+        merged = (*args, *self._idle("rows"), *self._idle("fwd"))
+        if self._merged(*merged):
+            return self._both(*merged)[:2]
         quotient, *_, y = self._differences(*args)
         return quotient, y
 
@@ -411,7 +455,7 @@ class FlatJacobians:
         """``(primal, block)``: columns ``cols`` of the Jacobian, one JVP each, as the
         rows of ``block`` (shape ``(len(cols), m)``, like ``numerical``)."""
         ks, count = _padded(cols, self.col_chunk)
-        y, block = self._jvp_columns(self.x0, ks, np.zeros(self.n))
+        y, block = self._columns(ks, count, np.zeros(self.n))
         return np.asarray(y), np.asarray(block)[:count]
 
     def vjp(self, cotangent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -423,8 +467,17 @@ class FlatJacobians:
     def jvp(self, tangent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(primal, J v)`` for one tangent ``v`` (from the program of ``forward``)."""
         ks = np.full(self.col_chunk, -1, dtype=np.int64)
-        y, block = self._jvp_columns(self.x0, ks, np.asarray(tangent, np.float64))
+        y, block = self._columns(ks, 1, np.asarray(tangent, np.float64))
         return np.asarray(y), np.asarray(block)[0]
+
+    def _columns(self, ks: np.ndarray, count: int, extra: np.ndarray) -> tuple:
+        """``(primal, block)`` of ``jvp_columns`` (from the merged program where it has
+        the JVPs; its rows past ``count`` are zero there)."""
+        if self._forward_merged:
+            args = (self.x0, *self._idle("differences"), *self._idle("rows"), ks, count, extra)
+            if self._merged(*args):
+                return self._both(*args)[4:]
+        return self._jvp_columns(self.x0, ks, extra)
 
     def difference(self, direction: np.ndarray, eps: float) -> tuple[np.ndarray, float]:
         """``(f(x0 + eps v) - f(x0 - eps v), 2 eps)``, both sides from one program."""

@@ -18,6 +18,7 @@ import numpy as np
 
 from ._compare import Mismatch, leaf_mismatches, unravel, widened
 from ._leaves import FloatLeaves, wide_dtype
+from ._quick import entries, quick_jit
 
 __all__ = ["CheckFailed", "OpUnderTest", "assert_trees_close", "mismatch_text"]
 
@@ -81,11 +82,26 @@ class OpUnderTest(FloatLeaves):
     # -- random data ---------------------------------------------------------------------
 
     @property
+    def work(self) -> int:
+        """The entries a check's program computes, estimated (``_quick``): those of one
+        call of the op (its jaxpr's ``entries``) times ``_EVALUATIONS``."""
+        if "work" not in self.cache:
+            jaxpr, shapes = jax.make_jaxpr(self.call, return_shape=True)(*self.primals)
+            self.cache.setdefault("output_shapes", shapes)
+            self.cache["work"] = _EVALUATIONS * entries(jaxpr)
+        return self.cache["work"]
+
+    def quick_jit(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``jax.jit`` of ``fn``, compiled quickly for a small op (``_quick``); only for a
+        program called at the top level."""
+        return quick_jit(fn, self.work)
+
+    @property
     def jitted(self) -> Callable[..., Any]:
         """``jax.jit`` of ``call``, one for all checks (a bound method is a new function at
         each access: jitting ``op.call`` afresh would compile the same program again)."""
         if "jitted" not in self.cache:
-            self.cache["jitted"] = jax.jit(self.call)
+            self.cache["jitted"] = self.quick_jit(self.call)
         return self.cache["jitted"]
 
     @property
@@ -94,7 +110,7 @@ class OpUnderTest(FloatLeaves):
         the cotangent ``u``), one for all checks: ``u`` is an argument, so every check
         that differentiates the op at the same dtypes runs the same compiled program."""
         if "pullback" not in self.cache:
-            self.cache["pullback"] = jax.jit(lambda p, u: jax.vjp(self.call, *p)[1](u))
+            self.cache["pullback"] = self.quick_jit(lambda p, u: jax.vjp(self.call, *p)[1](u))
         return self.cache["pullback"]
 
     def output_shapes(self) -> Any:
@@ -111,6 +127,11 @@ class OpUnderTest(FloatLeaves):
     def tangents(self, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
         """Random tangents for the float inputs (complex for a complex input)."""
         return tuple(_standard_normal(rng, p.shape, p.dtype) for p in self.primals)
+
+
+# The op's evaluations in a check's largest program (vmap's: output, gradient and JVP
+# of each of 3 batch entries, looped and vmapped), a gradient counting as two or three.
+_EVALUATIONS = 32
 
 
 def _standard_normal(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
