@@ -930,7 +930,7 @@ def _residual_sensitivity(
             ]
             return jax.tree_util.tree_unflatten(tree, leaves)(u)
 
-        op.cache["perturbed_pullback"] = jax.jit(perturbed)
+        op.cache["perturbed_pullback"] = op.quick_jit(perturbed)
     perturbed = op.cache["perturbed_pullback"]
     draws = []
     for _ in range(4):
