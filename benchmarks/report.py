@@ -489,9 +489,11 @@ def _render_sweep(rows: list[dict[str, Any]]) -> list[str]:
         "(run only after a short first one). Ratio: torch time / jaxext time. Peak RSS: "
         "the whole process's, JAX or torch included. torch is not run (-) where its time, "
         "extrapolated from the previous size by the number of entries, exceeds the limit. "
-        "torch runs with one intra-op thread (`torch.set_num_threads(1)`): on this loaded "
+        "torch runs with one intra-op thread (`torch.set_num_threads(1)`): on a loaded "
         "machine its default of 2 was several times slower (1.7 s against 4.5 s at s = 13 "
-        "in one measurement); JAX keeps its defaults.",
+        "in one measurement), while on an idle one it was about 10% faster (4.9-5.6 s "
+        "against 5.4-6.1 s at s = 60, paired runs): ratios against torch's default are "
+        "that much lower there. JAX keeps its defaults.",
         "",
         "| s | inputs x outputs | entries | jaxext cold s | jaxext warm s | torch cold s | "
         "torch warm s | ratio cold | ratio warm | jaxext peak RSS GiB | torch peak RSS GiB | "
