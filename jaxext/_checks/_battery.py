@@ -942,9 +942,15 @@ def _residual_sensitivity(
                 for g, r in zip(moved, reference, strict=True)
             ]
         )
+    return _root_mean_square(draws)
+
+
+def _root_mean_square(squares: list[list[np.ndarray]]) -> list[np.ndarray]:
+    """Per input, the square root of the mean over draws of each entry's squared modulus
+    (``squares``: per draw, one array per input), flat."""
     return [
         np.sqrt(np.mean(np.stack(per_input), axis=0)).ravel()
-        for per_input in zip(*draws, strict=True)
+        for per_input in zip(*squares, strict=True)
     ]
 
 
@@ -983,10 +989,7 @@ def _term_scales(gradients: Callable[..., Any], primals: Any, u: Any, rng: Any) 
         draws.append(
             [np.abs(np.asarray(g, np.complex128)) ** 2 for g in gradients(primals, signed)]
         )
-    return [
-        float(np.sqrt(np.max(np.mean(np.stack(per_input), axis=0), initial=0.0)))
-        for per_input in zip(*draws, strict=True)
-    ]
+    return [float(np.max(rms, initial=0.0)) for rms in _root_mean_square(draws)]
 
 
 CHECKS: dict[str, Callable[[OpUnderTest, Settings], str]] = {

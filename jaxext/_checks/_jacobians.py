@@ -286,15 +286,11 @@ class FlatJacobians:
         if self._both is not None:
             return
         kc, kr = np.zeros(self.col_chunk, np.int64), np.zeros(self.row_chunk, np.int64)
-        values = self.x0_host[kc]
         extra = np.zeros(self.m)
         rows_args = (
             self._unscreened_rows_args(kr, 1, extra) if self.screened else (self.x0, kr, 1, extra)
         )
-        calls = [
-            (self._differences, (self.x0, kc, values, values, 1)),
-            (self._vjp_rows, rows_args),
-        ]
+        calls = [(self._differences, self._value_args()), (self._vjp_rows, rows_args)]
         if forward:
             calls.append((self._jvp_columns, (self.x0, kc, np.zeros(self.n))))
         lowered = []
@@ -314,9 +310,13 @@ class FlatJacobians:
 
     def value(self) -> np.ndarray:
         """``f(x0)``, from the program of ``numerical`` with nothing perturbed."""
+        return np.asarray(self._run_differences(*self._value_args())[1])
+
+    def _value_args(self) -> tuple:
+        """The arguments of ``differences`` that evaluate ``f(x0)`` (entry 0 set to itself)."""
         ks = np.zeros(self.col_chunk, dtype=np.int64)
         values = self.x0_host[ks]
-        return np.asarray(self._run_differences(self.x0, ks, values, values, 1)[1])
+        return self.x0, ks, values, values, 1
 
     def _merged(self, *args) -> bool:
         """Whether the merged program serves (decided at its first call, from ``args``).
@@ -334,7 +334,9 @@ class FlatJacobians:
         except Exception:
             if not self._forward_merged:
                 raise
-            text = "callback"  # e.g. no forward mode: each loop alone raises what it raises
+            # No forward mode, say: each loop runs alone, and raises what it raises.
+            self._both = None
+            return False
         if "callback" in text:
             self._both = None
         return self._both is not None
