@@ -271,17 +271,20 @@ class FlatJacobians:
         )  # fmt: skip
 
     def compile_ahead(self, forward: bool) -> None:
-        """Compiles the programs side by side, before their first use.
+        """Starts compiling the programs, side by side, before their first use.
 
         ``value``, ``vjp`` and (with ``forward``) ``jvp`` would each compile their
         program at its first call, one after the other, and compilation is most of a
         small check's time (a large problem's programs take a good part of a second
         each). XLA compiles with the GIL released, so this thread lowers them (tracing
-        under its configuration, as a call would) and worker threads compile them at
-        once; JAX caches the executables, where those first calls and
-        ``_Program.bind`` find them. A program that fails to lower or compile is left
-        to its first call, which raises as it always did. Nothing to do where one
-        merged program serves.
+        under its configuration, as a call would) and worker threads compile them, each
+        as soon as it is lowered, while this thread goes on: the VJPs' program last,
+        after the others, so that the differences can run while it compiles (side by
+        side, the compilations only slowed each other). JAX caches the
+        executables, where the first calls and ``_Program.bind`` find them (a program's
+        first use waits for its compilation: a second one would compile it again). A
+        program that fails to lower or compile is left to its first call, which raises
+        as it always did. Nothing to do where one merged program serves.
         """
         if self._both is not None:
             return
@@ -290,23 +293,20 @@ class FlatJacobians:
         rows_args = (
             self._unscreened_rows_args(kr, 1, extra) if self.screened else (self.x0, kr, 1, extra)
         )
-        calls = [(self._differences, self._value_args()), (self._vjp_rows, rows_args)]
+        calls = [(self._differences, self._value_args())]
         if forward:
             calls.append((self._jvp_columns, (self.x0, kc, np.zeros(self.n))))
-        lowered = []
+        calls.append((self._vjp_rows, rows_args))
+        # What the check needs first (f(x0) from the differences; forward mode's primal
+        # from the JVPs) compiles side by side; the VJPs', needed last, after them.
+        pool = concurrent.futures.ThreadPoolExecutor(len(calls) - 1)
         for program, args in calls:
             try:
-                lowered.append(program.jitted.lower(*args))
+                lowered = program.jitted.lower(*args)
             except Exception:  # noqa: BLE001 - raised again, as before, by the first call
                 continue
-        if not lowered:
-            return
-        with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
-            for future in [pool.submit(program.compile) for program in lowered]:
-                try:
-                    future.result()
-                except Exception:  # noqa: BLE001 - raised again by the first call
-                    continue
+            program.pending = pool.submit(lowered.compile)
+        pool.shutdown(wait=False)  # its threads end with their compilations
 
     def value(self) -> np.ndarray:
         """``f(x0)``, from the program of ``numerical`` with nothing perturbed."""
@@ -535,6 +535,15 @@ class _Program:
         self.jitted = jitted
         self.executables: dict[tuple, Any] = {}
         self.owner = threading.get_ident()
+        # A compilation started ahead (``FlatJacobians.compile_ahead``), still running.
+        self.pending: concurrent.futures.Future | None = None
+
+    def _wait(self) -> None:
+        """Waits for the compilation started ahead (its error, if any, is left to the
+        call that follows, which compiles again and raises it)."""
+        if self.pending is not None:
+            concurrent.futures.wait([self.pending])
+            self.pending = None
 
     def bind(self, *args: Any) -> Callable:
         key = tuple(_signature(a) for a in args)
@@ -542,6 +551,7 @@ class _Program:
         if executable is None:
             if threading.get_ident() != self.owner:
                 raise RuntimeError("a program was bound outside the thread that owns it")
+            self._wait()
             executable = self.executables[key] = self.jitted.lower(*args).compile()
 
         def run(*args):
@@ -552,6 +562,7 @@ class _Program:
 
     def __call__(self, *args: Any) -> Any:
         """A plain call of the jitted program, in this thread."""
+        self._wait()
         return self.jitted(*args)
 
 
