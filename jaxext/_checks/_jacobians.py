@@ -33,6 +33,7 @@ as one program.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -264,11 +265,21 @@ class FlatJacobians:
 
     def _unscreened_rows_args(self, ks: np.ndarray, count: int, extra: np.ndarray) -> tuple:
         """The arguments of a screened problem's ``vjp_rows`` with an empty screen."""
-        rows = ks.shape[0]
-        return (
-            self.x0, ks, count, extra, np.zeros((rows, self.n)), np.zeros((rows, 1)),
-            np.ones((1, self.n)), np.zeros((rows, 1), bool), 0, 0.0, 0.0,
-        )  # fmt: skip
+        return (self.x0, ks, count, extra, *self._empty_screen, 0, 0.0, 0.0)
+
+    @functools.cached_property
+    def _empty_screen(self) -> tuple[jax.Array, ...]:
+        """A screen that checks nothing (``valid`` all false), put on the device once: a
+        block of rows is megabytes, and ``vjp``, ``reverse`` and the primal pass one."""
+        rows, n = self.row_chunk, self.n
+        with jax.enable_x64(True):
+            return tuple(
+                jax.device_put(a)
+                for a in (
+                    np.zeros((rows, n)), np.zeros((rows, 1)), np.ones((1, n)),
+                    np.zeros((rows, 1), bool),
+                )
+            )  # fmt: skip
 
     def compile_ahead(self, forward: bool) -> None:
         """Starts compiling the programs, side by side, before their first use.
@@ -305,7 +316,7 @@ class FlatJacobians:
                 lowered = program.jitted.lower(*args)
             except Exception:  # noqa: BLE001 - raised again, as before, by the first call
                 continue
-            program.pending = pool.submit(lowered.compile)
+            program.ahead(args, pool.submit(lowered.compile))
         pool.shutdown(wait=False)  # its threads end with their compilations
 
     def value(self) -> np.ndarray:
@@ -535,23 +546,31 @@ class _Program:
         self.jitted = jitted
         self.executables: dict[tuple, Any] = {}
         self.owner = threading.get_ident()
-        # A compilation started ahead (``FlatJacobians.compile_ahead``), still running.
-        self.pending: concurrent.futures.Future | None = None
+        # A compilation started ahead (``ahead``): its signature and future.
+        self.pending: tuple[tuple, concurrent.futures.Future] | None = None
+
+    def ahead(self, args: tuple, future: concurrent.futures.Future) -> None:
+        """Takes the compilation of the program for ``args``, started elsewhere."""
+        self.pending = (tuple(_signature(a) for a in args), future)
 
     def _wait(self) -> None:
-        """Waits for the compilation started ahead (its error, if any, is left to the
-        call that follows, which compiles again and raises it)."""
+        """Waits for the compilation started ahead and keeps its executable for
+        ``bind`` (an error is left to the call that follows, which compiles again
+        and raises it)."""
         if self.pending is not None:
-            concurrent.futures.wait([self.pending])
+            key, future = self.pending
             self.pending = None
+            if future.exception() is None:
+                self.executables[key] = future.result()
 
     def bind(self, *args: Any) -> Callable:
         key = tuple(_signature(a) for a in args)
+        if threading.get_ident() == self.owner:
+            self._wait()
         executable = self.executables.get(key)
         if executable is None:
             if threading.get_ident() != self.owner:
                 raise RuntimeError("a program was bound outside the thread that owns it")
-            self._wait()
             executable = self.executables[key] = self.jitted.lower(*args).compile()
 
         def run(*args):
