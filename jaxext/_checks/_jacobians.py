@@ -147,18 +147,15 @@ class FlatJacobians:
             # and size + k of one loop, so the same compiled body evaluates both sides.
             size = ks.shape[0]
 
-            def body(j, carry):
-                # The perturbed input is carried and restored in place (x with entry k
-                # set, as `x.at[k].set(value)`, without copying all of x each time).
-                perturbed, y = carry
+            def body(j, y):
+                # x with entry k set, afresh (XLA copies x for it; carrying the perturbed
+                # input and restoring the entry made it copy x twice).
                 minus_side = j >= count
                 i = jnp.where(minus_side, j - count, j)
                 value = jnp.where(minus_side, minus[i], plus[i])
-                perturbed = perturbed.at[ks[i]].set(value)
-                y = y.at[i + size * minus_side].set(f(perturbed))
-                return perturbed.at[ks[i]].set(x[ks[i]]), y
+                return y.at[i + size * minus_side].set(f(x.at[ks[i]].set(value)))
 
-            _, y = jax.lax.fori_loop(0, 2 * count, body, (x, jnp.zeros((2 * size, m))))
+            y = jax.lax.fori_loop(0, 2 * count, body, jnp.zeros((2 * size, m)))
             quotient = (y[:size] - y[size:]) / (plus - minus)[:, None]
             if not screened:
                 return quotient, y[0]
