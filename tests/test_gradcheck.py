@@ -255,6 +255,26 @@ def test_primal_of_forward_rule_differs():
     assert str(err).startswith("Primal mismatch for output 0")
 
 
+@pytest.mark.parametrize("screened", [False, True])
+def test_primal_mismatch_is_reported_before_a_wrong_jacobian(monkeypatch, screened):
+    # Reverse mode's primal output is compared after the Jacobians are computed (the
+    # differences run while the VJPs compile), but its mismatch is still the error
+    # reported, before the wrong Jacobian of the same backward.
+    from jaxext._checks import _compare
+
+    monkeypatch.setattr(_compare, "SCREEN_MIN_ENTRIES", 1 if screened else 2**62)
+    args = (f64(0, (3, 4)), f64(1, (2, 4)))
+    errors = []
+    for offset in (0.1, 0.0):
+        op = make_linear(lambda x, w, g: (2 * grad_x(x, w, g), grad_w(x, w, g)), offset)
+        with pytest.raises(jaxext.GradcheckError) as info:
+            jaxext.gradcheck(op, args)
+        errors.append(info.value)
+    assert [(e.kind, e.mode) for e in errors] == [("primal", "rev"), ("jacobian", "rev")]
+    assert errors[0].analytical - errors[0].numerical == pytest.approx(0.1)
+    assert errors[1].input_index == 0
+
+
 def test_wrong_constant_gradient_names_input_1():
     with pytest.raises(jaxext.GradcheckError) as info:
         jaxext.gradcheck(MUL_WRONG_CONSTANT_GRAD, (f64(0, (3, 4)), np.array(1.5)))
@@ -539,6 +559,32 @@ def test_dense_jacobian_over_several_tiles(monkeypatch):
         jaxext.gradcheck(lambda x: bad(dense @ x), (x,))
     assert (info.value.kind, info.value.method) == ("jacobian", "full")
     assert info.value.num_mismatched > 300 * 300 // 2
+
+
+@pytest.mark.parametrize("density", [0.02, 0.3, 0.9])
+def test_tile_gives_back_the_rows_of_its_chunks(density):
+    # The tile holds chunks of numerical columns dense or as their nonzero entries, and
+    # hands back any range of rows (merged across chunks once): the rows of the
+    # columns it was given, NaN and signed zeros included.
+    from jaxext._checks._compare import _Tile
+
+    rng = np.random.default_rng(int(density * 100))
+    m, widths = 37, (5, 8, 1, 6)
+    blocks = []
+    for width in widths:
+        block = rng.standard_normal((width, m)) * (rng.random((width, m)) < density)
+        block[0, 3] = -0.0
+        blocks.append(block)
+    blocks[1][2, 4] = np.nan
+    tile = _Tile(10)
+    start = 10
+    for block in blocks:
+        tile.add(start, block)
+        start += block.shape[0]
+    expected = np.concatenate(blocks).T  # (m, columns)
+    assert (tile.start, tile.stop) == (10, 10 + sum(widths))
+    for first, stop in [(0, m), (0, 1), (5, 17), (36, 37), (12, 12)]:
+        np.testing.assert_array_equal(tile.rows(first, stop), expected[first:stop])
 
 
 def _tiny_x_linear(scale):
