@@ -73,8 +73,10 @@ TILE_BYTES = 2**27  # numerical-Jacobian columns held at once (128 MiB)
 # Jacobians from this many entries up are screened chunk by chunk on the device.
 SCREEN_MIN_ENTRIES = 2**22
 _EPS64 = float(np.finfo(np.float64).eps)
-# Threads that compute the chunks of a screened problem (`_in_order`).
-WORKERS = max(1, min(4, os.cpu_count() or 1))
+# Threads that compute the chunks of a screened problem (`_in_order`): one more than
+# the cores (at most four), so that a thread's host work and waits leave its core to
+# another (on 2 cores, 3 threads took 5-8% less time than 2 at 5e7 and 1.5e8 entries).
+WORKERS = max(2, min(4, (os.cpu_count() or 1) + 1))
 
 T = TypeVar("T")
 
