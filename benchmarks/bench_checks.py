@@ -53,7 +53,9 @@ from benchlib import machine_info  # noqa: E402
 import jaxext  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TORCH_THREADS = 1
+# torch's intra-op threads (``--torch-threads``, passed to the child processes through
+# this environment variable): 0 keeps torch's default.
+TORCH_THREADS_ENV = "BENCH_CHECKS_TORCH_THREADS"
 
 
 def _times(fn, repeats: int) -> list[float]:
@@ -80,12 +82,15 @@ def _own_peak_rss_gib() -> float:
 
 
 def _torch_threads():
-    """torch with one intra-op thread: on a loaded 2-core machine its default (2 threads,
-    spinning while they wait) made gradcheck several times slower; on an idle one, the
-    default is about 10% faster (the report says so)."""
+    """torch with the intra-op threads asked for (``--torch-threads``; its default, as
+    users run it, unless set). On a loaded 2-core machine the default (2 threads,
+    spinning while they wait) made gradcheck several times slower than one thread; on
+    an idle one it was about 10% faster."""
     import torch
 
-    torch.set_num_threads(TORCH_THREADS)
+    threads = int(os.environ.get(TORCH_THREADS_ENV, "0"))
+    if threads:
+        torch.set_num_threads(threads)
     return torch
 
 
@@ -134,7 +139,7 @@ def bench_gradcheck(repeats: int, torch_repeats: int) -> dict[str, Any]:
         if torch is not None:
             checkers.append("torch")
             result["torch_version"] = torch.__version__
-            result["torch_threads"] = TORCH_THREADS
+            result["torch_threads"] = int(os.environ.get(TORCH_THREADS_ENV, "0")) or "default"
     for checker in checkers:
         runs = repeats if checker == "jaxext" else torch_repeats
         result[f"{checker}_cold_s"] = _cold_times(checker, runs)
@@ -196,7 +201,8 @@ def bench_large() -> list[dict[str, Any]]:
     return rows
 
 
-SWEEP_SIZES = (13, 20, 30, 40, 60, 80, 100, 128)  # s: 1.1e5 .. 1.0e9 Jacobian entries
+# s: 1.1e5 .. 1.0e9 Jacobian entries (61: 5.15e7, the first size from 5e7 up)
+SWEEP_SIZES = (13, 20, 30, 40, 61, 80, 100, 128)
 
 
 def _sweep_shapes(s: int) -> tuple[tuple[int, int], tuple[int, int], int, int]:
@@ -227,7 +233,10 @@ def _sweep_one(checker: str, s: int, warm_max_s: float) -> dict[str, Any]:
 
     cold = _times(call, 1)[0]
     warm = _times(call, 1)[0] if cold < warm_max_s else None
-    return {"cold_s": cold, "warm_s": warm, "peak_rss_gib": _own_peak_rss_gib()}
+    result = {"cold_s": cold, "warm_s": warm, "peak_rss_gib": _own_peak_rss_gib()}
+    if checker == "torch":
+        result["threads"] = torch.get_num_threads()
+    return result
 
 
 def bench_sweep(torch_max_s: float, warm_max_s: float, sizes=SWEEP_SIZES) -> list[dict[str, Any]]:
@@ -281,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sizes", type=int, nargs="*", default=list(SWEEP_SIZES), help="sweep: values of s"
     )
+    parser.add_argument(
+        "--torch-threads", type=int, default=0, help="torch's intra-op threads (0: its default)"
+    )
     parser.add_argument("--cold-one", choices=["jaxext", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--sweep-one", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -291,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         checker, s, warm_max_s = args.sweep_one
         print(json.dumps(_sweep_one(checker, int(s), float(warm_max_s))))
         return 0
+    os.environ[TORCH_THREADS_ENV] = str(args.torch_threads)  # for the child processes
     load_before = os.getloadavg()
     results = {
         "machine": machine_info(),

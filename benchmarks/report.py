@@ -436,7 +436,7 @@ def render_checks(results: dict[str, Any]) -> str:
     ]
     names = {"jaxext": "jaxext.gradcheck"}
     if "torch_version" in g:
-        threads = f", {g['torch_threads']} thread" if "torch_threads" in g else ""
+        threads = f", threads: {g['torch_threads']}" if "torch_threads" in g else ""
         names["torch"] = f"torch.autograd.gradcheck ({g['torch_version']}{threads})"
     for key, name in names.items():
         cold, warm = g[f"{key}_cold_s"], g[f"{key}_warm_s"]
@@ -473,6 +473,12 @@ def render_checks(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _torch_threads_text(rows: list[dict[str, Any]]) -> str:
+    """The intra-op threads torch ran with in the sweep, as recorded by its processes."""
+    threads = sorted({row["torch"]["threads"] for row in rows if "threads" in row.get("torch", {})})
+    return " / ".join(str(t) for t in threads) if threads else "(not recorded)"
+
+
 def _render_sweep(rows: list[dict[str, Any]]) -> list[str]:
     def seconds(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}"
@@ -489,11 +495,12 @@ def _render_sweep(rows: list[dict[str, Any]]) -> list[str]:
         "(run only after a short first one). Ratio: torch time / jaxext time. Peak RSS: "
         "the whole process's, JAX or torch included. torch is not run (-) where its time, "
         "extrapolated from the previous size by the number of entries, exceeds the limit. "
-        "torch runs with one intra-op thread (`torch.set_num_threads(1)`): on a loaded "
-        "machine its default of 2 was several times slower (1.7 s against 4.5 s at s = 13 "
-        "in one measurement), while on an idle one it was about 10% faster (4.9-5.6 s "
-        "against 5.4-6.1 s at s = 60, paired runs): ratios against torch's default are "
-        "that much lower there. JAX keeps its defaults.",
+        f"torch runs with {_torch_threads_text(rows)} intra-op threads "
+        "(`--torch-threads`; its default is one per core): on an idle machine its default "
+        "was about 10% faster than one thread (4.9-5.6 s against 5.4-6.1 s at s = 60, "
+        "paired runs), on a loaded one several times slower (1.7 s against 4.5 s at "
+        "s = 13, one measurement). JAX keeps its defaults; jaxext's checks run their "
+        "chunks on one thread more than there are cores.",
         "",
         "| s | inputs x outputs | entries | jaxext cold s | jaxext warm s | torch cold s | "
         "torch warm s | ratio cold | ratio warm | jaxext peak RSS GiB | torch peak RSS GiB | "
