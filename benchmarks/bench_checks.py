@@ -81,6 +81,11 @@ def _own_peak_rss_gib() -> float:
     return _peak_rss_gib()
 
 
+def _requested_torch_threads() -> int:
+    """``--torch-threads`` as the child processes see it (0: torch's default)."""
+    return int(os.environ.get(TORCH_THREADS_ENV, "0"))
+
+
 def _torch_threads():
     """torch with the intra-op threads asked for (``--torch-threads``; its default, as
     users run it, unless set). On a loaded 2-core machine the default (2 threads,
@@ -88,7 +93,7 @@ def _torch_threads():
     an idle one it was about 10% faster."""
     import torch
 
-    threads = int(os.environ.get(TORCH_THREADS_ENV, "0"))
+    threads = _requested_torch_threads()
     if threads:
         torch.set_num_threads(threads)
     return torch
@@ -139,7 +144,7 @@ def bench_gradcheck(repeats: int, torch_repeats: int) -> dict[str, Any]:
         if torch is not None:
             checkers.append("torch")
             result["torch_version"] = torch.__version__
-            result["torch_threads"] = int(os.environ.get(TORCH_THREADS_ENV, "0")) or "default"
+            result["torch_threads"] = _requested_torch_threads() or "default"
     for checker in checkers:
         runs = repeats if checker == "jaxext" else torch_repeats
         result[f"{checker}_cold_s"] = _cold_times(checker, runs)

@@ -482,19 +482,10 @@ def _check(
         return None  # an empty input or output: no derivative to check (as in PyTorch)
     jac.compile_ahead(forward="fwd" in settings.modes)
     y_call = jac.value()
-    # The primal outputs of AD are compared before the Jacobians' verdicts, but reverse
-    # mode's after they are computed: the differences then run while the VJPs' program
-    # still compiles. (Forward mode's first: a function without it raises there.)
-    y_auto = {mode: _ad_primal(jac, mode) for mode in settings.modes if mode == "fwd"}
-
-    def primal_error() -> GradcheckError | None:
-        for mode in settings.modes:
-            y = y_auto[mode] if mode in y_auto else _ad_primal(jac, mode)
-            found = entry_mismatches(y_call, y, out_slices, on_inputs=False, **tolerances)
-            if found:
-                return error("primal", mode, None, found)
-        return None
-
+    # Forward mode's primal output now (a function without forward mode raises here);
+    # reverse mode's once the Jacobians are computed, so that the differences run while
+    # the VJPs' program still compiles. Both are compared before the Jacobians' verdicts.
+    y_auto = {"fwd": _ad_primal(jac, "fwd")} if "fwd" in settings.modes else {}
     method = _method(settings.fast_mode, jac.n, jac.m)
     block_eps = step_sizes(jac.x0_host, in_slices, settings.eps)
     if method == "full":
@@ -516,9 +507,11 @@ def _check(
             )
             for mode in settings.modes
         }  # fmt: skip
-    found_primal = primal_error()
-    if found_primal is not None:
-        return found_primal
+    for mode in settings.modes:
+        y = y_auto[mode] if mode in y_auto else _ad_primal(jac, mode)
+        found = entry_mismatches(y_call, y, out_slices, on_inputs=False, **tolerances)
+        if found:
+            return error("primal", mode, None, found)
     for mode in settings.modes:
         if results[mode]:
             return error("jacobian", mode, method, results[mode])
