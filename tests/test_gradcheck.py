@@ -593,12 +593,11 @@ def _tiny_x_linear(scale):
     return lambda x, w: op(x * 1e-8, w)
 
 
+_BROKEN_LINEAR = {name: make_linear(rule) for name, (rule, _) in BROKEN_BACKWARDS.items()}
+
 # name -> (function, inputs' shapes, modes): every kind of verdict of the full method.
 SCREEN_CASES = {
-    **{
-        name: (make_linear(rule), ((5, 5), (5, 5)), ("rev",))
-        for name, (rule, _) in BROKEN_BACKWARDS.items()
-    },
+    **{name: (op, ((5, 5), (5, 5)), ("rev",)) for name, op in _BROKEN_LINEAR.items()},
     "correct": (CORRECT, ((6, 5), (7, 5)), ("rev",)),
     # Gradient entries below atol: only the scaled atol of their block pair catches 2x.
     "tiny_gradient_2x": (_tiny_x_linear(2.0), ((6, 5), (7, 5)), ("rev",)),
@@ -613,6 +612,21 @@ SCREEN_CASES = {
     "closure_constant": (
         lambda x, w: jnp.tanh(x) @ (w * jnp.asarray(f64(9, (7, 5)))).T, ((6, 5), (7, 5)),
         ("rev", "fwd"),
+    ),
+    # Every output depends on every input (tiles of dense chunks, whose rows go to the
+    # device), or on every entry of x (tiles of dense and sparse chunks); the others
+    # above have sparse tiles only (the device screens zeros, the host the entries).
+    "dense_correct": (
+        lambda x, w: CORRECT(x, w) + jnp.sum(jnp.sin(x)) + jnp.sum(w**2), ((6, 5), (7, 5)),
+        ("rev",),
+    ),
+    "dense_one_element": (
+        lambda x, w: _BROKEN_LINEAR["one_element"](x, w) + jnp.sum(jnp.sin(x)) + jnp.sum(w**2),
+        ((6, 5), (7, 5)), ("rev",),
+    ),
+    "mixed_wrong_sign": (
+        lambda x, w: _BROKEN_LINEAR["wrong_sign"](x, w) + jnp.sum(jnp.sin(x)), ((6, 5), (7, 5)),
+        ("rev",),
     ),
 }  # fmt: skip
 
@@ -638,8 +652,49 @@ def test_device_screen_changes_no_verdict_and_no_report(monkeypatch, name, worke
         except jaxext.GradcheckError as err:
             reports.append((str(err), err.kind, err.num_mismatched, err.input_element))
     assert reports[1] == reports[0]
-    passes = name in {"correct", "correct_both_modes", "tiny_gradient_correct", "closure_constant"}
+    passes = name in {
+        "correct", "correct_both_modes", "tiny_gradient_correct", "closure_constant",
+        "dense_correct",
+    }  # fmt: skip
     assert (reports[0] is True) == passes
+
+
+@pytest.mark.parametrize("col0", [0, 7])
+def test_rows_screen_leaves_out_exactly_the_entries_whose_bits_are_set(x64, col0):
+    # A sparse tile's rows are screened against zeros on the device, except the entries
+    # the tile holds (their bits set), which the host checks: the device must pass a
+    # nonzero automatic entry exactly where its bit is set (19 columns: three bytes of
+    # bits, the last one partly used), from the tile's first column on.
+    from jaxext._checks._jacobians import FlatJacobians
+
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((6, 19)) * (rng.random((6, 19)) < 0.3)
+    jac = FlatJacobians(
+        lambda x: jnp.asarray(a) @ x, jnp.asarray(f64(0, (19,))), screen_min_entries=0
+    )
+    rows, width = jac.row_chunk, 19 - col0
+    nonzero = a[:, col0:] != 0
+
+    def clean(held):
+        left = np.packbits(np.pad(held, ((0, rows - 6), (0, 0))), axis=1, bitorder="little")
+        steps, noise = np.ones((1, width)), np.zeros((rows, 1))
+        call = jac.reverse_screened(
+            range(6), jac.zero_rows(width), left, noise, steps, col0, 1e-5, 1e-3
+        )
+        block, passed = call()
+        np.testing.assert_array_equal(
+            np.asarray(block)[:6], jax.jacrev(lambda x: a @ x)(np.ones(19))
+        )
+        return bool(passed)
+
+    assert nonzero.sum() > 5
+    assert clean(nonzero)
+    assert clean(np.ones_like(nonzero))
+    assert not clean(np.zeros_like(nonzero))
+    for i, j in np.argwhere(nonzero)[:5]:
+        held = nonzero.copy()
+        held[i, j] = False
+        assert not clean(held)
 
 
 # Programs one full check compiles: small, the merged one (differences, VJP rows and,

@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._jacobians import FlatJacobians, unit_blocks
+from ._jacobians import FlatJacobians, passes, unit_blocks
 
 __all__ = [
     "NOISE_ULPS",
@@ -394,10 +394,21 @@ class _Tile:
             if dense is not None:
                 offset = start - self.start
                 out[:, offset : offset + dense.shape[0]] = dense[:, first:stop].T
+        rows, cols, values = self.entries(first, stop)
+        out[rows, cols] = values
+        return out
+
+    @property
+    def sparse(self) -> bool:
+        """Whether every chunk is held as its nonzero entries (``entries`` has them all)."""
+        return all(dense is None for _, _, dense, _ in self.chunks)
+
+    def entries(self, first: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The sparse chunks' entries in rows ``[first, stop)``, as ``(rows - first,
+        columns in the tile, values)``, sorted by row, then by column."""
         rows, cols, values = self._sparse_by_row()
         lo, hi = np.searchsorted(rows, [first, stop])
-        out[rows[lo:hi] - first, cols[lo:hi]] = values[lo:hi]
-        return out
+        return rows[lo:hi] - first, cols[lo:hi], values[lo:hi]
 
     def _sparse_by_row(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The entries of all sparse chunks as ``(rows, columns in the tile, values)``,
@@ -522,7 +533,6 @@ def full_mismatches(
     atol: float,
     rtol: float,
     modes: Sequence[str],
-    tile_bytes: int = TILE_BYTES,
     cotangent: np.ndarray | None = None,
 ) -> dict[str, list[Mismatch]]:
     """Entrywise comparison of the full Jacobians, per mode (``"rev"``, ``"fwd"``).
@@ -576,7 +586,7 @@ def full_mismatches(
             tallies["fwd"].add(0, start, numerical.T, chunk.forward.T, relative.T)
         if "rev" in modes:
             tile.append(start, chunk.packed if chunk.packed is not None else tile.pack(numerical))
-            if tile.nbytes >= tile_bytes or stop == n:
+            if tile.nbytes >= TILE_BYTES or stop == n:
                 _stream_rows(
                     jac, tile, steps, noise, atol, rtol, tallies["rev"], linear, screen=screen
                 )
@@ -631,26 +641,52 @@ def _row_chunks(jac) -> Iterator[tuple[int, int]]:
 def _screened_rows(jac, tile, steps, noise, atol, rtol) -> Iterator[Callable[[], tuple]]:
     """Tasks for ``_in_order``: each computes a chunk of VJP rows (padded, on the device),
     screened in the same program against the tile's rows, and returns ``(start,
-    numerical, automatic)``, with ``automatic`` ``None`` where the rows pass the screen."""
+    numerical, automatic)``, with ``automatic`` ``None`` where the rows pass the screen.
+
+    A tile held as its nonzero entries alone (``_Tile.sparse``, the rule for large
+    problems) sends none of its rows to the device: the device screens the rows'
+    entries against zeros already there, except those the tile holds (their bits are
+    set), and the task checks those few on the host (the same test, ``passes``),
+    reading the automatic rows where the device left them."""
     rows = jac.row_chunk
     col0, col1 = tile.start, tile.stop
+    sparse = tile.sparse
+    if sparse:
+        tile.entries(0, 0)  # merged once, here, before the threads read them
+        zeros = jac.zero_rows(col1 - col0)
     for start, stop in _row_chunks(jac):
-        numerical, count = tile.rows(start, stop), stop - start
-        padded = numerical
-        if count < rows:
-            padded = np.zeros((rows, col1 - col0))
-            padded[:count] = numerical
+        count = stop - start
         padded_noise = np.zeros((rows, 1))
         padded_noise[:count, 0] = noise[start:stop]
+        held = np.zeros((rows, col1 - col0), bool)  # the entries the task checks
+        entries = None
+        if sparse:
+            entries = tile.entries(start, stop)
+            held[entries[:2]] = True
+            numerical = zeros
+        else:
+            numerical = tile.rows(start, stop)
+            if count < rows:
+                numerical = np.concatenate([numerical, np.zeros((rows - count, col1 - col0))])
+        left = np.packbits(held, axis=1, bitorder="little")
         call = jac.reverse_screened(
-            range(start, stop), padded, padded_noise, steps[None, col0:col1], col0, atol, rtol
-        )
+            range(start, stop), numerical, left, padded_noise, steps[None, col0:col1], col0,
+            atol, rtol,
+        )  # fmt: skip
 
-        def task(start=start, numerical=numerical, call=call, count=count) -> tuple:
+        def task(start=start, stop=stop, call=call, entries=entries) -> tuple:
             on_device, clean = call()
+            automatic = np.asarray(on_device)  # the device's memory, on the CPU
+            if bool(clean) and entries is not None:
+                r, c, values = entries
+                with np.errstate(invalid="ignore"):
+                    clean = passes(
+                        values, automatic[r, col0 + c], noise[start + r],
+                        steps[col0 + c], atol, rtol, xp=np,
+                    ).all()  # fmt: skip
             if bool(clean):
-                return start, numerical, None
-            return start, numerical, np.asarray(on_device)[:count, col0:col1]
+                return start, None, None
+            return start, tile.rows(start, stop), automatic[: stop - start, col0:col1]
 
         yield task
 

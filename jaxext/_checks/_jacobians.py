@@ -44,7 +44,15 @@ import numpy as np
 
 from ._quick import entries, quick_jit
 
-__all__ = ["CHUNK", "CHUNK_ENTRIES", "FlatJacobians", "chunk_size", "screen", "unit_blocks"]
+__all__ = [
+    "CHUNK",
+    "CHUNK_ENTRIES",
+    "FlatJacobians",
+    "chunk_size",
+    "passes",
+    "screen",
+    "unit_blocks",
+]
 
 CHUNK = 128  # most rows or columns per compiled call
 CHUNK_ENTRIES = 2**21  # most entries of one stacked array per call (16 MiB in float64)
@@ -168,7 +176,8 @@ class FlatJacobians:
         def vjp_rows(x, ks, count, extra, *screen_args):
             # Row i < count is the pullback of the one-hot cotangent e_k (k = ks[i]), or of
             # `extra` where k < 0 (the rows past count are zero); for a screened problem,
-            # the rows are screened against `numerical` in the same program (`screen`).
+            # the rows are screened against `numerical` in the same program (`screen`),
+            # except the entries whose bits are set in `left` (the caller checks those).
             y, pullback = vjp(x)
 
             def body(i, rows):
@@ -177,9 +186,11 @@ class FlatJacobians:
             rows = jax.lax.fori_loop(0, count, body, jnp.zeros((ks.shape[0], n)))
             if not screen_args:
                 return y, rows
-            numerical, noise, steps, valid, col0, atol, rtol = screen_args
-            automatic = jax.lax.dynamic_slice_in_dim(rows, col0, numerical.shape[1], axis=1)
-            return y, rows, screen(numerical, automatic, noise, steps, valid, atol, rtol)
+            numerical, left, noise, steps, valid, col0, atol, rtol = screen_args
+            width = numerical.shape[1]
+            automatic = jax.lax.dynamic_slice_in_dim(rows, col0, width, axis=1)
+            unset = jnp.unpackbits(left, axis=1, count=width, bitorder="little") == 0
+            return y, rows, screen(numerical, automatic, noise, steps, valid & unset, atol, rtol)
 
         def jvp_columns(x, ks, extra):
             y, jvp_fn = jax.linearize(f, x)
@@ -225,6 +236,7 @@ class FlatJacobians:
         self._jvp_columns = _Program(quick_jit(jvp_columns, work))
         self._screen = _Program(_SCREEN)
         self._call = jax.jit(f)
+        self._zero_rows: dict[int, jax.Array] = {}
 
     def _require_screen(self, method: str) -> None:
         if not self.screened:
@@ -269,14 +281,21 @@ class FlatJacobians:
         """A screen that checks nothing (``valid`` all false), put on the device once: a
         block of rows is megabytes, and ``vjp``, ``reverse`` and the primal pass one."""
         rows, n = self.row_chunk, self.n
+        rest = (
+            np.zeros((rows, -(-n // 8)), np.uint8), np.zeros((rows, 1)), np.ones((1, n)),
+            np.zeros((rows, 1), bool),
+        )  # fmt: skip
         with jax.enable_x64(True):
-            return tuple(
-                jax.device_put(a)
-                for a in (
-                    np.zeros((rows, n)), np.zeros((rows, 1)), np.ones((1, n)),
-                    np.zeros((rows, 1), bool),
-                )
-            )  # fmt: skip
+            return (self.zero_rows(n), *(jax.device_put(a) for a in rest))
+
+    def zero_rows(self, width: int) -> jax.Array:
+        """A ``(row_chunk, width)`` block of zeros on the device (made once per width):
+        the numerical rows of ``reverse_screened`` where the caller checks their
+        nonzero entries itself."""
+        if width not in self._zero_rows:
+            with jax.enable_x64(True):
+                self._zero_rows[width] = jax.device_put(np.zeros((self.row_chunk, width)))
+        return self._zero_rows[width]
 
     def compile_ahead(self, forward: bool) -> None:
         """Starts compiling the programs, side by side, before their first use.
@@ -429,18 +448,23 @@ class FlatJacobians:
         return call
 
     def reverse_screened(
-        self, rows: Sequence[int] | range, numerical, noise, steps, col0, atol, rtol
+        self, rows: Sequence[int] | range, numerical, left, noise, steps, col0, atol, rtol
     ) -> Callable[[], tuple[jax.Array, jax.Array]]:
         """``reverse``'s block, left on the device and padded to ``row_chunk`` rows, and
         ``screen`` of its columns ``col0 ..`` against ``numerical`` (rows past
         ``len(rows)`` are padding and pass), as a call that any thread can make: a
-        function of no arguments that returns ``(block, clean)``."""
+        function of no arguments that returns ``(block, clean)``.
+
+        ``left`` holds a bit per entry of ``numerical`` (``np.packbits`` of a boolean
+        array along its rows, ``bitorder="little"``): the entries whose bit is set are
+        left out of the screen, for the caller to check (``numerical`` can then be
+        ``zero_rows``, already on the device, with the bits of its nonzero entries set)."""
         self._require_screen("reverse_screened")
         ks, count = _padded(rows, self.row_chunk)
         valid = (np.arange(self.row_chunk) < count)[:, None]
         args = (
-            self.x0, ks, count, np.zeros(self.m), numerical, noise, steps, valid, int(col0),
-            float(atol), float(rtol),
+            self.x0, ks, count, np.zeros(self.m), numerical, left, noise, steps, valid,
+            int(col0), float(atol), float(rtol),
         )  # fmt: skip
         run = self._vjp_rows.bind(*args)
 
@@ -496,8 +520,9 @@ class FlatJacobians:
         return np.asarray(self._call(plus)) - np.asarray(self._call(minus)), 2 * eps
 
 
-def screen(numerical, automatic, noise, steps, valid, atol, rtol):
-    """Whether every valid entry of a chunk passes with room to spare.
+def passes(numerical, automatic, noise, steps, atol, rtol, xp: Any = jnp):
+    """Whether each entry of a chunk passes with room to spare (``xp``: ``jax.numpy``,
+    or ``numpy`` for the same test on the host).
 
     ``noise`` and ``steps`` broadcast against ``numerical`` and ``automatic`` as in the
     host comparison (``_compare``). An entry passes the screen when
@@ -506,13 +531,17 @@ def screen(numerical, automatic, noise, steps, valid, atol, rtol):
     entry passes it, and by a margin that rounding cannot eat (an entry with ``n = 0``,
     or a NaN anywhere, must pass without ``atol``).
     """
-    magnitude = jnp.abs(numerical)
+    magnitude = xp.abs(numerical)
     relative = rtol * magnitude + noise / steps
-    over = jnp.abs(automatic - numerical) - relative
-    finite = jnp.isfinite(numerical)
-    margin = 0.5 * atol * jnp.where(finite, jnp.minimum(magnitude, 1.0), 0.0)
-    clean = jnp.all((over <= margin) | ~valid)
-    return clean
+    over = xp.abs(automatic - numerical) - relative
+    finite = xp.isfinite(numerical)
+    margin = 0.5 * atol * xp.where(finite, xp.minimum(magnitude, 1.0), 0.0)
+    return over <= margin
+
+
+def screen(numerical, automatic, noise, steps, valid, atol, rtol):
+    """Whether every valid entry of a chunk ``passes``."""
+    return jnp.all(passes(numerical, automatic, noise, steps, atol, rtol) | ~valid)
 
 
 _SCREEN = jax.jit(screen)
