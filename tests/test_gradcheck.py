@@ -664,7 +664,8 @@ def test_rows_screen_leaves_out_exactly_the_entries_whose_bits_are_set(x64, col0
     # A sparse tile's rows are screened against zeros on the device, except the entries
     # the tile holds (their bits set), which the host checks: the device must pass a
     # nonzero automatic entry exactly where its bit is set (19 columns: three bytes of
-    # bits, the last one partly used), from the tile's first column on.
+    # bits, the last one partly used), from the tile's first column on; a dense tile's
+    # rows are screened against the rows sent, with the same bits.
     from jaxext._checks._jacobians import FlatJacobians
 
     rng = np.random.default_rng(3)
@@ -675,12 +676,12 @@ def test_rows_screen_leaves_out_exactly_the_entries_whose_bits_are_set(x64, col0
     rows, width = jac.row_chunk, 19 - col0
     nonzero = a[:, col0:] != 0
 
-    def clean(held):
+    def clean(held, numerical=None):
         left = np.packbits(np.pad(held, ((0, rows - 6), (0, 0))), axis=1, bitorder="little")
         steps, noise = np.ones((1, width)), np.zeros((rows, 1))
-        call = jac.reverse_screened(
-            range(6), jac.zero_rows(width), left, noise, steps, col0, 1e-5, 1e-3
-        )
+        if numerical is not None:
+            numerical = np.pad(numerical, ((0, rows - 6), (0, 0)))
+        call = jac.reverse_screened(range(6), numerical, left, noise, steps, col0, 1e-5, 1e-3)
         block, passed = call()
         np.testing.assert_array_equal(
             np.asarray(block)[:6], jax.jacrev(lambda x: a @ x)(np.ones(19))
@@ -695,6 +696,11 @@ def test_rows_screen_leaves_out_exactly_the_entries_whose_bits_are_set(x64, col0
         held = nonzero.copy()
         held[i, j] = False
         assert not clean(held)
+        assert clean(held, a[:, col0:])  # the rows themselves, on the device
+        numerical = a[:, col0:].copy()
+        numerical[i, j] = 0.0
+        assert not clean(np.zeros_like(nonzero), numerical)
+        assert clean(~held, numerical)  # the entry that differs is left out
 
 
 # Programs one full check compiles: small, the merged one (differences, VJP rows and,

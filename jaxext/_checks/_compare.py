@@ -653,7 +653,6 @@ def _screened_rows(jac, tile, steps, noise, atol, rtol) -> Iterator[Callable[[],
     sparse = tile.sparse
     if sparse:
         tile.entries(0, 0)  # merged once, here, before the threads read them
-        zeros = jac.zero_rows(col1 - col0)
     for start, stop in _row_chunks(jac):
         count = stop - start
         padded_noise = np.zeros((rows, 1))
@@ -663,7 +662,7 @@ def _screened_rows(jac, tile, steps, noise, atol, rtol) -> Iterator[Callable[[],
         if sparse:
             entries = tile.entries(start, stop)
             held[entries[:2]] = True
-            numerical = zeros
+            numerical = None
         else:
             numerical = tile.rows(start, stop)
             if count < rows:

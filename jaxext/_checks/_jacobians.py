@@ -289,9 +289,7 @@ class FlatJacobians:
             return (self.zero_rows(n), *(jax.device_put(a) for a in rest))
 
     def zero_rows(self, width: int) -> jax.Array:
-        """A ``(row_chunk, width)`` block of zeros on the device (made once per width):
-        the numerical rows of ``reverse_screened`` where the caller checks their
-        nonzero entries itself."""
+        """A ``(row_chunk, width)`` block of zeros on the device (made once per width)."""
         if width not in self._zero_rows:
             with jax.enable_x64(True):
                 self._zero_rows[width] = jax.device_put(np.zeros((self.row_chunk, width)))
@@ -455,13 +453,16 @@ class FlatJacobians:
         ``len(rows)`` are padding and pass), as a call that any thread can make: a
         function of no arguments that returns ``(block, clean)``.
 
-        ``left`` holds a bit per entry of ``numerical`` (``np.packbits`` of a boolean
-        array along its rows, ``bitorder="little"``): the entries whose bit is set are
-        left out of the screen, for the caller to check (``numerical`` can then be
-        ``zero_rows``, already on the device, with the bits of its nonzero entries set)."""
+        ``numerical`` is the ``(row_chunk, width)`` block of rows, or ``None`` to screen
+        against zeros (kept on the device: nothing is sent). ``left`` holds a bit per entry
+        (``np.packbits`` of a boolean array along its rows, ``bitorder="little"``): the
+        entries whose bit is set are left out of the screen, for the caller to check
+        (the nonzero entries of a sparse block, with ``numerical`` ``None``)."""
         self._require_screen("reverse_screened")
         ks, count = _padded(rows, self.row_chunk)
         valid = (np.arange(self.row_chunk) < count)[:, None]
+        if numerical is None:
+            numerical = self.zero_rows(steps.shape[1])  # already on the device
         args = (
             self.x0, ks, count, np.zeros(self.m), numerical, left, noise, steps, valid,
             int(col0), float(atol), float(rtol),
