@@ -361,7 +361,6 @@ class _Tile:
         self.start = self.stop = start
         self.nbytes = 0
         self.chunks: list[tuple[int, int, np.ndarray | None, tuple | None]] = []
-        self._by_row: tuple | None = None  # the sparse chunks' entries, merged (``rows``)
 
     @staticmethod
     def pack(block: np.ndarray) -> tuple[np.ndarray | None, tuple | None, int, int]:
@@ -385,7 +384,6 @@ class _Tile:
         self.chunks.append((start, columns, dense, sparse))
         self.nbytes += nbytes
         self.stop = start + columns
-        self._by_row = None
 
     def rows(self, first: int, stop: int) -> np.ndarray:
         """The dense ``(stop - first, self.stop - self.start)`` block of rows ``[first, stop)``."""
@@ -405,24 +403,17 @@ class _Tile:
 
     def entries(self, first: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The sparse chunks' entries in rows ``[first, stop)``, as ``(rows - first,
-        columns in the tile, values)``, sorted by row, then by column."""
-        rows, cols, values = self._sparse_by_row()
-        lo, hi = np.searchsorted(rows, [first, stop])
-        return rows[lo:hi] - first, cols[lo:hi], values[lo:hi]
-
-    def _sparse_by_row(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The entries of all sparse chunks as ``(rows, columns in the tile, values)``,
-        sorted by row: merged once, so that each call of ``rows`` takes one slice
-        (a tile of many chunks is read a chunk of rows at a time)."""
-        if self._by_row is None:
-            sparse = [(start - self.start, s) for start, _, _, s in self.chunks if s is not None]
-            none = np.zeros(0, np.int32)
-            rows = np.concatenate([none] + [s[0] for _, s in sparse])
-            cols = np.concatenate([none] + [s[1] + np.int32(offset) for offset, s in sparse])
-            values = np.concatenate([np.zeros(0)] + [s[2] for _, s in sparse])
-            order = np.argsort(rows, kind="stable")
-            self._by_row = (rows[order], cols[order], values[order])
-        return self._by_row
+        columns in the tile, values)``, chunk after chunk (each sorted by row): a slice
+        of each, nothing merged or sorted (a tile of many chunks is read a chunk of
+        rows at a time, and the entries of one chunk of rows go where their indices say)."""
+        parts = [(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0))]
+        for start, _, _, sparse in self.chunks:
+            if sparse is not None:
+                rows, cols, values = sparse
+                lo, hi = np.searchsorted(rows, [first, stop])
+                offset = start - self.start
+                parts.append((rows[lo:hi] - first, cols[lo:hi] + offset, values[lo:hi]))
+        return tuple(np.concatenate(arrays) for arrays in zip(*parts, strict=True))
 
     def weighted(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(u^T N, |u|^T |N|)`` for the tile's columns ``N`` (all ``m`` rows)."""
@@ -651,8 +642,6 @@ def _screened_rows(jac, tile, steps, noise, atol, rtol) -> Iterator[Callable[[],
     rows = jac.row_chunk
     col0, col1 = tile.start, tile.stop
     sparse = tile.sparse
-    if sparse:
-        tile.entries(0, 0)  # merged once, here, before the threads read them
     for start, stop in _row_chunks(jac):
         count = stop - start
         padded_noise = np.zeros((rows, 1))
