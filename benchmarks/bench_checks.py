@@ -12,7 +12,8 @@ since every call of a checker compiles the function it checks):
 * sweep: ``jaxext.gradcheck`` (full method, ``fast_mode=False``) against
   ``torch.autograd.gradcheck(..., fast_mode=False)`` on linear with x s x s, w 1.5s x s in
   float64, from 1e5 to 1e9 Jacobian entries. Each size runs in fresh processes, jaxext's
-  then torch's (interleaved, so both see the same machine load): cold is the first call,
+  then torch's (interleaved, so both see the same machine load), in ``--sweep-rounds``
+  rounds (medians reported, the ratio as the median of the rounds' ratios): cold is the first call,
   warm a second one in the same process (for first calls under ``--warm-max-s``), with
   the process's peak resident memory (JAX or torch itself included). torch runs while
   its time, extrapolated from the previous size by the number of entries, stays under
@@ -244,7 +245,40 @@ def _sweep_one(checker: str, s: int, warm_max_s: float) -> dict[str, Any]:
     return result
 
 
-def bench_sweep(torch_max_s: float, warm_max_s: float, sizes=SWEEP_SIZES) -> list[dict[str, Any]]:
+def _sweep_child(checker: str, s: int, warm_max_s: float) -> dict[str, Any]:
+    """``_sweep_one`` in a fresh process, with the load average when it started."""
+    load = os.getloadavg()[0]
+    out = subprocess.run(
+        [sys.executable, __file__, "--sweep-one", checker, str(s), str(warm_max_s)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result["load_before"] = load
+    return result
+
+
+def _median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One checker's rounds at one size: medians of its times, all of its runs."""
+    warm = [run["warm_s"] for run in runs if run["warm_s"] is not None]
+    summary = {
+        "cold_s": statistics.median(run["cold_s"] for run in runs),
+        "warm_s": statistics.median(warm) if warm else None,
+        "peak_rss_gib": max(run["peak_rss_gib"] for run in runs),
+        "load_before": statistics.median(run["load_before"] for run in runs),
+        "rounds": runs,
+    }
+    if "threads" in runs[0]:
+        summary["threads"] = runs[0]["threads"]
+    return summary
+
+
+def bench_sweep(
+    torch_max_s: float, warm_max_s: float, sizes=SWEEP_SIZES, rounds: int = 3
+) -> list[dict[str, Any]]:
+    """Each size in ``rounds`` rounds of fresh processes, jaxext's then torch's (paired:
+    both see the same machine load); the ratio is the median of the rounds' ratios."""
     rows, torch_estimate, previous = [], 0.0, None
     for s in sizes:
         x_shape, w_shape, n, m = _sweep_shapes(s)
@@ -259,18 +293,16 @@ def bench_sweep(torch_max_s: float, warm_max_s: float, sizes=SWEEP_SIZES) -> lis
             torch_estimate = previous[0] * (n * m) / previous[1]
         if torch_max_s > 0 and torch_estimate < torch_max_s:
             checkers.append("torch")
+        runs: dict[str, list[dict[str, Any]]] = {checker: [] for checker in checkers}
+        for _ in range(rounds):
+            for checker in checkers:
+                runs[checker].append(_sweep_child(checker, s, warm_max_s))
+                print(checker, row["problem"], runs[checker][-1], flush=True)
         for checker in checkers:
-            load = os.getloadavg()[0]
-            out = subprocess.run(
-                [sys.executable, __file__, "--sweep-one", checker, str(s), str(warm_max_s)],
-                capture_output=True,
-                text=True,
-                check=True,
-            )
-            row[checker] = json.loads(out.stdout.strip().splitlines()[-1])
-            row[checker]["load_before"] = load
-            print(checker, row["problem"], row[checker], flush=True)
+            row[checker] = _median_of(runs[checker])
         if "torch" in row:
+            pairs = zip(runs["torch"], runs["jaxext"], strict=True)
+            row["ratio_cold_rounds"] = [t["cold_s"] / j["cold_s"] for t, j in pairs]
             previous = (row["torch"]["cold_s"], n * m)
         else:
             row["torch_skipped_estimate_s"] = torch_estimate
@@ -298,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--torch-threads", type=int, default=0, help="torch's intra-op threads (0: its default)"
     )
+    parser.add_argument(
+        "--sweep-rounds", type=int, default=3, help="sweep: paired rounds of processes per size"
+    )
     parser.add_argument("--cold-one", choices=["jaxext", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--sweep-one", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -315,7 +350,9 @@ def main(argv: list[str] | None = None) -> int:
         "note": args.note,
         "gradcheck": bench_gradcheck(args.repeats, 0 if args.quick else args.torch_repeats),
         "opcheck": bench_opcheck(1 if args.quick else args.repeats),
-        "sweep": [] if args.quick else bench_sweep(args.torch_max_s, args.warm_max_s, args.sizes),
+        "sweep": []
+        if args.quick
+        else bench_sweep(args.torch_max_s, args.warm_max_s, args.sizes, args.sweep_rounds),
         "large": bench_large() if args.large and not args.quick else [],
     }
     results["load_average"] = {"before": load_before, "after": os.getloadavg()}

@@ -489,11 +489,13 @@ def _render_sweep(rows: list[dict[str, Any]]) -> list[str]:
         "",
         "x s x s, w 1.5s x s: `jaxext.gradcheck(jaxext.linear, (x, w), fast_mode=False)` and "
         "`torch.autograd.gradcheck(F.linear, (x, w), fast_mode=False)`, both comparing every "
-        "Jacobian entry. Each cell is a fresh process, jaxext's then torch's at each size "
-        "(interleaved: both see the same machine load, given as the 1-minute load average "
-        "when the process started). Cold: the process's first call; warm: a second call "
-        "(run only after a short first one). Ratio: torch time / jaxext time. Peak RSS: "
-        "the whole process's, JAX or torch included. torch is not run (-) where its time, "
+        "Jacobian entry. Each run is a fresh process, jaxext's then torch's at each size, "
+        f"in {_rounds_text(rows)} rounds (paired: both see the same machine load, given as "
+        "the median 1-minute load average when the processes started); times are the "
+        "medians of the rounds. Cold: the process's first call; warm: a second call "
+        "(run only after a short first one). Ratio: torch time / jaxext time, cold: the "
+        "median of the rounds' ratios (each round's in the last column). Peak RSS: the "
+        "whole process's, JAX or torch included. torch is not run (-) where its time, "
         "extrapolated from the previous size by the number of entries, exceeds the limit. "
         f"torch runs with {_torch_threads_text(rows)} intra-op threads "
         "(`--torch-threads`; its default is one per core): on an idle machine its default "
@@ -504,12 +506,14 @@ def _render_sweep(rows: list[dict[str, Any]]) -> list[str]:
         "",
         "| s | inputs x outputs | entries | jaxext cold s | jaxext warm s | torch cold s | "
         "torch warm s | ratio cold | ratio warm | jaxext peak RSS GiB | torch peak RSS GiB | "
-        "load (jaxext / torch) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "load (jaxext / torch) | ratio cold per round |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         j, t = row["jaxext"], row.get("torch")
-        ratio_cold = f"{t['cold_s'] / j['cold_s']:.1f}x" if t else "-"
+        ratios = row.get("ratio_cold_rounds") or ([t["cold_s"] / j["cold_s"]] if t else [])
+        ratio_cold = f"{statistics.median(ratios):.1f}x" if ratios else "-"
+        each = " / ".join(f"{r:.2f}" for r in ratios) or "-"
         ratio_warm = (
             f"{t['warm_s'] / j['warm_s']:.1f}x" if t and t["warm_s"] and j["warm_s"] else "-"
         )
@@ -521,9 +525,15 @@ def _render_sweep(rows: list[dict[str, Any]]) -> list[str]:
             f"{seconds(j['cold_s'])} | {seconds(j['warm_s'])} | "
             f"{seconds(t['cold_s'] if t else None)} | {seconds(t['warm_s'] if t else None)} | "
             f"{ratio_cold} | {ratio_warm} | {j['peak_rss_gib']:.2f} | {torch_rss} | "
-            f"{j['load_before']:.1f} / {torch_load} |"
+            f"{j['load_before']:.1f} / {torch_load} | {each} |"
         )
     return lines
+
+
+def _rounds_text(rows: list[dict[str, Any]]) -> str:
+    """How many paired rounds the sweep ran (one in runs recorded before rounds)."""
+    counts = sorted({len(row["jaxext"].get("rounds", [None])) for row in rows})
+    return " / ".join(str(c) for c in counts)
 
 
 # -- bench_cpp_extension.py ---------------------------------------------------------------
