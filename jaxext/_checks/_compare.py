@@ -646,17 +646,16 @@ def _screened_rows(jac, tile, steps, noise, atol, rtol) -> Iterator[Callable[[],
         count = stop - start
         padded_noise = np.zeros((rows, 1))
         padded_noise[:count, 0] = noise[start:stop]
-        held = np.zeros((rows, col1 - col0), bool)  # the entries the task checks
-        entries = None
-        if sparse:
+        if sparse:  # the device screens zeros, the task the entries held (their bits set)
             entries = tile.entries(start, stop)
+            held = np.zeros((rows, col1 - col0), bool)
             held[entries[:2]] = True
-            numerical = None
+            numerical, left = None, np.packbits(held, axis=1, bitorder="little")
         else:
+            entries, left = None, np.zeros((rows, -(-(col1 - col0) // 8)), np.uint8)
             numerical = tile.rows(start, stop)
             if count < rows:
                 numerical = np.concatenate([numerical, np.zeros((rows - count, col1 - col0))])
-        left = np.packbits(held, axis=1, bitorder="little")
         call = jac.reverse_screened(
             range(start, stop), numerical, left, padded_noise, steps[None, col0:col1], col0,
             atol, rtol,
@@ -664,16 +663,19 @@ def _screened_rows(jac, tile, steps, noise, atol, rtol) -> Iterator[Callable[[],
 
         def task(start=start, stop=stop, call=call, entries=entries) -> tuple:
             on_device, clean = call()
-            automatic = np.asarray(on_device)  # the device's memory, on the CPU
-            if bool(clean) and entries is not None:
+            clean = bool(clean)
+            if clean and entries is None:
+                return start, None, None
+            automatic = np.asarray(on_device)  # no copy on the CPU
+            if clean:
                 r, c, values = entries
                 with np.errstate(invalid="ignore"):
                     clean = passes(
                         values, automatic[r, col0 + c], noise[start + r],
                         steps[col0 + c], atol, rtol, xp=np,
                     ).all()  # fmt: skip
-            if bool(clean):
-                return start, None, None
+                if clean:
+                    return start, None, None
             return start, tile.rows(start, stop), automatic[: stop - start, col0:col1]
 
         yield task

@@ -236,7 +236,7 @@ class FlatJacobians:
         self._jvp_columns = _Program(quick_jit(jvp_columns, work))
         self._screen = _Program(_SCREEN)
         self._call = jax.jit(f)
-        self._zero_rows: dict[int, jax.Array] = {}
+        self._zero_blocks: dict[int, jax.Array] = {}
 
     def _require_screen(self, method: str) -> None:
         if not self.screened:
@@ -286,14 +286,14 @@ class FlatJacobians:
             np.zeros((rows, 1), bool),
         )  # fmt: skip
         with jax.enable_x64(True):
-            return (self.zero_rows(n), *(jax.device_put(a) for a in rest))
+            return (self._zeros(n), *(jax.device_put(a) for a in rest))
 
-    def zero_rows(self, width: int) -> jax.Array:
+    def _zeros(self, width: int) -> jax.Array:
         """A ``(row_chunk, width)`` block of zeros on the device (made once per width)."""
-        if width not in self._zero_rows:
+        if width not in self._zero_blocks:
             with jax.enable_x64(True):
-                self._zero_rows[width] = jax.device_put(np.zeros((self.row_chunk, width)))
-        return self._zero_rows[width]
+                self._zero_blocks[width] = jax.device_put(np.zeros((self.row_chunk, width)))
+        return self._zero_blocks[width]
 
     def compile_ahead(self, forward: bool) -> None:
         """Starts compiling the programs, side by side, before their first use.
@@ -462,7 +462,7 @@ class FlatJacobians:
         ks, count = _padded(rows, self.row_chunk)
         valid = (np.arange(self.row_chunk) < count)[:, None]
         if numerical is None:
-            numerical = self.zero_rows(steps.shape[1])  # already on the device
+            numerical = self._zeros(steps.shape[1])  # already on the device
         args = (
             self.x0, ks, count, np.zeros(self.m), numerical, left, noise, steps, valid,
             int(col0), float(atol), float(rtol),
