@@ -532,7 +532,7 @@ def _render_sweep(rows: list[dict[str, Any]]) -> list[str]:
 
 def _rounds_text(rows: list[dict[str, Any]]) -> str:
     """How many paired rounds the sweep ran (one in runs recorded before rounds)."""
-    counts = sorted({len(row["jaxext"].get("rounds", [None])) for row in rows})
+    counts = sorted({len(row["jaxext"].get("rounds", ())) or 1 for row in rows})
     return " / ".join(str(c) for c in counts)
 
 
