@@ -585,6 +585,14 @@ def test_tile_gives_back_the_rows_of_its_chunks(density):
     assert (tile.start, tile.stop) == (10, 10 + sum(widths))
     for first, stop in [(0, m), (0, 1), (5, 17), (36, 37), (12, 12)]:
         np.testing.assert_array_equal(tile.rows(first, stop), expected[first:stop])
+    # The entries of the chunks held sparse, span of rows by span, in one pass.
+    held = np.concatenate([np.full(width, dense is None) for _, width, dense, _ in tile.chunks])
+    edges = [0, 5, 5, 17, 36, 37]
+    spans = tile.entries(edges)
+    for first, stop, (rows, cols, values) in zip(edges[:-1], edges[1:], spans, strict=True):
+        got = np.zeros((stop - first, held.size))
+        got[rows, cols] = values
+        np.testing.assert_array_equal(got, np.where(held, expected[first:stop], 0.0))
 
 
 def _tiny_x_linear(scale):
@@ -628,6 +636,14 @@ SCREEN_CASES = {
         lambda x, w: _BROKEN_LINEAR["wrong_sign"](x, w) + jnp.sum(jnp.sin(x)), ((6, 5), (7, 5)),
         ("rev",),
     ),
+    # Two outputs, one with a tiny gradient: each block pair's scale comes from its own
+    # output block's columns (the chunks' maxima per output block).
+    "two_outputs_tiny_2x": (
+        lambda x, w: (CORRECT(x, w), _tiny_x_linear(2.0)(x, w)), ((6, 5), (7, 5)), ("rev",),
+    ),
+    "two_outputs_tiny_correct": (
+        lambda x, w: (_tiny_x_linear(1.0)(x, w), CORRECT(x, w)), ((6, 5), (7, 5)), ("rev",),
+    ),
 }  # fmt: skip
 
 
@@ -654,9 +670,33 @@ def test_device_screen_changes_no_verdict_and_no_report(monkeypatch, name, worke
     assert reports[1] == reports[0]
     passes = name in {
         "correct", "correct_both_modes", "tiny_gradient_correct", "closure_constant",
-        "dense_correct",
+        "dense_correct", "two_outputs_tiny_correct",
     }  # fmt: skip
     assert (reports[0] is True) == passes
+
+
+@pytest.mark.parametrize("bounds", [((0, 37),), ((0, 10), (10, 10), (10, 30), (30, 37))])
+@pytest.mark.parametrize("density", [0.02, 0.9])
+def test_column_maxima_per_output_block(density, bounds):
+    # The scale of each block pair comes from the chunks' largest finite |n| per column
+    # and output block, taken from the chunk as the tile holds it (dense or its nonzero
+    # entries): NaN and infinities left out, an empty block or a column with no entry
+    # there gives 0, and the last columns count even where they are all zero.
+    from jaxext._checks._compare import _column_maxima, _Tile
+
+    rng = np.random.default_rng(int(density * 100) + len(bounds))
+    block = rng.standard_normal((9, 37)) * (rng.random((9, 37)) < density)
+    block[1, 12], block[2, 0], block[3, 33] = np.nan, np.inf, -np.inf
+    block[2, 1], block[8] = -7.5, 0.0
+    packed = _Tile.pack(block)
+    assert (packed[0] is None) == (density < 0.5)
+    expected = np.zeros((9, len(bounds)))
+    for column in range(9):
+        for i, (lo, hi) in enumerate(bounds):
+            for value in block[column, lo:hi]:
+                if np.isfinite(value):
+                    expected[column, i] = max(expected[column, i], abs(value))
+    np.testing.assert_array_equal(_column_maxima(packed, bounds), expected)
 
 
 @pytest.mark.parametrize("col0", [0, 7])
@@ -759,11 +799,10 @@ def test_screened_programs_compute_the_same_chunks(x64, monkeypatch, merged):
         np.testing.assert_array_equal(jac.reverse(range(2, 7))[1], lean.reverse(range(2, 7))[1])
         reference = jax.grad(lambda x: f(x).sum())(x0)
         np.testing.assert_allclose(jac.vjp(np.ones(7))[1], reference, rtol=1e-14, atol=1e-15)
-    block, maxima, steps, count = screened.numerical_on_device(cols, eps)()
+    block, steps, count = screened.numerical_on_device(cols, eps)()
     expected, expected_steps = lean.numerical(cols, eps)
     assert count == 6
     np.testing.assert_array_equal(np.asarray(block)[:count], expected)
-    np.testing.assert_array_equal(np.asarray(maxima)[:count, 0], np.abs(expected).max(axis=1))
     np.testing.assert_array_equal(steps[:count], expected_steps)
     with pytest.raises(ValueError, match="`numerical_on_device` needs the screen"):
         lean.numerical_on_device(cols, eps)
@@ -843,7 +882,7 @@ def test_programs_run_from_worker_threads_as_compiled(x64):
 
     from jaxext._checks._jacobians import FlatJacobians
 
-    jac = FlatJacobians(lambda x: jnp.sin(x) * 3.0, jnp.asarray(f64(0, (5,))), None, None, 0)
+    jac = FlatJacobians(lambda x: jnp.sin(x) * 3.0, jnp.asarray(f64(0, (5,))), None, 0)
     call = jac.numerical_on_device(range(5), 1e-7)
     expected = jac.numerical(range(5), 1e-7)[0]
     results = {}

@@ -42,13 +42,10 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ._jacobians import FlatJacobians, passes, unit_blocks
@@ -392,7 +389,7 @@ class _Tile:
             if dense is not None:
                 offset = start - self.start
                 out[:, offset : offset + dense.shape[0]] = dense[:, first:stop].T
-        rows, cols, values = self.entries(first, stop)
+        rows, cols, values = next(self.entries([first, stop]))
         out[rows, cols] = values
         return out
 
@@ -401,19 +398,28 @@ class _Tile:
         """Whether every chunk is held as its nonzero entries (``entries`` has them all)."""
         return all(dense is None for _, _, dense, _ in self.chunks)
 
-    def entries(self, first: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The sparse chunks' entries in rows ``[first, stop)``, as ``(rows - first,
-        columns in the tile, values)``, chunk after chunk (each sorted by row): a slice
-        of each, nothing merged or sorted (a tile of many chunks is read a chunk of
-        rows at a time, and the entries of one chunk of rows go where their indices say)."""
-        parts = [(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0))]
-        for start, _, _, sparse in self.chunks:
-            if sparse is not None:
-                rows, cols, values = sparse
-                lo, hi = np.searchsorted(rows, [first, stop])
-                offset = start - self.start
-                parts.append((rows[lo:hi] - first, cols[lo:hi] + offset, values[lo:hi]))
-        return tuple(np.concatenate(arrays) for arrays in zip(*parts, strict=True))
+    def entries(self, edges: Sequence[int]) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """For each span of rows ``[edges[i], edges[i + 1])``, the sparse chunks' entries
+        there, as ``(rows - edges[i], columns in the tile, values)``, chunk after chunk
+        (each sorted by row): slices of each chunk, nothing merged or sorted (a tile of
+        many chunks is read a span of rows at a time, and the entries of a span go
+        where their indices say), one search per chunk for all the spans."""
+        edges = np.asarray(edges, np.int32)  # as the rows: searched without a cast
+        empty = (np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0))
+        chunks = [
+            (start - self.start, sparse, np.searchsorted(sparse[0], edges).tolist())
+            for start, _, _, sparse in self.chunks
+            if sparse is not None
+        ]
+        for i in range(len(edges) - 1):
+            parts, offsets, counts = [empty], [0], [0]
+            for offset, (rows, cols, values), bounds in chunks:
+                lo, hi = bounds[i], bounds[i + 1]
+                parts.append((rows[lo:hi], cols[lo:hi], values[lo:hi]))
+                offsets.append(offset)
+                counts.append(hi - lo)
+            rows, cols, values = (np.concatenate(arrays) for arrays in zip(*parts, strict=True))
+            yield rows - edges[i], cols + np.repeat(offsets, counts).astype(np.int32), values
 
     def weighted(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(u^T N, |u|^T |N|)`` for the tile's columns ``N`` (all ``m`` rows)."""
@@ -440,17 +446,15 @@ class _Columns:
     """One chunk of columns of the numerical Jacobian, on the host, and what goes with it.
 
     ``numerical`` is the transposed block (``count`` rows); ``maxima`` its largest
-    finite ``|n|`` per column and output block (screened problems; ``block`` is the
-    padded block on the device where the maxima are still to be taken); ``forward``
-    the JVP columns to compare on the host (``None`` where there are none, or where
-    the screen passed them); ``packed`` the block as the tile holds it.
+    finite ``|n|`` per column and output block (screened problems); ``forward`` the
+    JVP columns to compare on the host (``None`` where there are none, or where the
+    screen passed them); ``packed`` the block as the tile holds it.
     """
 
     start: int
     numerical: np.ndarray
     steps: np.ndarray
     maxima: np.ndarray | None = None
-    block: Any = None
     forward: np.ndarray | None = None
     packed: tuple | None = None
 
@@ -465,23 +469,23 @@ def _host_columns(jac: FlatJacobians, eps, forward: bool) -> Iterator[_Columns]:
 
 
 def _screened_columns(
-    jac: FlatJacobians, eps, noise, atol, rtol, *, forward: bool, pack: bool, maxima: bool
+    jac: FlatJacobians, eps, noise, atol, rtol, *, forward: bool, pack: bool, bounds: tuple
 ) -> Iterator[Callable[[], _Columns]]:
     """Tasks for ``_in_order``: each computes a chunk of columns on the device (and
-    screens its JVP columns there) and brings to the host what the comparison needs."""
+    screens its JVP columns there) and brings to the host what the comparison needs:
+    its column maxima per output block (``bounds``) and, with ``pack``, the block as
+    the tile holds it."""
     for start in range(0, jac.n, jac.col_chunk):
         cols = range(start, min(jac.n, start + jac.col_chunk))
         numerical = jac.numerical_on_device(cols, eps)
         screened = jac.forward_screened(cols, noise[None, :], atol, rtol) if forward else None
 
         def task(start=start, numerical=numerical, screened=screened) -> _Columns:
-            block, column_maxima, steps, count = numerical()
-            host = np.asarray(block)[:count]
-            chunk = _Columns(start, host, steps[:count], packed=_Tile.pack(host) if pack else None)
-            if maxima:
-                chunk.maxima = np.asarray(column_maxima)[:count]
-            else:
-                chunk.block = block
+            block, steps, count = numerical()
+            host = np.asarray(block)[:count]  # no copy on the CPU
+            packed = _Tile.pack(host) if pack else (host, None, host.nbytes, count)
+            chunk = _Columns(start, host, steps[:count], _column_maxima(packed, bounds))
+            chunk.packed = packed if pack else None
             if screened is not None:
                 automatic, clean = screened(block, steps[:, None])
                 chunk.forward = None if bool(clean) else np.asarray(automatic)[:count]
@@ -554,11 +558,10 @@ def full_mismatches(
     steps = np.empty(n)
     tile = _Tile(0)
     screen = jac.screened
-    out_bounds = tuple((s.start, s.stop) for s in out_slices)
     if screen:
         tasks = _screened_columns(
             jac, eps, noise, atol, rtol, forward="fwd" in modes, pack="rev" in modes,
-            maxima=jac.out_bounds == out_bounds,
+            bounds=tuple((s.start, s.stop) for s in out_slices),
         )  # fmt: skip
         columns = _in_order(tasks, WORKERS)
     else:
@@ -568,10 +571,7 @@ def full_mismatches(
         stop = start + numerical.shape[0]
         steps[start:stop] = chunk.steps
         if screen:
-            maxima = chunk.maxima
-            if maxima is None:
-                maxima = np.asarray(_column_maxima(chunk.block, out_bounds))[: stop - start]
-            _add_scales(tallies.values(), maxima, stop - start, start, in_slices)
+            _add_scales(tallies.values(), chunk.maxima, stop - start, start, in_slices)
         if chunk.forward is not None:
             relative = _allowed(numerical, 0.0, rtol, noise[None, :] / chunk.steps[:, None])
             tallies["fwd"].add(0, start, numerical.T, chunk.forward.T, relative.T)
@@ -641,13 +641,14 @@ def _screened_rows(jac, tile, steps, noise, atol, rtol) -> Iterator[Callable[[],
     reading the automatic rows where the device left them."""
     rows = jac.row_chunk
     col0, col1 = tile.start, tile.stop
-    sparse = tile.sparse
-    for start, stop in _row_chunks(jac):
+    spans = list(_row_chunks(jac))
+    sparse = tile.entries([start for start, _ in spans] + [jac.m]) if tile.sparse else None
+    for start, stop in spans:
         count = stop - start
         padded_noise = np.zeros((rows, 1))
         padded_noise[:count, 0] = noise[start:stop]
-        if sparse:  # the device screens zeros, the task the entries held (their bits set)
-            entries = tile.entries(start, stop)
+        if sparse is not None:  # the device screens zeros, the task the entries held
+            entries = next(sparse)
             held = np.zeros((rows, col1 - col0), bool)
             held[entries[:2]] = True
             numerical, left = None, np.packbits(held, axis=1, bitorder="little")
@@ -684,7 +685,7 @@ def _screened_rows(jac, tile, steps, noise, atol, rtol) -> Iterator[Callable[[],
 def _add_scales(tallies, maxima, count: int, start: int, in_slices) -> None:
     """Raises each tally's per-pair scale (largest finite ``|n|``) by the columns
     ``start .. start + count`` of the numerical Jacobian, given as ``maxima``, their
-    largest finite ``|n|`` per output block (on the device): screened chunks never
+    largest finite ``|n|`` per output block (``_column_maxima``): screened chunks never
     reach ``_Tally.add``, which also keeps it."""
     per_out = np.asarray(maxima)[:count]  # (count, out blocks)
     in_starts = np.array([s.start for s in in_slices], dtype=np.int64)
@@ -696,13 +697,29 @@ def _add_scales(tallies, maxima, count: int, start: int, in_slices) -> None:
                 tally.scale[i, j] = max(tally.scale.get((i, j), 0.0), float(value))
 
 
-@functools.partial(jax.jit, static_argnames=("bounds",))
-def _column_maxima(block, bounds):
-    """Per row of ``block``, the largest finite ``|n|`` in each span ``bounds``."""
-    magnitude = jnp.where(jnp.isfinite(block), jnp.abs(block), 0.0)
-    return jnp.stack(
-        [jnp.max(magnitude[:, lo:hi], axis=1, initial=0.0) for lo, hi in bounds], axis=1
-    )
+def _column_maxima(packed: tuple, bounds: Sequence[tuple[int, int]]) -> np.ndarray:
+    """The ``(columns, len(bounds))`` largest finite ``|n|`` of each column of a chunk,
+    ``packed`` as ``_Tile.pack`` returns it, in each output block ``[lo, hi)`` of
+    ``bounds`` (which cover the outputs in order; 0 where a column has no finite
+    nonzero entry in a block)."""
+    dense, sparse, _, columns = packed
+    if dense is not None:
+        magnitude = np.abs(dense)
+        maxima = np.stack([magnitude[:, lo:hi].max(axis=1, initial=0.0) for lo, hi in bounds], 1)
+        if np.isfinite(maxima).all():
+            return maxima
+        magnitude[~np.isfinite(magnitude)] = 0.0
+        return np.stack([magnitude[:, lo:hi].max(axis=1, initial=0.0) for lo, hi in bounds], 1)
+    rows, cols, values = sparse
+    magnitude = np.abs(values)
+    finite = np.isfinite(magnitude)
+    flat = cols[finite].astype(np.int64) * len(bounds)
+    if len(bounds) > 1:  # each entry's block: the last whose start is at most its row
+        starts = np.array([lo for lo, _ in bounds])
+        flat += np.searchsorted(starts, rows[finite], side="right") - 1
+    maxima = np.zeros(columns * len(bounds))
+    np.maximum.at(maxima, flat, magnitude[finite])
+    return maxima.reshape(columns, len(bounds))
 
 
 def directional_mismatches(

@@ -462,7 +462,6 @@ def _check(
     """Runs the checks on the flat problem; the first failure becomes the error."""
     in_slices = [segment.slice for segment in problem.inputs]
     out_slices = [segment.slice for segment in problem.outputs]
-    out_bounds = [(s.start, s.stop) for s in out_slices]
     # The screen is compiled in only where the full method could use it (see _compare).
     screen_min = None if settings.fast_mode is True else _compare.SCREEN_MIN_ENTRIES
     # One merged program only where reverse mode is checked: it traces the VJP first, and
@@ -470,9 +469,7 @@ def _check(
     # JVPs too (should they not trace, FlatJacobians compiles each loop alone).
     merge = "rev" in settings.modes
     merge_forward = merge and "fwd" in settings.modes
-    jac = FlatJacobians(
-        problem.f, problem.x0, problem.vjp, out_bounds, screen_min, merge, merge_forward
-    )
+    jac = FlatJacobians(problem.f, problem.x0, problem.vjp, screen_min, merge, merge_forward)
     tolerances = {"atol": settings.atol, "rtol": settings.rtol}
 
     def error(kind: str, mode: str, method: str | None, found: list[Mismatch]) -> GradcheckError:

@@ -23,7 +23,7 @@ Rows of a chunk are computed one after the other inside the program (a
 the function's batching rule, which ``jaxext.opcheck`` checks on its own.
 
 What is compiled depends on the size: a screened problem (``screen_min_entries``)
-has the screen and the column maxima in its programs, and its chunks can be run
+has the screen in its VJPs' program, and its chunks can be run
 from worker threads (``numerical_on_device``, ``forward_screened``,
 ``reverse_screened`` return calls bound to executables compiled in the owning
 thread, ``_Program``); a small one (``MERGE_MAX_ENTRIES``) compiles its two loops
@@ -89,13 +89,12 @@ class FlatJacobians:
         x0: the point, shape ``(n,)``.
         vjp: ``x -> (f(x), pullback)`` with ``pullback(u) = J(x)^T u``; ``None``
             means ``jax.vjp`` of ``f``.
-        out_bounds: the output blocks ``(start, stop)`` over which
-            ``numerical_on_device`` reports column maxima (default: one block).
-        screen_min_entries: from this many Jacobian entries (``n * m``) up, the
-            programs also compute the column maxima and the screen of
-            ``numerical_on_device`` and ``reverse_screened`` (``screened``); below it,
-            or with ``None``, they are left out (less to compile) and those two
-            methods are not available.
+        screen_min_entries: from this many Jacobian entries (``n * m``) up, the VJPs'
+            program also computes the screen of ``reverse_screened`` and the chunks can be
+            run from worker threads (``screened``); below it, or with ``None``, the screen
+            is left out (less to compile) and the methods that return calls
+            (``numerical_on_device``, ``forward_screened``, ``reverse_screened``) are not
+            available.
         merge: whether a small unscreened problem (``MERGE_MAX_ENTRIES``) may compile
             its two loops as one program; that traces the VJP whichever method runs
             first, so it is for reverse-mode checks.
@@ -117,7 +116,6 @@ class FlatJacobians:
         f: FlatFn,
         x0: jax.Array,
         vjp: Callable | None = None,
-        out_bounds: Sequence[tuple[int, int]] | None = None,
         screen_min_entries: int | None = None,
         merge: bool = False,
         merge_forward: bool = False,
@@ -139,13 +137,9 @@ class FlatJacobians:
         # The entries the programs compute, estimated (``_quick``): 2n evaluations of f
         # for the differences, m VJPs and n JVPs (a derivative costing about two).
         work = 4 * (n + m) * entries(jaxpr)
-        # Only a problem that is screened (`numerical_on_device`, `reverse_screened`) has
-        # the column maxima and the screen compiled into its programs: they cost compile
-        # time, which is most of a small check's time.
+        # Only a problem that is screened (`reverse_screened`) has the screen compiled into
+        # its VJPs' program: it costs compile time, which is most of a small check's time.
         self.screened = screened = screen_min_entries is not None and n * m >= screen_min_entries
-        # The output blocks over which `numerical_on_device` reports column maxima.
-        bounds = ((0, m),) if out_bounds is None else out_bounds
-        self.out_bounds = bounds = tuple((int(lo), int(hi)) for lo, hi in bounds)
         # Columns need stacked inputs and outputs; rows need stacked input-sized gradients.
         self.col_chunk = chunk_size(max(n, m))
         self.row_chunk = chunk_size(n)
@@ -164,14 +158,7 @@ class FlatJacobians:
                 return y.at[i + size * minus_side].set(f(x.at[ks[i]].set(value)))
 
             y = jax.lax.fori_loop(0, 2 * count, body, jnp.zeros((2 * size, m)))
-            quotient = (y[:size] - y[size:]) / (plus - minus)[:, None]
-            if not screened:
-                return quotient, y[0]
-            magnitude = jnp.where(jnp.isfinite(quotient), jnp.abs(quotient), 0.0)
-            maxima = jnp.stack(
-                [jnp.max(magnitude[:, lo:hi], axis=1, initial=0.0) for lo, hi in bounds], axis=1
-            )
-            return quotient, maxima, y[0]
+            return (y[:size] - y[size:]) / (plus - minus)[:, None], y[0]
 
         def vjp_rows(x, ks, count, extra, *screen_args):
             # Row i < count is the pullback of the one-hot cotangent e_k (k = ks[i]), or of
@@ -206,11 +193,10 @@ class FlatJacobians:
             return y, jax.lax.fori_loop(0, count, body, jnp.zeros((ks.shape[0], m)))
 
         # Two programs serve the full method: the stacked evaluations of f (which also
-        # give f(x0), the difference quotients and, for a screened problem, their column
-        # maxima) and the stacked pullbacks (which also give the AD primal, the pullback
-        # of any one cotangent and the screen of a chunk of rows). Each compiles once per
-        # check (the pullbacks once more where the numerical columns are held in several
-        # tiles).
+        # give f(x0) and the difference quotients) and the stacked pullbacks (which also
+        # give the AD primal, the pullback of any one cotangent and the screen of a chunk
+        # of rows). Each compiles once per check (the pullbacks once more where the
+        # numerical columns are held in several tiles).
         # A small problem's programs compile quickly (``_quick``).
         self._differences = _Program(quick_jit(differences, work))
         self._vjp_rows = _Program(quick_jit(vjp_rows, work))
@@ -371,8 +357,7 @@ class FlatJacobians:
         merged = (*args, *self._idle("rows"), *self._idle("fwd"))
         if self._merged(*merged):
             return self._both(*merged)[:2]
-        quotient, *_, y = self._differences(*args)
-        return quotient, y
+        return self._differences(*args)
 
     def _difference_args(self, cols: Sequence[int] | range, eps: float | np.ndarray):
         ks, count = _padded(cols, self.col_chunk)
@@ -400,24 +385,22 @@ class FlatJacobians:
 
     def numerical_on_device(
         self, cols: Sequence[int] | range, eps: float | np.ndarray
-    ) -> Callable[[], tuple[jax.Array, jax.Array, np.ndarray, int]]:
+    ) -> Callable[[], tuple[jax.Array, np.ndarray, int]]:
         """``numerical``, with the block left on the device and padded to ``col_chunk`` rows,
         as a call that any thread can make (see ``_Program``; only a screened problem).
 
         Returns:
-            A function of no arguments that returns ``(block, maxima, steps, count)``:
-            the ``(col_chunk, m)`` block (its rows past ``count`` are zero), the
-            ``(col_chunk, len(out_bounds))`` largest finite ``|entry|`` of each row in
-            each output block, the ``(col_chunk,)`` steps, padded like the block, and
-            the number of columns asked for.
+            A function of no arguments that returns ``(block, steps, count)``: the
+            ``(col_chunk, m)`` block (its rows past ``count`` are zero), the
+            ``(col_chunk,)`` steps, padded like the block, and the number of columns
+            asked for.
         """
         self._require_screen("numerical_on_device")
         args, steps, count = self._difference_args(cols, eps)
         run = self._differences.bind(*args)
 
         def call():
-            block, maxima, _ = run(*args)
-            return block, maxima, steps, count
+            return run(*args)[0], steps, count
 
         return call
 
