@@ -365,7 +365,9 @@ class _Tile:
         flat = np.flatnonzero(block != 0)  # a boolean mask scans ten times faster
         if 16 * flat.size < block.nbytes:
             cols, rows = np.divmod(flat, block.shape[1])
-            order = np.argsort(rows, kind="stable")  # by row, then by column
+            # By row, then by column (a radix sort where the rows fit 16 bits).
+            key = rows.astype(np.uint16) if block.shape[1] <= 2**16 else rows
+            order = np.argsort(key, kind="stable")
             values = block.ravel()[flat[order]]
             sparse = (rows[order].astype(np.int32), cols[order].astype(np.int32), values)
             return None, sparse, 16 * flat.size, block.shape[0]

@@ -145,20 +145,25 @@ class FlatJacobians:
         self.row_chunk = chunk_size(n)
 
         def differences(x, ks, plus, minus, count):
-            # f(x + h e_k) and f(x - h e_k) for the first `count` entries of `ks`: rows k
-            # and size + k of one loop, so the same compiled body evaluates both sides.
-            size = ks.shape[0]
+            # (f(x + h e_k) - f(x - h e_k)) / step_k for the first `count` entries of `ks`:
+            # iterations i and count + i of one loop, so the same compiled body evaluates
+            # both sides; the first leaves f(x + h e_k) in row i, the second makes it the
+            # quotient (no stack of both sides' values, no pass over it after the loop).
+            steps = plus - minus
 
-            def body(j, y):
+            def body(j, carry):
                 # x with entry k set, afresh (XLA copies x for it; carrying the perturbed
                 # input and restoring the entry made it copy x twice).
+                quotient, _ = carry
                 minus_side = j >= count
                 i = jnp.where(minus_side, j - count, j)
                 value = jnp.where(minus_side, minus[i], plus[i])
-                return y.at[i + size * minus_side].set(f(x.at[ks[i]].set(value)))
+                y = f(x.at[ks[i]].set(value))
+                row = jnp.where(minus_side, (quotient[i] - y) / steps[i], y)
+                return quotient.at[i].set(row), y
 
-            y = jax.lax.fori_loop(0, 2 * count, body, jnp.zeros((2 * size, m)))
-            return (y[:size] - y[size:]) / (plus - minus)[:, None], y[0]
+            init = (jnp.zeros((ks.shape[0], m)), jnp.zeros(m))
+            return jax.lax.fori_loop(0, 2 * count, body, init)  # (quotient, last f value)
 
         def vjp_rows(x, ks, count, extra, *screen_args):
             # Row i < count is the pullback of the one-hot cotangent e_k (k = ks[i]), or of
@@ -353,7 +358,8 @@ class FlatJacobians:
         return self._both is not None
 
     def _run_differences(self, *args) -> tuple:
-        """``differences(*args)``: ``(quotient, f(x with entry ks[0] set to plus[0]))``."""
+        """``differences(*args)``: ``(quotient, f(x with entry ks[count - 1] set to
+        minus[count - 1]))``, the last value computed."""
         merged = (*args, *self._idle("rows"), *self._idle("fwd"))
         if self._merged(*merged):
             return self._both(*merged)[:2]
