@@ -151,8 +151,9 @@ class FlatJacobians:
             # first iteration leaves f(x + h e_k) in row i, the second makes it the
             # quotient (no stack of both sides, no pass over it after the loop: 6.9 against
             # 8.3 ms per chunk at 5e7 entries). A smaller one stacks both sides' values
-            # and takes the quotients after the loop: the in-place form's two extra kernels
-            # per evaluation do not pay there (3e6 entries: 0.36 s against 0.29 s a check).
+            # and takes the quotients after the loop: there the in-place form measured
+            # slower (3e6 entries: 0.36 against 0.29 s a check; two more kernels per
+            # evaluation, and the host comparison after it slower, from the allocator).
             size, steps = ks.shape[0], plus - minus
 
             def perturbed(j):
