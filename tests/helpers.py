@@ -284,22 +284,20 @@ class OnceCube(jaxext.Function):
         return grad_output * 3 * x**2
 
 
-def run_json_worker(worker, out, what):
-    """Runs ``python worker out`` on the CPU backend from the repository root and returns
-    the JSON it wrote to ``out`` (multi-device checks run in such a subprocess, which sets
-    its device count before importing JAX)."""
+def run_json_worker(spawn_python, worker, out, what):
+    """Runs ``python worker out`` (through the ``spawn_python`` fixture) on the CPU backend
+    from the repository root and returns the JSON it wrote to ``out`` (multi-device checks
+    run in such a subprocess, which sets its device count before importing JAX)."""
     import json
     import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     repo_root = Path(worker).resolve().parent.parent
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo_root), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run(
-        [sys.executable, str(worker), str(out)],
+    proc = spawn_python.run(
+        [str(worker), str(out)],
         env=env,
         cwd=repo_root,
         capture_output=True,
@@ -336,3 +334,148 @@ class CompileCounter:
 
     def __exit__(self, *exc):
         jax.monitoring.unregister_event_duration_listener(self._listener)
+
+
+# -- parameter grids: every pair by default, the whole product as `exhaustive` -------------
+
+
+def _pairs(row):
+    """The (axis, value index) pairs a grid row covers, as a set of index quadruples."""
+    return {(a, row[a], b, row[b]) for a in range(len(row)) for b in range(a + 1, len(row))}
+
+
+def covering_rows(sizes, required=(), valid=None):
+    """Rows of value indices, one per axis of ``sizes``, that cover every pair of values.
+
+    A deterministic greedy pairwise covering array (JAX's ``sample_product`` idea without
+    randomness): ``required`` rows come first, then, while some pair of values of two axes
+    is in no row yet, the first row of the product (in ``itertools.product`` order) that
+    covers the most such pairs. Only rows for which ``valid(row)`` holds are candidates, and
+    only their pairs need covering. With fewer than two axes every valid row is needed.
+    """
+    import itertools
+
+    product = [
+        r for r in itertools.product(*(range(n) for n in sizes)) if valid is None or valid(r)
+    ]
+    if len(sizes) < 2:
+        return product
+    rows = list(dict.fromkeys(tuple(r) for r in required))
+    uncovered = set().union(*(_pairs(r) for r in product))
+    for r in rows:
+        uncovered -= _pairs(r)
+    while uncovered:
+        best = max(product, key=lambda r: len(_pairs(r) & uncovered))
+        rows.append(best)
+        uncovered -= _pairs(best)
+    return rows
+
+
+def grid(*, corners=(), ids=None, where=None, **axes):
+    """``pytest.mark.parametrize`` arguments for the product of ``axes``, in two tiers.
+
+    The default tier holds a covering array of the product (every pair of values of any two
+    axes appears in some case; :func:`covering_rows`) plus the named ``corners``; the rest of
+    the product is marked ``exhaustive`` (``pytest -m exhaustive`` runs it; CI runs it).
+
+    An axis may be a list of ``pytest.param``s: each is one value of the axis, its values
+    spread over the argument names the axis name lists (``**{"x_shape,out_features": SHAPES}``)
+    and its id used as is.
+
+    Args:
+        corners: cases that always run, each a dict naming a value for every axis (a
+            ``pytest.param`` value by its id).
+        ids: a function from one value to its text in the test id (the values joined by
+            ``-``), a dict of such functions by axis name (``str`` for the others), or
+            ``None`` for pytest's own ids.
+        where: a predicate on one case's arguments (as keyword arguments): the product is
+            restricted to the cases for which it holds.
+        **axes: the axes, in argument order, each a sequence of values.
+
+    Returns:
+        ``(argnames, params)`` for ``@pytest.mark.parametrize(*grid(...))``.
+
+    Example::
+
+        @pytest.mark.parametrize(*grid(dtype=["float32", "float64"], shape=[(2,), (3, 4)]))
+        def test_op(dtype, shape): ...
+    """
+    import itertools
+
+    import pytest
+    from _pytest.mark.structures import ParameterSet
+
+    names = list(axes)
+    values = [list(v) for v in axes.values()]
+    argnames = [a.strip() for n in names for a in n.split(",")]
+    for corner in corners:
+        if set(corner) != set(names):
+            raise ValueError(f"`corners`: each must name the axes {names}; got {sorted(corner)}.")
+
+    def same(value, wanted):
+        if isinstance(value, ParameterSet):
+            return value.id == wanted
+        return value is wanted or value == wanted
+
+    def index(axis, wanted):
+        matches = [i for i, v in enumerate(values[axis]) if same(v, wanted)]
+        if not matches:
+            raise ValueError(f"`corners`: {wanted!r} is not a value of axis `{names[axis]}`.")
+        return matches[0]
+
+    def args(row):
+        out = []
+        for a, i in enumerate(row):
+            v = values[a][i]
+            out.extend(v.values if isinstance(v, ParameterSet) else (v,))
+        return out
+
+    def valid(row):
+        return where is None or where(**dict(zip(argnames, args(row), strict=True)))
+
+    def text(name, value):
+        if isinstance(value, ParameterSet):
+            return value.id if value.id is not None else "-".join(map(str, value.values))
+        fn = ids.get(name, str) if isinstance(ids, dict) else ids
+        return str(value if fn is None else fn(value))
+
+    def case_id(row):
+        cells = [(n, values[a][i]) for a, (n, i) in enumerate(zip(names, row, strict=True))]
+        if ids is None and not any(isinstance(v, ParameterSet) for _, v in cells):
+            return None
+        return "-".join(text(n, v) for n, v in cells)
+
+    required = [tuple(index(a, c[n]) for a, n in enumerate(names)) for c in corners]
+    default = set(covering_rows([len(v) for v in values], required, valid))
+    params = [
+        pytest.param(
+            *args(row), id=case_id(row), marks=() if row in default else pytest.mark.exhaustive
+        )
+        for row in itertools.product(*(range(len(v)) for v in values))
+        if valid(row)
+    ]
+    return ",".join(argnames), params
+
+
+def tiered(values, *, default, ids=None):
+    """``values`` as ``pytest.param``s: those in ``default`` in the default tier, the rest
+    ``exhaustive`` (an engine differential keeps one smoke case by default, say).
+
+    Args:
+        values: the values of one parameter.
+        default: the values that run in the default tier.
+        ids: a function from a value to its test id, or ``None`` for pytest's own.
+    """
+    import pytest
+
+    missing = [v for v in default if v not in values]
+    if missing:
+        raise ValueError(f"`default`: {missing!r} are not among the values.")
+    return [
+        pytest.param(
+            v,
+            id=None if ids is None else ids(v),
+            marks=() if v in default else pytest.mark.exhaustive,
+        )
+        for v in values
+    ]

@@ -339,7 +339,7 @@ class KernelScale(jaxext.Function):
 
 
 @pytest.mark.parametrize("transform", ["vmap", "vmap(grad)", "vmap(jvp)", "jit(vmap(grad))"])
-def test_cpp_kernel_batched_by_the_rule(transform, x64):
+def test_cpp_kernel_batched_by_the_rule(transform, x64, cpp_builds):
     pytest.importorskip("jax.ffi")
     x = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)
 

@@ -247,7 +247,6 @@ CORRECT = {
         False,
     ),
 }
-SLOW_CORRECT = {"linalg_solve", "pytree_in_out", "temperature_0d", "sort_cumsum_where_max"}
 
 
 class KnownCheckerDefect(Exception):
@@ -259,10 +258,10 @@ class KnownCheckerDefect(Exception):
 WRONG_VERDICTS: dict[str, tuple[set[str], str]] = {}
 
 
-def _params(table, slow):
+def _params(table):
     params = []
     for name in sorted(table):
-        marks = [pytest.mark.slow] if name in slow else []
+        marks = []
         if name in WRONG_VERDICTS:
             reason = WRONG_VERDICTS[name][1]
             marks.append(pytest.mark.xfail(strict=True, raises=KnownCheckerDefect, reason=reason))
@@ -270,7 +269,7 @@ def _params(table, slow):
     return params
 
 
-@pytest.mark.parametrize("name", _params(CORRECT, SLOW_CORRECT))
+@pytest.mark.parametrize("name", _params(CORRECT))
 def test_correct_op_gets_no_fail_and_only_the_expected_skips(name):
     build, expected_skips, twice = CORRECT[name]
     op, args = build()
@@ -511,7 +510,6 @@ BUGGY = {
     "wrong_vmap_rule": (wrong_vmap_rule, {"vmap"}, True),
     "non_reentrant": (non_reentrant, {"reentrancy"}, False),
 }
-SLOW_BUGGY = {"bias_grad_averaged", "missing_transpose", "wrong_sign", "ignores_cotangent"}
 
 # Words the FAIL's diagnostic must hold: it points at the bug.
 FAIL_DETAILS = {
@@ -526,7 +524,7 @@ FAIL_DETAILS = {
 }
 
 
-@pytest.mark.parametrize("name", _params(BUGGY, SLOW_BUGGY))
+@pytest.mark.parametrize("name", _params(BUGGY))
 def test_buggy_op_fails_in_the_checks_that_name_its_bug(name):
     build, expected_fails, gradcheck_verdict = BUGGY[name]
     op, args = build()

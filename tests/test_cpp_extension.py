@@ -48,9 +48,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(check_positive, CheckPositive,
 """
 
 
+@pytest.fixture(autouse=True)
+def _compiles(cpp_builds):
+    """Every test here may build C++: an extension of its own, or the shipped kernels
+    (``jaxext.cpp_extension.ops``, built on first use), so all are in the ``slow`` tier."""
+
+
 @pytest.fixture(scope="module")
-def build_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("extensions")
+def build_dir(cpp_builds):
+    return cpp_builds / "test_cpp_extension"
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +232,7 @@ def test_missing_handler_symbol_is_named(scale_ext, build_dir):
         )
 
 
-def test_undefined_symbol_is_an_extension_error_naming_it_and_the_flag(tmp_path):
+def test_undefined_symbol_is_an_extension_error_naming_it_and_the_flag(tmp_path, cpp_builds):
     source = """
     extern "C" double jaxext_test_not_linked(double);  // declared, defined nowhere
     ffi::Error Call(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
@@ -715,7 +721,7 @@ def test_portable_and_threaded_kernel_paths(build_dir, dtype, x64):
     _assert_dot_close(gb, g64.sum(0), dtype, rows, np.abs(g64).sum(0))
 
 
-def test_readme_example_runs():
+def test_readme_example_runs(cpp_builds):
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.DOTALL) if "twice_ext" in b]
     assert len(blocks) == 1
@@ -913,10 +919,9 @@ def _times(ext, x):
     return np.asarray(ext.times(x, result_shape_dtypes=x))
 
 
-def test_ahead_of_time_build_used_without_a_compiler(tmp_path, monkeypatch):
-    import subprocess
-    import sys
-
+def test_ahead_of_time_build_used_without_a_compiler(
+    tmp_path, monkeypatch, spawn_python, cpp_builds
+):
     package = tmp_path / "mypkg" / "csrc"
     package.mkdir(parents=True)
     source = package / "kernel.cc"
@@ -924,8 +929,8 @@ def test_ahead_of_time_build_used_without_a_compiler(tmp_path, monkeypatch):
     (package / "factor.h").write_text("#define FACTOR 2.0f\n")
     cache = tmp_path / "cache"
     # The command, as a package's build would run it: the library goes next to the source.
-    done = subprocess.run(
-        [sys.executable, "-m", "jaxext.cpp_extension", "build", "aot_ext", str(source)],
+    done = spawn_python.run(
+        ["-m", "jaxext.cpp_extension", "build", "aot_ext", str(source)],
         capture_output=True,
         text=True,
         timeout=600,

@@ -40,9 +40,9 @@ TOL = rounding_tolerance(np.float32, n=128)
 
 
 @pytest.fixture(scope="module")
-def worker_results(tmp_path_factory):
+def worker_results(tmp_path_factory, spawn_python, cpp_builds):
     out = tmp_path_factory.mktemp("cpp_sharding") / "results.json"
-    return run_json_worker(WORKER, out, "cpp sharding")
+    return run_json_worker(spawn_python, WORKER, out, "cpp sharding")
 
 
 def _check(results, name):

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_trees_close
+from helpers import assert_trees_close, grid
 from ops_table import OPS, OPS_BY_NAME
 
 import jaxext
@@ -248,9 +248,9 @@ WRAPS = {
 }
 
 
-@pytest.mark.parametrize("wrap", list(WRAPS))
-@pytest.mark.parametrize("transform", list(TRANSFORMS))
-@pytest.mark.parametrize("op", ["sin_times", *OPS_BY_NAME])
+@pytest.mark.parametrize(
+    *grid(op=["sin_times", *OPS_BY_NAME], transform=list(TRANSFORMS), wrap=list(WRAPS), ids=str)
+)
 def test_every_transformation_matches_autodiff(op, transform, wrap, x64):
     _, ours, plain = next(o for o in _ops() if o[0] == op)
     x, y = _inputs(op)

@@ -14,7 +14,6 @@ import importlib.util
 import os
 import pkgutil
 import re
-import subprocess
 import sys
 from html.parser import HTMLParser
 from pathlib import Path
@@ -60,11 +59,11 @@ _BLOCK = re.compile(r"(<!-- not-run:[^>]*-->\n)?```python\n(.*?)```", flags=re.D
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
+def site(tmp_path_factory, docs_build) -> Path:
     out = tmp_path_factory.mktemp("docs") / "site"
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [sys.executable, "-c", _OFFLINE_MKDOCS, "build", "--strict", "--site-dir", str(out)],
+    result = docs_build.run(
+        ["-c", _OFFLINE_MKDOCS, "build", "--strict", "--site-dir", str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -156,11 +155,11 @@ def test_every_public_name_has_a_docstring(name):
 
 
 @pytest.mark.parametrize("page", PAGES_WITH_CODE)
-def test_page_code_runs(page, tmp_path):
+def test_page_code_runs(page, tmp_path, docs_build):
     blocks = [code for skip, code in _BLOCK.findall((DOCS / page).read_text()) if not skip]
     assert blocks, f"{page} has no Python block to run"
-    result = subprocess.run(
-        [sys.executable, "-c", "\n".join(blocks)],
+    result = docs_build.run(
+        ["-c", "\n".join(blocks)],
         cwd=tmp_path,  # outside the repository: jaxext comes from PYTHONPATH
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,

@@ -29,7 +29,6 @@ import pkgutil
 import re
 import shutil
 import subprocess
-import sys
 import textwrap
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -170,14 +169,15 @@ EXAMPLES = [
 ]
 
 
-def run_example(example: Example, cwd: Path) -> subprocess.CompletedProcess:
-    """Runs ``example`` alone in a new interpreter, outside the repository."""
+def run_example(docs_build, example: Example, cwd: Path) -> subprocess.CompletedProcess:
+    """Runs ``example`` alone in a new interpreter, outside the repository (``docs_build``
+    is the fixture that starts it)."""
     if example.kind == "doctest":
         args = ["-c", _DOCTEST_MAIN, example.id, example.filename, str(example.lineno)]
     else:
         args = ["-"]  # the block, read from stdin as if pasted
-    return subprocess.run(
-        [sys.executable, *args],
+    return docs_build.run(
+        args,
         input=example.code,
         cwd=cwd,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -196,7 +196,7 @@ def _missing_requirement(example: Example) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def started(request, tmp_path_factory) -> dict[str, Future]:
+def started(request, tmp_path_factory, docs_build) -> dict[str, Future]:
     """The selected examples' processes, started a few at a time as soon as the first is needed."""
     selected = [
         item.callspec.params["example"]
@@ -208,7 +208,7 @@ def started(request, tmp_path_factory) -> dict[str, Future]:
     cwd = tmp_path_factory.mktemp("examples")
     with ThreadPoolExecutor(max_workers=WORKERS) as pool:
         futures = {
-            e.id: pool.submit(run_example, e, cwd)
+            e.id: pool.submit(run_example, docs_build, e, cwd)
             for e in selected
             if e.skip is None and _missing_requirement(e) is None
         }
@@ -274,7 +274,6 @@ def test_builds_on_prepends_the_previous_blocks():
     assert markdown_examples(named, "p.md")[2].skip == "reason"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("example", EXAMPLES, ids=str)
 def test_example_runs_alone(example, started):
     if example.skip is not None:
@@ -314,8 +313,7 @@ print("guide kernel checked")
 """
 
 
-@pytest.mark.slow
-def test_cpp_guide_kernel_has_float32_and_float64_paths(tmp_path):
+def test_cpp_guide_kernel_has_float32_and_float64_paths(tmp_path, docs_build):
     """The guide's kernel: float32 and float64 handlers by dtype, a Python error otherwise,
     and the float64 path used by its gradcheck (the example itself asserts that one)."""
     page = ROOT / CPP_GUIDE
@@ -326,7 +324,7 @@ def test_cpp_guide_kernel_has_float32_and_float64_paths(tmp_path):
         pytest.skip(_missing_requirement(example))
     assert "cube_f64" in example.code and "gradcheck(cube, (x64,)" in example.code
     result = run_example(
-        dataclasses.replace(example, code=example.code + _CPP_GUIDE_CHECKS), tmp_path
+        docs_build, dataclasses.replace(example, code=example.code + _CPP_GUIDE_CHECKS), tmp_path
     )
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert "guide kernel checked" in result.stdout

@@ -170,7 +170,7 @@ def _cpp_model(x, w1, b1, w2):
     return ops.mul_constant(ops.linear(jnp.tanh(ops.linear(x, w1, b1)), w2), 0.5)
 
 
-def test_export_of_cpp_kernels_needs_the_documented_option():
+def test_export_of_cpp_kernels_needs_the_documented_option(cpp_builds):
     pytest.importorskip("flatbuffers")
     from jaxext.cpp_extension import ops
 
@@ -184,11 +184,8 @@ def test_export_of_cpp_kernels_needs_the_documented_option():
 
 
 @pytest.mark.parametrize("fn", ["forward", "grad"])
-def test_exported_cpp_kernels_run_in_a_fresh_process(fn, tmp_path):
+def test_exported_cpp_kernels_run_in_a_fresh_process(fn, tmp_path, spawn_python, cpp_builds):
     """Serialized here; deserialized and called by a new Python that loads the extension."""
-    import subprocess
-    import sys
-
     pytest.importorskip("flatbuffers")
     from jaxext.cpp_extension import ops
 
@@ -202,8 +199,8 @@ def test_exported_cpp_kernels_run_in_a_fresh_process(fn, tmp_path):
     np.savez(str(blob) + ".npz", *args)
 
     def child(mode):
-        return subprocess.run(
-            [sys.executable, "-c", _CHILD, str(blob), mode],
+        return spawn_python.run(
+            ["-c", _CHILD, str(blob), mode],
             capture_output=True,
             text=True,
             timeout=300,

@@ -37,6 +37,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 from flax import nnx
+from helpers import grid
 
 import jaxext.linen
 import jaxext.nnx
@@ -154,13 +155,15 @@ def _nnx_program(graphdef):
     return program
 
 
-NNX_GRID = list(itertools.product([True, False], DTYPES, PARAM_DTYPES, PRECISIONS, PREFERRED))
-
-
 @pytest.mark.parametrize(
-    "use_bias, dtype, param_dtype, precision, preferred",
-    NNX_GRID,
-    ids=["-".join(map(_name, combo)) for combo in NNX_GRID],
+    *grid(
+        use_bias=[True, False],
+        dtype=DTYPES,
+        param_dtype=PARAM_DTYPES,
+        precision=PRECISIONS,
+        preferred=PREFERRED,
+        ids=_name,
+    )
 )
 def test_nnx_linear_same_program_and_bits_as_flax(
     use_bias, dtype, param_dtype, precision, preferred
@@ -195,13 +198,14 @@ def _linen_program(module):
     return program
 
 
-LINEN_GRID = list(itertools.product([True, False], DTYPES, PARAM_DTYPES, PRECISIONS))
-
-
 @pytest.mark.parametrize(
-    "use_bias, dtype, param_dtype, precision",
-    LINEN_GRID,
-    ids=["-".join(map(_name, combo)) for combo in LINEN_GRID],
+    *grid(
+        use_bias=[True, False],
+        dtype=DTYPES,
+        param_dtype=PARAM_DTYPES,
+        precision=PRECISIONS,
+        ids=_name,
+    )
 )
 def test_linen_dense_same_program_and_bits_as_flax(use_bias, dtype, param_dtype, precision):
     kwargs = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision)

@@ -37,6 +37,7 @@ from helpers import (
     LinearFunction,
     MulConstant,
     OnceCube,
+    grid,
     rand,
     reference_linear,
     uses_custom_rule,
@@ -226,16 +227,20 @@ def linear_reference(batch_shape, use_bias):
     return full_reference(reference_linear, linear_args(batch_shape, use_bias))
 
 
-def linear_cases(batch_shapes):
-    return [
-        pytest.param(use_bias, batch_shape, argnums, id=f"{tag}-batch{batch_shape}-d{argnums}")
-        for use_bias, tag in ((True, "bias"), (False, "nobias"))
-        for batch_shape in batch_shapes
-        for argnums in subsets(3 if use_bias else 2)
-    ]
-
-
-@pytest.mark.parametrize(("use_bias", "batch_shape", "argnums"), linear_cases(BATCH_SHAPES))
+@pytest.mark.parametrize(
+    *grid(
+        use_bias=[True, False],
+        batch_shape=BATCH_SHAPES,
+        argnums=subsets(3),
+        where=lambda use_bias, batch_shape, argnums: use_bias or 2 not in argnums,
+        corners=[dict(use_bias=True, batch_shape=(2, 3), argnums=(0, 1, 2))],
+        ids={
+            "use_bias": lambda b: "bias" if b else "nobias",
+            "batch_shape": lambda s: f"batch{s}",
+            "argnums": lambda a: f"d{a}",
+        },
+    )
+)
 def test_linear_forward_mode(use_bias, batch_shape, argnums, x64):
     args = linear_args(batch_shape, use_bias)
     # Every transform on the case with most batch axes, the core ones on a 1-D x, fewer

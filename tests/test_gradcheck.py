@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import CompileCounter, rand, reference_linear
+from helpers import CompileCounter, grid, rand, reference_linear, tiered
 from jax.test_util import check_grads
 
 import jaxext
@@ -458,8 +458,7 @@ def uniform(seed, bounds, shape):
     return np.random.default_rng(seed).uniform(*bounds, shape)
 
 
-@pytest.mark.parametrize("shape", [(4,), (3, 5), (64,)])
-@pytest.mark.parametrize("name", sorted(LARGE_MAGNITUDES))
+@pytest.mark.parametrize(*grid(name=sorted(LARGE_MAGNITUDES), shape=[(4,), (3, 5), (64,)]))
 def test_large_magnitudes_pass_with_default_tolerances(name, shape):
     fn, derivative, bounds = LARGE_MAGNITUDES[name]
     x = uniform(0, bounds, shape)
@@ -468,15 +467,19 @@ def test_large_magnitudes_pass_with_default_tolerances(name, shape):
     assert jaxext.gradgradcheck(fn, (x,))
 
 
-@pytest.mark.parametrize("shape", [(4,), (3, 5)])
-@pytest.mark.parametrize("name", sorted(LARGE_MAGNITUDES))
+WRONG_BACKWARDS = {  # id -> (scale, bump, rtol)
+    "scaled_1.001_rtol_1e-4": (1.001, 0.0, 1e-4),
+    "scaled_1.01": (1.01, 0.0, 1e-3),
+    "one_element_plus_1e-2": (1.0, 1e-2, 1e-3),
+}
+
+
 @pytest.mark.parametrize(
-    ("scale", "bump", "rtol"),
-    [(1.001, 0.0, 1e-4), (1.01, 0.0, 1e-3), (1.0, 1e-2, 1e-3)],
-    ids=["scaled_1.001_rtol_1e-4", "scaled_1.01", "one_element_plus_1e-2"],
+    *grid(wrong=list(WRONG_BACKWARDS), name=sorted(LARGE_MAGNITUDES), shape=[(4,), (3, 5)])
 )
-def test_large_magnitudes_wrong_backward_fails(name, shape, scale, bump, rtol):
+def test_large_magnitudes_wrong_backward_fails(wrong, name, shape):
     # A 0.1% scale error is exactly rtol=1e-3 (PyTorch's default too): it needs a tighter rtol.
+    scale, bump, rtol = WRONG_BACKWARDS[wrong]
     fn, derivative, bounds = LARGE_MAGNITUDES[name]
     x = uniform(0, bounds, shape)
     with pytest.raises(jaxext.GradcheckError) as info:
@@ -522,7 +525,9 @@ LARGE_WRONG_GRAD_W = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(LARGE_WRONG_GRAD_W))
+@pytest.mark.parametrize(
+    "name", tiered(sorted(LARGE_WRONG_GRAD_W), default=["one_element_times_1.01"])
+)
 def test_large_problem_is_checked_element_by_element(name):
     # 9000 inputs x 5600 outputs: 5e7 Jacobian entries, compared in chunks.
     change, rtol = LARGE_WRONG_GRAD_W[name]
@@ -647,8 +652,10 @@ SCREEN_CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("workers", [1, 3])
-@pytest.mark.parametrize("name", sorted(SCREEN_CASES))
+@pytest.mark.parametrize("workers", tiered([1, 3], default=[3]))
+@pytest.mark.parametrize(
+    "name", tiered(sorted(SCREEN_CASES), default=["mixed_wrong_sign", "two_outputs_tiny_correct"])
+)
 def test_device_screen_changes_no_verdict_and_no_report(monkeypatch, name, workers):
     # Large problems are screened chunk by chunk on the device first, by worker threads;
     # small chunks and tiles here make some chunks pass the screen and others go to the

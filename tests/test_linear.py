@@ -19,6 +19,7 @@ from helpers import (
     coarsest,
     count_hlo_dots,
     count_primitive,
+    grid,
     in_float64,
     rand,
     reference_linear,
@@ -42,7 +43,10 @@ SHAPES = [
 BIAS = [pytest.param(True, id="bias"), pytest.param(False, id="nobias")]
 
 
-@pytest.fixture(params=["float32", "float64", "bfloat16"])
+DTYPES = ["float32", "float64", "bfloat16"]
+
+
+@pytest.fixture(params=DTYPES)
 def dtype(request):
     """A floating dtype; float64 turns on x64 for the one test that uses it."""
     if request.param == "float64":
@@ -66,8 +70,9 @@ def weighted_sum(fn, cotangent):
 # -- values and gradients against plain jnp autodiff ---------------------------------
 
 
-@pytest.mark.parametrize("use_bias", BIAS)
-@pytest.mark.parametrize(("x_shape", "out_features"), SHAPES)
+@pytest.mark.parametrize(
+    *grid(**{"x_shape,out_features": SHAPES}, use_bias=BIAS, dtype=DTYPES), indirect=["dtype"]
+)
 def test_value_and_grads_match_jnp_autodiff(x_shape, out_features, use_bias, dtype):
     args = make_inputs(x_shape, out_features, use_bias, dtype)
     # The reference is plain autodiff in float64 on the same (rounded) inputs.

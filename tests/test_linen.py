@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -260,7 +257,7 @@ def test_mul_constant_rejects_non_scalar(bad):
 # -- packaging -----------------------------------------------------------------------
 
 
-def test_linen_does_not_import_flax_nnx():
+def test_linen_does_not_import_flax_nnx(spawn_python):
     # flax.linen itself does not import flax.nnx; jaxext.linen must not either, even
     # once its layers have run (init, apply, a gradient).
     code = (
@@ -274,4 +271,4 @@ def test_linen_does_not_import_flax_nnx():
         "loaded = sorted(m for m in sys.modules if m.startswith(('flax.nnx', 'jaxext._nnx')))\n"
         "assert not loaded, loaded\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    spawn_python.run(["-c", code], check=True, timeout=120)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import jax
 import pytest
@@ -87,9 +85,9 @@ def test_bad_option_is_refused():
     assert exc.value.code == 2
 
 
-def test_module_entry_point_runs_help():
-    result = subprocess.run(
-        [sys.executable, "-m", "jaxext", "--help"], capture_output=True, text=True, check=False
+def test_module_entry_point_runs_help(spawn_python):
+    result = spawn_python.run(
+        ["-m", "jaxext", "--help"], capture_output=True, text=True, check=False
     )
     assert result.returncode == 0, result.stderr
     for option in ("--epochs", "--seed", "--plot"):

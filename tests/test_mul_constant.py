@@ -18,6 +18,7 @@ from helpers import (
     assert_close_to_float64,
     assert_first_and_second_order_close,
     coarsest,
+    grid,
     in_float64,
     rand,
     skip_without_float16,
@@ -48,7 +49,10 @@ ARRAY_CASES = [
 ]
 
 
-@pytest.fixture(params=["float32", "float64", "bfloat16"])
+DTYPES = ["float32", "float64", "bfloat16"]
+
+
+@pytest.fixture(params=DTYPES)
 def dtype(request):
     """A floating dtype; float64 turns on x64 for the one test that uses it."""
     if request.param == "float64":
@@ -67,8 +71,9 @@ def weighted_sum(fn, ct):
 # -- static (Python / NumPy scalar) constants -----------------------------------------
 
 
-@pytest.mark.parametrize("constant", STATIC_CONSTANTS)
-@pytest.mark.parametrize("x_shape", X_SHAPES)
+@pytest.mark.parametrize(
+    *grid(x_shape=X_SHAPES, constant=STATIC_CONSTANTS, dtype=DTYPES), indirect=["dtype"]
+)
 def test_static_constant_value_and_grad(x_shape, constant, dtype):
     x = jnp.asarray(rand(0, x_shape), dtype)
     y = jaxext.mul_constant(x, constant)

@@ -15,7 +15,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -74,7 +73,7 @@ def _reference_step(params, x, t):
     return value, grads, jax.tree.map(lambda p, g: p - LEARNING_RATE * g, params, grads)
 
 
-def _run_two_processes(tmp_path, inputs):
+def _run_two_processes(spawn_python, tmp_path, inputs):
     port = _free_port()
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
@@ -86,8 +85,8 @@ def _run_two_processes(tmp_path, inputs):
     outputs = [tmp_path / f"process{i}.json" for i in range(2)]
     logs = [open(tmp_path / f"process{i}.log", "w") for i in range(2)]  # noqa: SIM115
     procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(i), str(port), str(inputs), str(outputs[i]), *MODELS],
+        spawn_python.popen(
+            [str(WORKER), str(i), str(port), str(inputs), str(outputs[i]), *MODELS],
             env=env,
             cwd=REPO_ROOT,
             stdout=logs[i],
@@ -119,7 +118,7 @@ def _run_two_processes(tmp_path, inputs):
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, spawn_python):
     pytest.importorskip("flax")
     tmp_path = tmp_path_factory.mktemp("multiprocess")
     params, x, t = _inputs()
@@ -127,7 +126,7 @@ def run(tmp_path_factory):
     flat = {f"{layer}.{name}": a for layer, p in params.items() for name, a in p.items()}
     np.savez(inputs, x=x, t=t, **flat)
     reference = in_float64(_reference_step, params, x, t)
-    return _run_two_processes(tmp_path, inputs), reference
+    return _run_two_processes(spawn_python, tmp_path, inputs), reference
 
 
 def _assert_tree_close(result, reference, what):

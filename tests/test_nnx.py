@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -406,7 +404,7 @@ def test_mul_constant_rejects_non_scalar(bad):
 # -- packaging -----------------------------------------------------------------------
 
 
-def test_lazy_namespaces_and_no_eager_flax_or_torch():
+def test_lazy_namespaces_and_no_eager_flax_or_torch(spawn_python):
     code = (
         "import sys, jaxext\n"
         "assert 'flax' not in sys.modules, 'flax imported eagerly'\n"
@@ -415,6 +413,6 @@ def test_lazy_namespaces_and_no_eager_flax_or_torch():
         "assert jaxext.linen.Dense.__name__ == 'Dense'\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    spawn_python.run(["-c", code], check=True, timeout=120)
     with pytest.raises(AttributeError, match="no_such_thing"):
         jaxext.no_such_thing  # noqa: B018

@@ -88,7 +88,7 @@ def test_output_lines_joins_split_stream_messages():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_executes(path):
+def test_notebook_executes(path, docs_build):
     nb = nbformat.read(path, as_version=4)
     fresh = copy.deepcopy(nb)
     for cell in fresh.cells:

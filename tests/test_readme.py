@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -55,7 +53,7 @@ def test_writing_your_own_op_example_runs_and_its_hessian_is_right():
     np.testing.assert_allclose(namespace["h"], np.diag(-2.0 * np.sin(x)), rtol=1e-5, atol=1e-6)
 
 
-def test_single_host_sharding_recipe_runs_on_8_cpu_devices():
+def test_single_host_sharding_recipe_runs_on_8_cpu_devices(spawn_python):
     code = _block_containing("xla_force_host_platform_device_count=8")
     check = (
         "\nassert len(jax.devices()) == 8"
@@ -63,8 +61,8 @@ def test_single_host_sharding_recipe_runs_on_8_cpu_devices():
         "\nassert grads['l1']['kernel'][...].shape == (12, 8)"
         "\nprint('recipe ok', float(loss))"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code + check],
+    result = spawn_python.run(
+        ["-c", code + check],
         capture_output=True,
         text=True,
         timeout=300,

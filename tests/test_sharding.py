@@ -59,10 +59,10 @@ FORWARD_CASES = [  # forward mode of jaxext.linear on sharded arrays, no shard_m
 
 
 @pytest.fixture(scope="module")
-def worker_results(tmp_path_factory):
+def worker_results(tmp_path_factory, spawn_python):
     pytest.importorskip("flax")
     out = tmp_path_factory.mktemp("sharding") / "results.json"
-    return run_json_worker(WORKER, out, "sharding")
+    return run_json_worker(spawn_python, WORKER, out, "sharding")
 
 
 def _check(results, name):

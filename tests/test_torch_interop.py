@@ -175,9 +175,6 @@ def test_linen_variables_export_to_torch(torch):
     assert_close_to_float64(got, expected, n=3)
 
 
-def test_import_jaxext_does_not_import_torch():
-    import subprocess
-    import sys
-
+def test_import_jaxext_does_not_import_torch(spawn_python):
     code = "import sys, jaxext; assert 'torch' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    spawn_python.run(["-c", code], check=True, timeout=120)
