@@ -74,10 +74,24 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         nondiff_argnames: names of non-differentiable arguments, taken as the
             positions of those parameters in ``fun``'s signature (joined with
             ``nondiff_argnums``), as with ``jax.custom_vjp``.
+        forward_mode_hint: for libraries built on ``custom_vjp``: what to tell a
+            user whose ``bwd`` forward mode cannot transpose (in place of the
+            advice to pass ``defvjp(..., jvp=...)``).
+        no_derivatives_message: for a ``bwd`` that must not be differentiated
+            (``jaxext.once_differentiable``): forward mode's ``J t``, the
+            transpose of ``bwd``, then raises ``RuntimeError`` with this message
+            when it is differentiated in turn (reverse mode's ``bwd`` guards
+            itself). ``None`` (the default): no such guard.
+        hoist_closures: whether forward mode may dry-run ``bwd``/``jvp`` at trace
+            time to hoist the tracers they close over. ``jaxext.Function`` turns
+            it off: its rules re-run the user's ``forward``, which a port may
+            count on running once per differentiation.
 
     Raises:
-        TypeError: if ``fun`` is not callable, or ``nondiff_argnums`` holds
-            something else than non-negative ints.
+        TypeError: if ``fun`` is not callable, ``nondiff_argnums`` holds
+            something else than non-negative ints, ``forward_mode_hint`` or
+            ``no_derivatives_message`` is neither a string nor None, or
+            ``hoist_closures`` is not a bool.
         ValueError: if a name of ``nondiff_argnames`` is not a positional
             parameter of ``fun``.
 
@@ -105,9 +119,23 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         fun: Callable[..., ReturnValue],
         nondiff_argnums: Sequence[int] = (),
         nondiff_argnames: Sequence[str] = (),
+        *,
+        forward_mode_hint: str | None = None,
+        no_derivatives_message: str | None = None,
+        hoist_closures: bool = True,
     ):
         if not callable(fun):
             raise TypeError(f"`fun` must be callable; got {type(fun).__name__}.")
+        for option, value in (
+            ("forward_mode_hint", forward_mode_hint),
+            ("no_derivatives_message", no_derivatives_message),
+        ):
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"`{option}` must be a string or None; got {type(value).__name__}.")
+        if not isinstance(hoist_closures, bool):
+            raise TypeError(
+                f"`hoist_closures` must be a bool; got {type(hoist_closures).__name__}."
+            )
         functools.update_wrapper(self, fun)
         self.fun = fun
         argnums = tuple(nondiff_argnums)
@@ -124,17 +152,11 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         self.symbolic_zeros = False
         self.optimize_remat = False
         self.remat_rules: tuple[Callable[..., Any], ...] | None = None
-        # Set by libraries built on custom_vjp (jaxext.Function), read in forward mode:
-        # what to tell a user whose bwd cannot be transposed, and, for a bwd that must not
-        # be differentiated (once_differentiable), the message of the RuntimeError that any
-        # derivative through it raises.
-        self.forward_mode_hint: str | None = None
-        self.no_derivatives_message: str | None = None
+        # The constructor's options (see Args), read in forward mode; set here only.
+        self.forward_mode_hint = forward_mode_hint
+        self.no_derivatives_message = no_derivatives_message
+        self.hoist_closures = hoist_closures
         self.vmap_rule: Callable[..., tuple[Any, Any]] | None = None
-        # Whether forward mode may dry-run bwd/jvp at trace time to hoist the tracers they
-        # close over (_Linear.hoist). jaxext.Function turns it off: its rules re-run the
-        # user's forward, which a port may count on running once per differentiation.
-        self.hoist_closures = True
 
     def _signature(self) -> inspect.Signature | None:
         if not hasattr(self, "_cached_signature"):

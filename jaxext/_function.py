@@ -19,13 +19,13 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.custom_derivatives import SymbolicZero
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from ._custom_vjp import arg_label, custom_vjp, without_derivatives
 
@@ -367,7 +367,7 @@ class Function:
                 cls, args, diff_positions, diff_values, (False,) * len(args)
             )
             return tuple(outputs) if tuple_output else outputs[0]
-        return _lower(cls, args, diff_positions)(*diff_values)
+        return _Lowered(cls, args, diff_positions).op(*diff_values)
 
 
 def _overrides(cls: type[Function], method: str) -> bool:
@@ -383,61 +383,115 @@ class _Meta(NamedTuple):
     tuple_output: bool
 
 
-def _lower(cls: type[Function], args: tuple[Any, ...], diff_positions: tuple[int, ...]):
-    """Builds the ``jaxext.custom_vjp`` of ``cls`` for this call's static arguments."""
-    name = cls.__name__
-    # With @once_differentiable, the message of the error any derivative of backward raises.
-    once = (
-        f"`{name}.backward` is decorated with @once_differentiable, so it cannot be "
-        "differentiated: a second-order derivative (e.g. grad of grad, or jax.hessian) was "
-        "requested through it. Remove the decorator if the backward is built from "
-        "differentiable jax.numpy operations."
-        if isinstance(cls.backward, _OnceDifferentiable)
-        else None
-    )
-    run_forward = functools.partial(_run_forward, cls, args, diff_positions)
-    batching_rule = _overrides(cls, "vmap")
-    if batching_rule and cls.generate_vmap_rule:
-        raise TypeError(
-            f"`{name}` both defines a `vmap` staticmethod and sets generate_vmap_rule=True; "
-            "choose one (as PyTorch requires)."
+class _Lowered:
+    """The rules of one ``Function.apply`` call, as the ``jaxext.custom_vjp`` :attr:`op`.
+
+    Built per call from the class and the call's static arguments; each rule of ``op``
+    is one method: :meth:`primal` (forward alone), :meth:`fwd`, :meth:`bwd`,
+    :meth:`jvp` (when the class defines ``jvp``) and :meth:`vmap` (when it defines a
+    ``vmap`` staticmethod).
+
+    As PyTorch runs ``forward`` under ``no_grad``, :meth:`fwd` runs it on inputs cut
+    from any outer derivative, and hands its outputs out through :attr:`attached`, a
+    second ``custom_vjp`` that returns them unchanged and whose rules
+    (:meth:`attached_fwd`, :meth:`attached_bwd`, :meth:`attached_jvp`) are this
+    Function's own: differentiated again (a second or higher order), the outputs get
+    their derivatives from ``backward``/``jvp``, as in PyTorch, even for a ``forward``
+    JAX cannot differentiate.
+
+    Raises:
+        TypeError: if the class both defines ``vmap`` and sets
+            ``generate_vmap_rule``, or defines ``vmap`` without ``setup_context``.
+    """
+
+    def __init__(self, cls: type[Function], args: tuple[Any, ...], diff_positions: tuple[int, ...]):
+        self.cls, self.args, self.diff_positions = cls, args, diff_positions
+        self.name = name = cls.__name__
+        # With @once_differentiable, the message of the error any derivative of backward
+        # raises.
+        self.once = (
+            f"`{name}.backward` is decorated with @once_differentiable, so it cannot be "
+            "differentiated: a second-order derivative (e.g. grad of grad, or jax.hessian) "
+            "was requested through it. Remove the decorator if the backward is built from "
+            "differentiable jax.numpy operations."
+            if isinstance(cls.backward, _OnceDifferentiable)
+            else None
         )
-    if batching_rule and not _overrides(cls, "setup_context"):
-        raise TypeError(
-            f"`{name}` defines a `vmap` staticmethod, so it must use the setup_context style "
-            "(`forward(*args)` without ctx, plus `setup_context(ctx, inputs, output)`), as "
-            "PyTorch requires for its transforms."
+        self.batching_rule = _overrides(cls, "vmap")
+        if self.batching_rule and cls.generate_vmap_rule:
+            raise TypeError(
+                f"`{name}` both defines a `vmap` staticmethod and sets "
+                "generate_vmap_rule=True; choose one (as PyTorch requires)."
+            )
+        if self.batching_rule and not _overrides(cls, "setup_context"):
+            raise TypeError(
+                f"`{name}` defines a `vmap` staticmethod, so it must use the setup_context "
+                "style (`forward(*args)` without ctx, plus `setup_context(ctx, inputs, "
+                "output)`), as PyTorch requires for its transforms."
+            )
+        options: dict[str, Any] = {
+            "forward_mode_hint": (
+                f"define a static method `jvp(ctx, *grad_inputs)` on `{name}`, reading what "
+                "forward stored with `ctx.save_for_forward(...)`"
+            ),
+            "no_derivatives_message": self.once,
+            "hoist_closures": False,  # forward runs once per differentiation, as in torch
+        }
+        has_jvp = _overrides(cls, "jvp")
+        # `attached(values, outputs)` returns `outputs` (computed by forward) unchanged.
+        self.attached: custom_vjp = custom_vjp(lambda values, outputs: list(outputs), **options)
+        self.attached.defvjp(
+            self.attached_fwd,
+            self.attached_bwd,
+            symbolic_zeros=True,
+            jvp=self.attached_jvp if has_jvp else None,
+        )
+        self.op: custom_vjp = custom_vjp(_named(self.primal, name), **options)
+        self.op.defvjp(self.fwd, self.bwd, symbolic_zeros=True, jvp=self.jvp if has_jvp else None)
+        if self.batching_rule:
+            self.op.def_vmap(self.vmap)
+
+    def run_forward(
+        self,
+        diff_values: Sequence[Any],
+        needs_input_grad: tuple[bool, ...],
+        evaluate: Callable[..., Any] | None = None,
+    ) -> tuple[FunctionCtx, list[jax.Array], bool, tuple[bool, ...]]:
+        """:func:`_run_forward` with this call's class and static arguments."""
+        return _run_forward(
+            self.cls, self.args, self.diff_positions, diff_values, needs_input_grad, evaluate
         )
 
-    def function(*diff_values):
-        _, outputs, tuple_output, _ = run_forward(diff_values, (False,) * len(args))
+    def primal(self, *diff_values: Any) -> Any:
+        """Forward alone (no derivative asked for)."""
+        _, outputs, tuple_output, _ = self.run_forward(diff_values, (False,) * len(self.args))
         return tuple(outputs) if tuple_output else outputs[0]
 
-    def function_vmap(axis_size, in_batched, *diff_values):
-        full, in_dims = list(args), [None] * len(args)
-        for i, value, batched in zip(diff_positions, diff_values, in_batched, strict=True):
+    def vmap(self, axis_size: int, in_batched: Sequence[bool], *diff_values: Any) -> Any:
+        """The class's ``vmap`` staticmethod as ``custom_vjp.def_vmap``'s rule."""
+        full, in_dims = list(self.args), [None] * len(self.args)
+        for i, value, batched in zip(self.diff_positions, diff_values, in_batched, strict=True):
             full[i], in_dims[i] = value, (0 if batched else None)
-        result = cls.vmap(VmapInfo(axis_size, "error"), tuple(in_dims), *full)
-        return _batch_first(name, result)
+        result = self.cls.vmap(VmapInfo(axis_size, "error"), tuple(in_dims), *full)
+        return _batch_first(self.name, result)
 
-    def function_fwd(*primals):
+    def fwd(self, *primals: CustomVJPPrimal) -> tuple[Any, tuple[_CtxState, _Meta]]:
+        """Forward on frozen inputs; outputs through :attr:`attached`; ``ctx`` as residuals."""
         values = [p.value for p in primals]
-        needs = [False] * len(args)
-        for i, p in zip(diff_positions, primals, strict=True):
+        needs = [False] * len(self.args)
+        for i, p in zip(self.diff_positions, primals, strict=True):
             needs[i] = bool(p.perturbed)
         values = [v if isinstance(v, jax.Array) else jnp.asarray(v) for v in values]
-        # As PyTorch runs forward under no_grad, forward runs on inputs cut from any outer
-        # derivative. The outputs then get their derivative from this Function's own rules
-        # (`attached`), and saved inputs and outputs are relinked to their differentiable
-        # versions: higher orders come from backward/jvp, as in torch, even for a forward
-        # JAX cannot differentiate. Other saved intermediates are constants, as in torch.
+        # Forward runs on inputs cut from any outer derivative (as PyTorch runs it under
+        # no_grad); the saved inputs and outputs are then relinked to their differentiable
+        # versions (see _relinked). Other saved intermediates are constants, as in torch.
         # (JAX arrays: forward then receives these very objects, which the relinking needs.)
         frozen = [jax.lax.stop_gradient(jnp.asarray(v)) for v in values]
         # With a vmap rule, the outputs come from the op itself, so that vmap uses the rule.
-        evaluate = op if batching_rule else None
-        ctx, outputs, tuple_output, non_diff = run_forward(frozen, tuple(needs), evaluate)
-        inputs = [type(arg).__name__ for arg in args]
-        for i, value in zip(diff_positions, values, strict=True):
+        evaluate = self.op if self.batching_rule else None
+        ctx, outputs, tuple_output, non_diff = self.run_forward(frozen, tuple(needs), evaluate)
+        inputs = [type(arg).__name__ for arg in self.args]
+        for i, value in zip(self.diff_positions, values, strict=True):
             inputs[i] = (value.shape, value.dtype)
         meta = _Meta(
             tuple(needs),
@@ -445,20 +499,21 @@ def _lower(cls: type[Function], args: tuple[Any, ...], diff_positions: tuple[int
             tuple((o.shape, o.dtype, nd) for o, nd in zip(outputs, non_diff, strict=True)),
             tuple_output,
         )
-        live = attached(values, outputs)
-        links = {id(f): v for f, v in zip(frozen, values, strict=True)}
-        links.update({id(o): v for o, v in zip(outputs, live, strict=True)})
-        state = jax.tree_util.tree_map(lambda leaf: links.get(id(leaf), leaf), ctx._residuals())
+        live = self.attached(values, outputs)
+        # Outputs after inputs: an output that is an input as forward received it
+        # (`return x`) is relinked to the output.
+        state = _relinked(ctx._residuals(), [*frozen, *outputs], [*values, *live])
         return (tuple(live) if tuple_output else live[0]), (state, meta)
 
-    def function_bwd(residuals, cotangents):
+    def bwd(self, residuals: tuple[_CtxState, _Meta], cotangents: Any) -> tuple[Any, ...]:
+        """The user's ``backward``, one gradient per differentiable argument."""
         state, meta = residuals
         cotangents = _materialize(
             meta, state.materialize_grads, cotangents if meta.tuple_output else (cotangents,)
         )
         if cotangents is None:  # nothing flows back: skip the user's backward
-            return (None,) * len(diff_positions)
-        if once:
+            return (None,) * len(self.diff_positions)
+        if self.once:
             # Every array the backward reads (saved, or kept as a ctx attribute) is an
             # explicit input of `without_derivatives`, so a derivative through any of them,
             # reverse or forward, raises.
@@ -468,22 +523,24 @@ def _lower(cls: type[Function], args: tuple[Any, ...], diff_positions: tuple[int
             def call(arrays, cotangents):
                 it = iter(arrays)
                 rebuilt = [next(it) if _is_array(leaf) else leaf for leaf in leaves]
-                return _run_backward(cls, meta, treedef.unflatten(rebuilt), cotangents)
+                return _run_backward(self.cls, meta, treedef.unflatten(rebuilt), cotangents)
 
-            grads = without_derivatives(call, once)(arrays, cotangents)
+            grads = without_derivatives(call, self.once)(arrays, cotangents)
         else:
-            grads = _run_backward(cls, meta, state, cotangents)
-        return tuple(grads[i] if meta.needs_input_grad[i] else None for i in diff_positions)
+            grads = _run_backward(self.cls, meta, state, cotangents)
+        return tuple(grads[i] if meta.needs_input_grad[i] else None for i in self.diff_positions)
 
-    def function_jvp(residuals, tangents):
+    def jvp(self, residuals: tuple[_CtxState, _Meta], tangents: Sequence[Any]) -> Any:
+        """The user's ``jvp``: the output tangent(s), checked against the outputs."""
+        name = self.name
         state, meta = residuals
         ctx = FunctionCtx._restore(name, meta.needs_input_grad, state, for_jvp=True)
         # As in PyTorch: None for static and integer inputs, a (maybe zero) array for floats.
-        grad_inputs: list[Any] = [None] * len(args)
-        for i, tangent in zip(diff_positions, tangents, strict=True):
+        grad_inputs: list[Any] = [None] * len(self.args)
+        for i, tangent in zip(self.diff_positions, tangents, strict=True):
             if jnp.issubdtype(meta.inputs[i][1], jnp.inexact):
                 grad_inputs[i] = tangent
-        out = cls.jvp(ctx, *grad_inputs)
+        out = self.cls.jvp(ctx, *grad_inputs)
         if meta.tuple_output:
             out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
             if len(out) != len(meta.outputs):
@@ -497,40 +554,55 @@ def _lower(cls: type[Function], args: tuple[Any, ...], diff_positions: tuple[int
             )
         return _output_tangent(name, 0, out, meta.outputs[0])
 
-    # `attached(values, outputs)` returns `outputs` (computed by forward) unchanged; when it
-    # is differentiated (a second or higher order), its rules are this Function's.
-    def attached_fwd(values, outputs):
-        out, residuals = function_fwd(*values)
+    # `attached`'s rules: :meth:`fwd`, :meth:`bwd` and :meth:`jvp` with `values` as the
+    # differentiable inputs and `outputs` (forward's, already computed) as none.
+
+    def attached_fwd(
+        self, values: list[CustomVJPPrimal], outputs: Any
+    ) -> tuple[list[Any], tuple[_CtxState, _Meta]]:
+        out, residuals = self.fwd(*values)
         return list(out) if isinstance(out, tuple) else [out], residuals
 
-    def attached_bwd(residuals, cotangents):
+    def attached_bwd(
+        self, residuals: tuple[_CtxState, _Meta], cotangents: list[Any]
+    ) -> tuple[list[Any], list[None]]:
         _, meta = residuals
-        grads = function_bwd(residuals, tuple(cotangents) if meta.tuple_output else cotangents[0])
+        grads = self.bwd(residuals, tuple(cotangents) if meta.tuple_output else cotangents[0])
         return list(grads), [None] * len(cotangents)
 
-    def attached_jvp(residuals, tangents):
-        out = function_jvp(residuals, tuple(tangents[0]))
+    def attached_jvp(self, residuals: tuple[_CtxState, _Meta], tangents: Any) -> list[Any]:
+        out = self.jvp(residuals, tuple(tangents[0]))
         return list(out) if isinstance(out, tuple) else [out]
 
-    def define(primal, fwd, bwd, jvp) -> custom_vjp:
-        rule = custom_vjp(primal)
-        rule.forward_mode_hint = (
-            f"define a static method `jvp(ctx, *grad_inputs)` on `{name}`, reading what "
-            "forward stored with `ctx.save_for_forward(...)`"
-        )
-        rule.no_derivatives_message = once
-        rule.hoist_closures = False  # forward runs once per differentiation, as in torch
-        rule.defvjp(fwd, bwd, symbolic_zeros=True, jvp=jvp if _overrides(cls, "jvp") else None)
-        return rule
 
-    function.__name__ = function.__qualname__ = name
-    attached = define(
-        lambda values, outputs: list(outputs), attached_fwd, attached_bwd, attached_jvp
-    )
-    op = define(function, function_fwd, function_bwd, function_jvp)
-    if batching_rule:
-        op.def_vmap(function_vmap)
-    return op
+def _named(method: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``method`` as a plain function called ``name`` (the op's name in errors and jaxprs)."""
+
+    def call(*args: Any) -> Any:
+        return method(*args)
+
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+def _relinked(state: _CtxState, stale: Sequence[Any], live: Sequence[Any]) -> _CtxState:
+    """``state`` with each leaf that *is* ``stale[k]`` (the very object) replaced by ``live[k]``.
+
+    What ``ctx`` kept of forward's frozen inputs and of its outputs (saved tensors,
+    attributes) becomes the differentiable inputs and outputs, so that ``backward`` and
+    ``jvp`` are differentiable through them, as in PyTorch; any other leaf stays as it
+    is. Identity is what counts, as in PyTorch (a saved tensor *is* an output): ``id``
+    only indexes the candidates, ``is`` decides (both objects are alive here, so their
+    ids are distinct and stable). An object listed twice in ``stale`` (an input that
+    forward returns as it is) gets the later ``live`` value.
+    """
+    by_id = {id(s): (s, v) for s, v in zip(stale, live, strict=True)}
+
+    def relink(leaf: Any) -> Any:
+        found = by_id.get(id(leaf))
+        return found[1] if found is not None and found[0] is leaf else leaf
+
+    return jax.tree_util.tree_map(relink, state)
 
 
 def _run_forward(cls, args, diff_positions, diff_values, needs_input_grad, evaluate=None):

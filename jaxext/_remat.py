@@ -13,21 +13,62 @@ used (the forward pass of a remat), it becomes a call of the primal function.
 Operands: ``fwd``'s closed-over values, the primal's closed-over values, then the
 array leaves of the arguments. Outputs: ``fwd``'s array leaves, the primal output's
 first (``n_out`` of them), then the residuals'.
+
+JAX internals this module depends on (pinned by
+``tests/test_remat.py::test_remat_internals_have_the_forms_this_module_names`` on
+the JAX it runs with; checked on JAX 0.10 and 0.12):
+
+* ``jax.interpreters.partial_eval.dce_rules``: the table of dead-code elimination
+  rules, which ``jax.checkpoint`` applies to its forward pass (through
+  ``partial_eval.dce_jaxpr``). A rule's signature changed in JAX 0.11:
+  ``rule(used_outs, eqn)`` before, ``rule(used_outs, live_ins, eqn)`` since; both
+  return ``(used_ins, new_eqn or None)``. The rules here (``_fwd_dce``,
+  ``_pick_dce``) take ``(used_outs, *rest)`` and read the equation last.
+* ``jax.interpreters.partial_eval.partial_eval_jaxpr_custom_rules``: the table of
+  rules by which ``jax.checkpoint`` splits an equation into its forward and backward
+  passes, ``rule(saveable, unks_in, inst_in, eqn) -> (known_eqn, staged_eqn,
+  unks_out, inst_out, residuals)`` on JAX 0.10 and 0.12 (``_save_partial_eval``,
+  ``_pick_partial_eval``: ``defremat``).
+* ``jax.extend.core``: ``Var`` (a residual is a variable, not a literal),
+  ``new_jaxpr_eqn`` and ``no_effects`` (the rewritten equations), and an equation's
+  ``invars``, ``outvars``, ``params``, ``source_info`` and ``ctx``.
+
+Besides these, it defines its primitives as the rest of jaxext does
+(``jax.extend.core.Primitive``, ``ad.primitive_jvps``,
+``batching.primitive_batchers``, ``mlir.register_lowering``).
+
+Where the internals are missing or behave otherwise (:func:`missing_internals`, one
+probe of ``fwd_p``'s rule through ``dce_jaxpr``, run once), ``optimize_remat`` falls
+back to calling ``fwd`` as it is: under remat it then runs twice, as without the
+option (correct, slower), instead of failing. Where a table is missing, its rules
+are not registered, so importing jaxext still works; ``defremat`` then keeps correct
+gradients but recomputes as ``jax.checkpoint``'s policy says.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal
-from jax.extend.core import Primitive, Var, new_jaxpr_eqn, no_effects
+from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.interpreters import partial_eval as pe
 
-__all__ = ["rematerialized", "run_fwd", "saved"]
+# The internals named in the module docstring: None where this JAX lacks them.
+try:
+    from jax.extend.core import Var
+except ImportError:  # present on every JAX jaxext is tested with
+    Var = None
+try:
+    from jax.extend.core import new_jaxpr_eqn, no_effects
+except ImportError:  # present on every JAX jaxext is tested with
+    new_jaxpr_eqn = no_effects = None
+
+__all__ = ["missing_internals", "rematerialized", "run_fwd", "saved"]
 
 
 def _is_array(leaf: Any) -> bool:
@@ -44,8 +85,10 @@ def run_fwd(op: Any, fwd_args: tuple) -> Any:
     ``fwd_args`` are the differentiable arguments (leaves wrapped in
     ``CustomVJPPrimal`` with ``symbolic_zeros=True``). ``fwd`` is called directly
     when no argument is traced (eager autodiff: there is no remat to optimize),
-    when it has side effects, or when ``fwd`` or the primal cannot be traced
-    abstractly (Python control flow on values): the result is the same.
+    when it has side effects, when ``fwd`` or the primal cannot be traced
+    abstractly (Python control flow on values), or when this JAX lacks the
+    internals the optimization needs (:func:`missing_internals`): the result is the
+    same.
     """
     spec = op.spec
 
@@ -60,6 +103,8 @@ def run_fwd(op: Any, fwd_args: tuple) -> Any:
     flags = [leaf.perturbed if w else None for leaf, w in zip(leaves, wrapped, strict=True)]
     if not any(isinstance(v, jax.core.Tracer) for v in values):
         return call_fwd()
+    if missing_internals() is not None:
+        return call_fwd()  # as without optimize_remat: correct, and fwd runs twice in remat
     arrays = [_is_array(v) for v in values]
     dyn = [v for v, a in zip(values, arrays, strict=True) if a]
 
@@ -263,12 +308,70 @@ def _fwd_dce(used_outs: list[bool], *rest: Any) -> tuple[list[bool], Any]:
     return [False] * call.n_fwd_consts + [True] * len(invars), new_eqn
 
 
+def _register(table: str, primitive: Primitive, rule: Callable[..., Any]) -> None:
+    """``partial_eval.<table>[primitive] = rule``, where this JAX has that table."""
+    rules = getattr(pe, table, None)
+    if isinstance(rules, dict) and new_jaxpr_eqn is not None and Var is not None:
+        rules[primitive] = rule
+
+
 fwd_p.def_impl(_fwd_impl)
 fwd_p.def_abstract_eval(_fwd_abstract_eval)
 ad.primitive_jvps[fwd_p] = _fwd_jvp
 batching.primitive_batchers[fwd_p] = _fwd_batch
 mlir.register_lowering(fwd_p, mlir.lower_fun(_fwd_impl, multiple_results=True))
-pe.dce_rules[fwd_p] = _fwd_dce
+_register("dce_rules", fwd_p, _fwd_dce)
+
+
+@functools.cache
+def missing_internals() -> str | None:
+    """Why ``optimize_remat`` cannot stage ``fwd`` on this JAX, or ``None`` when it can.
+
+    Checks that the internals the module docstring names exist, then runs one
+    ``fwd_p`` equation, whose primal output alone is used, through
+    ``partial_eval.dce_jaxpr`` (what ``jax.checkpoint`` does to its forward pass):
+    ``_fwd_dce`` must be applied, with the signature it expects, and turn it into
+    the primal. Run once (a few milliseconds), at the first traced ``fwd`` of a
+    function with ``optimize_remat``.
+
+    Returns:
+        ``None``, or a sentence naming what is missing or behaves otherwise.
+    """
+    missing = [
+        name
+        for name, present in (
+            ("jax.extend.core.Var", Var is not None),
+            ("jax.extend.core.new_jaxpr_eqn", new_jaxpr_eqn is not None),
+            ("jax.extend.core.no_effects", no_effects is not None),
+            (
+                "jax.interpreters.partial_eval.dce_rules",
+                isinstance(getattr(pe, "dce_rules", None), dict),
+            ),
+            ("jax.interpreters.partial_eval.dce_jaxpr", callable(getattr(pe, "dce_jaxpr", None))),
+        )
+        if not present
+    ]
+    if missing:
+        return f"this JAX lacks {', '.join(missing)}"
+    try:
+        x = np.float32(0.0)
+        call = _FwdCall(
+            "probe",
+            jax.make_jaxpr(lambda a: [a, a + 1])(x),
+            jax.make_jaxpr(lambda a: [a])(x),
+            n_out=1,
+        )
+        program = jax.make_jaxpr(lambda a: fwd_p.bind(a, call=call)[:1])(x)
+        trimmed, _ = pe.dce_jaxpr(program.jaxpr, [True])
+        calls = [e.params["call"] for e in trimmed.eqns if e.primitive is fwd_p]
+    except Exception as err:  # noqa: BLE001 -- any failure means: do not rely on it
+        return (
+            "jax.interpreters.partial_eval.dce_jaxpr failed on fwd_p's rule "
+            f"({type(err).__name__}: {err})"
+        )
+    if len(calls) != 1 or calls[0].keep != (0,):
+        return "jax.interpreters.partial_eval.dce_jaxpr did not apply fwd_p's rule"
+    return None
 
 
 # -- defremat: residuals that jax.checkpoint saves whatever its policy ------------------
@@ -317,7 +420,7 @@ def _save_partial_eval(saveable: Any, unks_in: Sequence[bool], inst_in: Sequence
     return None, eqn, [True] * n, [True] * n, res
 
 
-pe.partial_eval_jaxpr_custom_rules[save_p] = _save_partial_eval
+_register("partial_eval_jaxpr_custom_rules", save_p, _save_partial_eval)
 
 
 def rematerialized(out: Any, rem_out: Any) -> Any:
@@ -421,5 +524,5 @@ def _pick_partial_eval(saveable: Any, unks_in: Sequence[bool], inst_in: Sequence
 
 ad.primitive_jvps[pick_p] = _pick_jvp
 batching.primitive_batchers[pick_p] = _pick_batch
-pe.dce_rules[pick_p] = _pick_dce
-pe.partial_eval_jaxpr_custom_rules[pick_p] = _pick_partial_eval
+_register("dce_rules", pick_p, _pick_dce)
+_register("partial_eval_jaxpr_custom_rules", pick_p, _pick_partial_eval)

@@ -1122,3 +1122,73 @@ def test_python_float_gradient_for_a_low_precision_input_takes_its_dtype():
     assert isinstance(got, jax.Array)
     assert got.dtype == jnp.bfloat16
     assert float(got) == 99.0
+
+
+# -- the options of libraries built on custom_vjp: keyword-only constructor arguments --------
+
+
+def _host_sin():
+    """``sin`` whose ``bwd`` is a host callback, which forward mode cannot transpose."""
+
+    def host(c, g):
+        return np.asarray(c * g, dtype=np.asarray(g).dtype)
+
+    def bwd(cos_x, g):
+        shape = jax.ShapeDtypeStruct(g.shape, g.dtype)
+        return (jax.pure_callback(host, shape, cos_x, g, vmap_method="sequential"),)
+
+    return (lambda x: (jnp.sin(x), jnp.cos(x))), bwd
+
+
+def test_options_are_keyword_only_and_default_to_plain_custom_vjp():
+    plain = jaxext.custom_vjp(jnp.sin)
+    assert (plain.forward_mode_hint, plain.no_derivatives_message, plain.hoist_closures) == (
+        None,
+        None,
+        True,
+    )
+    op = jaxext.custom_vjp(
+        jnp.sin, forward_mode_hint="hint", no_derivatives_message="stop", hoist_closures=False
+    )
+    assert (op.forward_mode_hint, op.no_derivatives_message, op.hoist_closures) == (
+        "hint",
+        "stop",
+        False,
+    )
+    with pytest.raises(TypeError):
+        jaxext.custom_vjp(jnp.sin, (), (), "hint")  # positional: as jax.custom_vjp's signature
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("forward_mode_hint", 3, "`forward_mode_hint` must be a string or None; got int."),
+        ("no_derivatives_message", b"x", "`no_derivatives_message` must be a string or None"),
+        ("hoist_closures", 1, "`hoist_closures` must be a bool; got int."),
+    ],
+)
+def test_option_of_the_wrong_type_is_a_type_error(option, value, message):
+    with pytest.raises(TypeError, match=message):
+        jaxext.custom_vjp(jnp.sin, **{option: value})
+
+
+def test_forward_mode_hint_replaces_the_advice_to_give_a_jvp():
+    x = jnp.float32(0.3)
+    ops = {}
+    for hint in (None, "define a jvp on Sine"):
+        ops[hint] = jaxext.custom_vjp(jnp.sin, forward_mode_hint=hint)
+        ops[hint].defvjp(*_host_sin())
+        assert jnp.allclose(jax.grad(ops[hint])(x), jnp.cos(x))  # reverse mode is unaffected
+    with pytest.raises(TypeError, match=r"otherwise give a JVP rule: `sin.defvjp\(fwd, bwd, jvp"):
+        jax.jvp(ops[None], (x,), (x,))
+    with pytest.raises(TypeError, match=r"otherwise define a jvp on Sine\.(\n|$)"):
+        jax.jvp(ops["define a jvp on Sine"], (x,), (x,))
+
+
+def test_no_derivatives_message_guards_the_transpose_of_bwd():
+    x, one = jnp.float32(0.3), jnp.float32(1.0)
+    op = jaxext.custom_vjp(jnp.sin, no_derivatives_message="stop here")
+    op.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (c * g,))
+    assert jnp.allclose(jax.jvp(op, (x,), (one,))[1], jnp.cos(x))  # transposing bwd is fine
+    with pytest.raises(RuntimeError, match=r"^stop here(\n|$)"):  # differentiating that is not
+        jax.grad(lambda x: jax.jvp(op, (x,), (one,))[1])(x)

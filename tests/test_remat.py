@@ -618,3 +618,136 @@ def test_defremat_names_a_rem_that_breaks_its_contract(rem, message):
     sin_op.defremat(lambda x: (jnp.sin(x), jnp.sin(x)), rem, lambda c, g: (g * c,))
     with pytest.raises(jaxext.RuleTypeError, match=f"`sin_op`: {message}"):
         jax.grad(jax.checkpoint(sin_op))(jnp.float32(0.5))
+
+
+# -- the JAX internals _remat.py names in its header, and the fallback without them --------
+
+_LIVE_INS_SINCE = (0, 11)  # JAX passes DCE rules `live_ins` since 0.11
+
+
+def _jax_version():
+    return tuple(int(part) for part in jax.__version__.split(".")[:2])
+
+
+def _recorded(table, primitive, monkeypatch):
+    """The argument tuples JAX calls ``table[primitive]`` with, from now on."""
+    calls = []
+    rule = table[primitive]
+
+    def record(*args):
+        calls.append(args)
+        return rule(*args)
+
+    monkeypatch.setitem(table, primitive, record)
+    return calls
+
+
+def test_remat_internals_have_the_forms_this_module_names(monkeypatch):
+    from jax.extend import core
+    from jax.interpreters import partial_eval as pe
+
+    from jaxext import _remat
+
+    for name in ("Primitive", "Var", "JaxprEqn", "new_jaxpr_eqn", "no_effects"):
+        assert hasattr(core, name), name
+    assert isinstance(pe.dce_rules, dict)
+    assert isinstance(pe.partial_eval_jaxpr_custom_rules, dict)
+    assert callable(pe.dce_jaxpr)
+    assert pe.dce_rules[_remat.fwd_p] is _remat._fwd_dce
+    assert pe.dce_rules[_remat.pick_p] is _remat._pick_dce
+    assert pe.partial_eval_jaxpr_custom_rules[_remat.save_p] is _remat._save_partial_eval
+    assert pe.partial_eval_jaxpr_custom_rules[_remat.pick_p] is _remat._pick_partial_eval
+    assert _remat.missing_internals() is None  # so optimize_remat stages fwd here
+
+    # The DCE rule's signature, as jax.checkpoint calls it on an optimize_remat fwd.
+    dce_calls = _recorded(pe.dce_rules, _remat.fwd_p, monkeypatch)
+    calls = collections.Counter()
+    args = _remat_args("grad")
+    jax.grad(jax.checkpoint(_loss(_opaque_sin_mul(jaxext.custom_vjp, calls, True))))(*args)
+    assert dce_calls
+    n_lists = 2 if _jax_version() >= _LIVE_INS_SINCE else 1  # (used_outs[, live_ins])
+    for call in dce_calls:
+        *flags, eqn = call
+        assert len(flags) == n_lists
+        assert isinstance(eqn, core.JaxprEqn)
+        assert eqn.primitive is _remat.fwd_p
+        assert len(flags[0]) == len(eqn.outvars)
+        assert all(len(f) == len(eqn.invars) for f in flags[1:])
+        assert all(isinstance(b, bool) for f in flags for b in f)
+        assert {"invars", "outvars", "params", "source_info", "ctx"} <= set(dir(eqn))
+
+    # The partial-eval rule's signature, as jax.checkpoint calls it on defremat's residuals.
+    pe_calls = _recorded(pe.partial_eval_jaxpr_custom_rules, _remat.save_p, monkeypatch)
+    calls = collections.Counter()
+    args = _remat_rule_args("grad")
+    jax.grad(jax.checkpoint(_loss(_opaque_remat_rules(jaxext.custom_vjp, calls))))(*args)
+    assert pe_calls
+    for saveable, unks_in, inst_in, eqn in pe_calls:
+        assert callable(saveable)
+        assert len(unks_in) == len(inst_in) == len(eqn.invars)
+        assert eqn.primitive is _remat.save_p
+
+
+@pytest.fixture
+def reprobed_internals(monkeypatch):
+    """``monkeypatch``, with ``_remat.missing_internals`` probing again before and after."""
+    from jaxext import _remat
+
+    _remat.missing_internals.cache_clear()
+    yield monkeypatch
+    _remat.missing_internals.cache_clear()
+
+
+def _without_dce_rules(monkeypatch, pe, _remat):
+    monkeypatch.delattr(pe, "dce_rules")
+    return "dce_rules"
+
+
+def _without_new_jaxpr_eqn(monkeypatch, pe, _remat):
+    monkeypatch.setattr(_remat, "new_jaxpr_eqn", None)
+    return "new_jaxpr_eqn"
+
+
+def _dce_rule_not_applied(monkeypatch, pe, _remat):
+    # As if JAX no longer asked the table: the equation is kept whole.
+    monkeypatch.setitem(
+        pe.dce_rules, _remat.fwd_p, lambda used, *rest: ([True] * len(rest[-1].invars), rest[-1])
+    )
+    return "did not apply"
+
+
+def _dce_rule_signature_changed(monkeypatch, pe, _remat):
+    # As if JAX passed the equation somewhere other than last.
+    monkeypatch.setitem(
+        pe.dce_rules, _remat.fwd_p, lambda used, *rest: _remat._fwd_dce(used, *rest, None)
+    )
+    return "failed on fwd_p's rule"
+
+
+@pytest.mark.parametrize(
+    "simulate",
+    [
+        _without_dce_rules,
+        _without_new_jaxpr_eqn,
+        _dce_rule_not_applied,
+        _dce_rule_signature_changed,
+    ],
+    ids=lambda f: f.__name__.strip("_"),
+)
+@pytest.mark.parametrize("transform", ["grad", "jit"])
+def test_optimize_remat_without_the_internals_runs_fwd_twice_with_correct_gradients(
+    simulate, transform, reprobed_internals
+):
+    from jax.interpreters import partial_eval as pe
+
+    from jaxext import _remat
+
+    why = simulate(reprobed_internals, pe, _remat)
+    assert why in (_remat.missing_internals() or "")
+    args = _remat_args(transform)
+    calls = collections.Counter()
+    f = _opaque_sin_mul(jaxext.custom_vjp, calls, optimize_remat=True)
+    got = jax.block_until_ready(REMAT_TRANSFORMS[transform](_loss(f))(*args))
+    assert dict(calls) == {"fwd": 2}  # as without optimize_remat, instead of failing
+    want = in_float64(REMAT_TRANSFORMS[transform](_loss(lambda x, y: jnp.sin(x) * y)), *args)
+    jax.tree.map(assert_close_to_float64, got, want)
