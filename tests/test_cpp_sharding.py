@@ -131,7 +131,7 @@ def test_rule_must_be_a_string():
         cpp_extension.FfiFunction("f", "t", "cpu", partition=("b", "b"))
 
 
-def test_rule_that_does_not_fit_the_call_is_a_value_error():
+def test_rule_that_does_not_fit_the_call_is_a_value_error(cpp_builds):
     x = jnp.ones((4, 3))
     c = np.float32(2.0)
     handler = ops.extension().jaxext_mul_constant
@@ -142,7 +142,7 @@ def test_rule_that_does_not_fit_the_call_is_a_value_error():
         handler(x, c, result_shape_dtypes=out, partition="b, -> b")
 
 
-def test_load_partition_names_loaded_handlers():
+def test_load_partition_names_loaded_handlers(cpp_builds):
     with pytest.raises(ValueError, match="not loaded"):
         cpp_extension.load("jaxext_ops", [ops.SOURCE], partition={"nope": "batch"})
     ext = cpp_extension.load(
@@ -152,7 +152,7 @@ def test_load_partition_names_loaded_handlers():
     assert ext.jaxext_linear_forward.partition is None
 
 
-def test_rule_on_one_device_gives_the_kernel_result():
+def test_rule_on_one_device_gives_the_kernel_result(cpp_builds):
     # No mesh: the rule changes nothing (the call runs whole).
     x = jnp.arange(6.0).reshape(2, 3)
     out = ops.extension().jaxext_mul_constant(
