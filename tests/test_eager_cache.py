@@ -1,7 +1,7 @@
 """The per-function caches of eager work in ``jaxext.custom_vjp`` never serve a stale rule.
 
-Eager calls reuse, per abstract signature, the primal's output type (fwd's output check),
-the argument labels and a compiled forward-mode tangent (see ``_custom_vjp.py``). Each
+Eager calls reuse, per abstract signature, the primal's output type (fwd's output check)
+and compiled forward-mode programs (see ``jaxext/_eager_cache.py``). Each
 test alternates calls that differ in one static aspect (nondiff value, shape, dtype, weak
 type, pytree structure, perturbed set, keyword argument, the rules themselves), three
 times each so that every cache is filled and then served, and compares every result
@@ -21,7 +21,7 @@ import pytest
 from helpers import assert_close, count_primitive, in_float64, rand
 
 import jaxext
-from jaxext import _custom_vjp
+from jaxext import _eager_cache
 
 REPEAT = 3  # first call: as is; second: the tangent is compiled; third: served from cache
 
@@ -211,13 +211,13 @@ def test_eager_distinct_constants_keep_the_cache_bounded():
     from jaxext._mul_constant import _mul_static
 
     x = jnp.ones(3)
-    n = 2 * _custom_vjp.CACHE_SIZE + 10
+    n = 2 * _eager_cache.CACHE_SIZE + 10
     for i in range(n):
         c = 1.0 + i / 7
         out = jax.jvp(lambda v, c=c: jaxext.mul_constant(v, c), (x,), (x,))[1]
         assert_close(out, np.full(3, c))
-    cache = _mul_static.__dict__["_call_cache"]
-    assert len(cache) <= _custom_vjp.CACHE_SIZE
+    cache = _eager_cache._entries(_mul_static)
+    assert len(cache) <= _eager_cache.CACHE_SIZE
     # Nothing was compiled for a constant seen once.
     assert all(not callable(v) for v in cache.values())
 
