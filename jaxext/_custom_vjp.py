@@ -143,6 +143,22 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
                 self._cached_signature = None
         return self._cached_signature
 
+    def _arity(self) -> int:
+        """How many arguments ``fun`` takes when it takes positional ones only (else -1).
+
+        A call with that many positional arguments and no keywords is already resolved.
+        """
+        if not hasattr(self, "_positional_arity"):
+            signature = self._signature()
+            params = [] if signature is None else signature.parameters.values()
+            positional = (
+                inspect.Parameter.POSITIONAL_ONLY,
+                inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            )
+            simple = signature is not None and all(p.kind in positional for p in params)
+            self._positional_arity = len(params) if simple else -1
+        return self._positional_arity
+
     def defvjp(
         self,
         fwd: Callable[..., tuple[ReturnValue, Any]],
@@ -348,13 +364,16 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __call__(self, *args: Any, **kwargs: Any) -> ReturnValue:
-        name = getattr(self.fun, "__name__", repr(self.fun))
+        name = getattr(self.fun, "__name__", _NO_NAME)
+        if name is _NO_NAME:
+            name = repr(self.fun)
         if self.fwd is None or self.bwd is None:
             raise AttributeError(
                 f"No VJP defined for custom_vjp function {name} using defvjp: call "
                 f"`{name}.defvjp(fwd, bwd)`."
             )
-        args = _resolve_kwargs(self._signature(), name, args, kwargs)
+        if kwargs or len(args) != self._arity():
+            args = _resolve_kwargs(self._signature(), name, args, kwargs)
         for i in self.nondiff_argnums:
             if i >= len(args):
                 raise TypeError(
@@ -386,6 +405,8 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         primal.defjvp(op.jvp_rule, symbolic_zeros=True)
         return primal(*diff_args)
 
+
+_NO_NAME = object()  # a function without a __name__ is named by its repr
 
 # jax.custom_vjp methods (JAX 0.12) that jaxext.custom_vjp does not provide.
 _JAX_ONLY_METHODS = frozenset({"defvjp_with_logs", "defvjp_with_accums", "defremat_with_logs"})
@@ -557,6 +578,7 @@ class _Op:
             return self.primal(*diff_values)
 
         primal.__name__ = primal.__qualname__ = self.name
+        primal.__signature__ = _PRIMAL_SIGNATURE  # what inspect finds, without looking
         return primal
 
     def batched_primal(self) -> Callable[..., Any]:
@@ -624,9 +646,9 @@ class _Op:
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
         res_leaves, res_tree = jax.tree_util.tree_flatten(res)
         res_is_array = tuple(_is_array_leaf(leaf) for leaf in res_leaves)
-        res_arrays = [jnp.asarray(r) for r, a in zip(res_leaves, res_is_array, strict=True) if a]
+        res_arrays = [_as_array(r) for r, a in zip(res_leaves, res_is_array, strict=True) if a]
         res_static = tuple(None if a else r for r, a in zip(res_leaves, res_is_array, strict=True))
-        out_float = tuple(_is_float(jnp.result_type(o)) for o in out_leaves)
+        out_float = tuple(_is_float(_dtype(o)) for o in out_leaves)
         lin = _Linear(
             op=self,
             in_tree=in_tree,
@@ -705,6 +727,13 @@ class _Op:
         """Raises unless ``fwd``'s output ``out`` has the primal's output type ``expected``."""
         if expected is None:
             return
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+        exp_leaves, exp_tree = jax.tree_util.tree_flatten(expected)
+        if out_tree == exp_tree and all(
+            np.shape(o) == e.shape and _dtype(o) == e.dtype
+            for o, e in zip(out_leaves, exp_leaves, strict=True)
+        ):
+            return
         got = jax.tree_util.tree_map(
             lambda o: jax.ShapeDtypeStruct(np.shape(o), jnp.result_type(o)), out
         )
@@ -728,6 +757,17 @@ class _Op:
                     f"{jax.tree_util.keystr(path)}, got fwd output type {_short(g)} which "
                     f"doesn't match primal output type {_short(e)}.)"
                 )
+
+
+def _primal_template(*diff_values: Any) -> Any:
+    """Has the signature of :meth:`_Op.named_primal`'s functions."""
+    del diff_values
+
+
+# JAX inspects the signature of the functions a custom_jvp gets at every call (for debug
+# information); these are what it finds, precomputed.
+_PRIMAL_SIGNATURE = inspect.signature(_primal_template)
+_Op.jvp_rule.__signature__ = inspect.signature(_Op.jvp_rule)  # type: ignore[attr-defined]
 
 
 class _Plain:
@@ -906,19 +946,22 @@ class _Linear:
                     f"structure {tree} (or a prefix of it); got "
                     f"{jax.tree_util.tree_structure(grad)}."
                 ) from None
-        labels, paths = self.leaf_labels()
         result = []
-        for grad, aval, q, label, path in zip(
-            flat, self.in_avals, self.perturbed, labels, paths, strict=True
-        ):
+        for i, (grad, aval, q) in enumerate(zip(flat, self.in_avals, self.perturbed, strict=True)):
             if not q:
                 if isinstance(grad, SymbolicZero):  # checked even where no gradient is needed
-                    self.finish(grad, aval.to_tangent_aval(), label)
+                    self.finish(grad, aval.to_tangent_aval(), functools.partial(self.where, i))
                 continue
             # A gradient has its input's cotangent type (a reduced input's is unreduced).
             ct_aval = aval.to_ct_aval() if hasattr(aval, "to_ct_aval") else aval
-            result.append(self.finish(grad, ct_aval, label, jax_path=path))
+            where = functools.partial(self.where, i, with_path=True)
+            result.append(self.finish(grad, ct_aval, where))
         return result
+
+    def where(self, leaf: int, with_path: bool = False) -> tuple[str, str | None]:
+        """Input leaf ``leaf``'s argument label and, ``with_path``, JAX's ``output[k]...`` path."""
+        labels, paths = self.leaf_labels()
+        return labels[leaf], paths[leaf] if with_path else None
 
     def leaf_labels(self) -> tuple[list[str], list[str]]:
         """Per input leaf: the argument's label and JAX's ``output[k]...`` path.
@@ -935,16 +978,22 @@ class _Linear:
         return labels, paths
 
     def finish(
-        self, grad: Any, aval: Any, label: str, rule: str = "bwd", jax_path: str | None = None
+        self,
+        grad: Any,
+        aval: Any,
+        where: Callable[[], tuple[str, str | None]],
+        rule: str = "bwd",
     ) -> jax.Array:
         """Checks one gradient (``rule="bwd"``) or output tangent (``rule="jvp"``).
 
-        ``jax_path`` (``output[k]...``) adds JAX's wording of a shape/dtype mismatch.
+        ``where()`` gives, for an error message only, the label of what is checked and
+        JAX's path (``output[k]...``, or ``None``) that adds JAX's wording of a
+        shape/dtype mismatch.
         """
         value, side = ("gradient", "input") if rule == "bwd" else ("tangent", "output")
         name = self.op.name
 
-        def jax_phrase(got: Any) -> str:
+        def jax_phrase(got: Any, jax_path: str | None) -> str:
             if jax_path is None:
                 return ""
             return (
@@ -957,6 +1006,7 @@ class _Linear:
         if isinstance(grad, SymbolicZero) and (
             tuple(grad.shape) != tuple(aval.shape) or jnp.dtype(grad.dtype) != jnp.dtype(aval.dtype)
         ):
+            label, _ = where()
             raise RuleValueError(
                 f"`{name}`: {rule} returned a SymbolicZero for {label} of shape/dtype "
                 f"{jnp.dtype(grad.dtype)}{list(grad.shape)}; the {side} has "
@@ -978,22 +1028,25 @@ class _Linear:
                     # (a float from an eager grad or vjp; an array under jit).
                     return grad
                 return jnp.asarray(grad, aval.dtype)
+            label, _ = where()
             raise RuleTypeError(
                 f"`{name}`: {rule}'s {value} for {label} must be an array or None; got "
                 f"{type(grad).__name__}."
             )
         if tuple(grad.shape) != tuple(aval.shape):
+            label, jax_path = where()
             raise RuleValueError(
                 f"`{name}`: {rule}'s {value} for {label} must have the {side}'s shape "
-                f"{tuple(aval.shape)}; got shape {tuple(grad.shape)}.{jax_phrase(grad)}"
+                f"{tuple(aval.shape)}; got shape {tuple(grad.shape)}.{jax_phrase(grad, jax_path)}"
             )
         if jnp.dtype(grad.dtype) != jnp.dtype(aval.dtype):
+            label, jax_path = where()
             raise RuleTypeError(
                 f"`{name}`: {rule}'s {value} for {label} must have the {side}'s dtype "
                 f"{jnp.dtype(aval.dtype)}; got {jnp.dtype(grad.dtype)} (cast it with .astype)."
-                f"{jax_phrase(grad)}"
+                f"{jax_phrase(grad, jax_path)}"
             )
-        return _match_type(jnp.asarray(grad), aval)
+        return _match_type(_as_array(grad), aval)
 
     # -- forward mode ------------------------------------------------------------------
 
@@ -1085,8 +1138,20 @@ class _Linear:
         result = []
         for t, aval, is_float in zip(flat, self.out_avals, self.out_float, strict=True):
             if is_float:
-                result.append(self.finish(t, aval.to_tangent_aval(), "the output", "jvp"))
+                result.append(self.finish(t, aval.to_tangent_aval(), _the_output, "jvp"))
         return result
+
+
+def _the_output() -> tuple[str, None]:
+    """What a ``jvp`` rule's output tangent is called in an error message."""
+    return "the output", None
+
+
+def _as_array(value: Any) -> Any:
+    """``jnp.asarray(value)``; a concrete JAX array is returned as it is (what that gives)."""
+    if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
+        return value
+    return jnp.asarray(value)
 
 
 def _PY_FLOAT() -> Any:  # noqa: N802 -- reads like the constant it stands for

@@ -359,11 +359,13 @@ class _CompiledJvp:
 def _jvp_key(op: Any, in_leaves: list[Any], in_tree: Any, perturbed: tuple, t_in: list) -> Any:
     """The key of an eager JVP's compiled program, or ``None`` where it runs as is."""
     spec = op.spec
-    if spec.optimize_remat or not _at_top_level():
+    if spec.optimize_remat:
         return None
-    for leaf in (*in_leaves, *t_in):
+    for leaf in (*in_leaves, *t_in):  # (tracers under grad's linearization: a quick no)
         if not isinstance(leaf, (jax.Array, np.ndarray)) or isinstance(leaf, jax.core.Tracer):
             return None
+    if not _at_top_level():
+        return None
     # What every cached entry of this call is keyed by, plus what only this program reads.
     base = _key(op, "jvp", (list(in_leaves), list(t_in)))
     static = _static_key([spec.forward_mode_hint, spec.no_derivatives_message])
