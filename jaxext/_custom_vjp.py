@@ -16,6 +16,10 @@ a primitive that is *linear* in the tangents:
 Because the JVP rule is traced per set of perturbed inputs (JAX caches jitted
 functions' JVPs by that set), ``fwd`` may save different residuals for different
 sets; there is no residual structure recorded once and reused.
+
+Every step here runs as written (``_Plain``). Eager calls may reuse work per abstract
+signature instead: the JVP rule asks ``_eager_cache.lookup`` once per call which steps to
+take, and that module holds every cache (see its docstring).
 """
 
 from __future__ import annotations
@@ -818,11 +822,15 @@ class _Linear:
         self.hoisted_bwd: Callable[..., Any] | None = None
         self.hoisted_jvp: Callable[..., Any] | None = None
         self.n_bwd_consts = self.n_jvp_consts = 0
-        self.t_avals = tuple(
-            a.to_tangent_aval() for a, q in zip(self.in_avals, self.perturbed, strict=True) if q
-        )
         self.ct_avals = tuple(
             a.to_tangent_aval() for a, f in zip(self.out_avals, self.out_float, strict=True) if f
+        )
+
+    @functools.cached_property
+    def t_avals(self) -> tuple[Any, ...]:
+        """The types of the tangent operands (made when asked: eager ``grad`` never asks)."""
+        return tuple(
+            a.to_tangent_aval() for a, q in zip(self.in_avals, self.perturbed, strict=True) if q
         )
 
     def __repr__(self) -> str:
