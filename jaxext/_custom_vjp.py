@@ -16,14 +16,16 @@ a primitive that is *linear* in the tangents:
 Because the JVP rule is traced per set of perturbed inputs (JAX caches jitted
 functions' JVPs by that set), ``fwd`` may save different residuals for different
 sets; there is no residual structure recorded once and reused.
+
+Every step here runs as written (``_Plain``). Eager calls may reuse work per abstract
+signature instead: the JVP rule asks ``_eager_cache.lookup`` once per call which steps to
+take, and that module holds every cache (see its docstring).
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import inspect
-import types
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -32,9 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import custom_batching
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
-from jax.extend.core import Primitive, jaxpr_as_fun
+from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from . import _eager_cache
 from ._linearity import Kind, nonlinearities
 from ._remat import rematerialized, run_fwd, saved
 
@@ -165,6 +168,22 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
             except (TypeError, ValueError):
                 self._cached_signature = None
         return self._cached_signature
+
+    def _arity(self) -> int:
+        """How many arguments ``fun`` takes when it takes positional ones only (else -1).
+
+        A call with that many positional arguments and no keywords is already resolved.
+        """
+        if not hasattr(self, "_positional_arity"):
+            signature = self._signature()
+            params = [] if signature is None else signature.parameters.values()
+            positional = (
+                inspect.Parameter.POSITIONAL_ONLY,
+                inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            )
+            simple = signature is not None and all(p.kind in positional for p in params)
+            self._positional_arity = len(params) if simple else -1
+        return self._positional_arity
 
     def defvjp(
         self,
@@ -371,13 +390,16 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __call__(self, *args: Any, **kwargs: Any) -> ReturnValue:
-        name = getattr(self.fun, "__name__", repr(self.fun))
+        name = getattr(self.fun, "__name__", _NO_NAME)
+        if name is _NO_NAME:
+            name = repr(self.fun)
         if self.fwd is None or self.bwd is None:
             raise AttributeError(
                 f"No VJP defined for custom_vjp function {name} using defvjp: call "
                 f"`{name}.defvjp(fwd, bwd)`."
             )
-        args = _resolve_kwargs(self._signature(), name, args, kwargs)
+        if kwargs or len(args) != self._arity():
+            args = _resolve_kwargs(self._signature(), name, args, kwargs)
         for i in self.nondiff_argnums:
             if i >= len(args):
                 raise TypeError(
@@ -409,6 +431,8 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         primal.defjvp(op.jvp_rule, symbolic_zeros=True)
         return primal(*diff_args)
 
+
+_NO_NAME = object()  # a function without a __name__ is named by its repr
 
 # jax.custom_vjp methods (JAX 0.12) that jaxext.custom_vjp does not provide.
 _JAX_ONLY_METHODS = frozenset({"defvjp_with_logs", "defvjp_with_accums", "defremat_with_logs"})
@@ -552,55 +576,6 @@ def _is_float(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.inexact)
 
 
-# -- per-function caches of eager work (issue 19) -------------------------------------
-
-# Entries kept per decorated function: eager calls with distinct nondiff values (a new
-# Python constant each step) evict old entries rather than growing without bound.
-CACHE_SIZE = 64
-_PLAIN = (type(None), bool, int, float, complex, str, bytes, np.generic, np.dtype, type, slice)
-
-
-def _call_cache(spec: custom_vjp) -> collections.OrderedDict:
-    """The cache of ``spec`` (a bounded LRU, keyed by :meth:`_Op.cache_key`)."""
-    cache = spec.__dict__.get("_call_cache")
-    if cache is None:
-        cache = spec.__dict__["_call_cache"] = collections.OrderedDict()
-    return cache
-
-
-def _cache_put(cache: collections.OrderedDict, key: Any, value: Any) -> None:
-    cache[key] = value
-    cache.move_to_end(key)
-    while len(cache) > CACHE_SIZE:
-        cache.popitem(last=False)
-
-
-def _static_key(values: Any) -> Any:
-    """A hashable key for Python values, or ``None`` where they cannot safely be one.
-
-    Only plain immutable values (numbers, strings, dtypes, types, module-level functions)
-    and containers of them: an arbitrary object may be mutable or hold arrays or tracers,
-    which a cache must not keep alive. Numbers are keyed by type and ``repr`` so that
-    ``1``, ``1.0``, ``True`` and ``0.0``, ``-0.0`` stay apart.
-    """
-    leaves, tree = jax.tree_util.tree_flatten(values)
-    key = []
-    for leaf in leaves:
-        if isinstance(leaf, (float, complex, np.inexact)):
-            key.append((type(leaf), repr(leaf)))
-        elif isinstance(leaf, (*_PLAIN, types.BuiltinFunctionType)) or (
-            isinstance(leaf, types.FunctionType) and leaf.__closure__ is None
-        ):
-            key.append((type(leaf), leaf))
-        else:
-            return None
-    try:
-        hash(tree)
-        return tree, tuple(key)
-    except TypeError:
-        return None
-
-
 class _Op:
     """One call of a :class:`custom_vjp`: its arguments split into static and traced."""
 
@@ -629,6 +604,7 @@ class _Op:
             return self.primal(*diff_values)
 
         primal.__name__ = primal.__qualname__ = self.name
+        primal.__signature__ = _PRIMAL_SIGNATURE  # what inspect finds, without looking
         return primal
 
     def batched_primal(self) -> Callable[..., Any]:
@@ -660,12 +636,23 @@ class _Op:
             for p, t in zip(in_leaves, t_leaves, strict=True)
         )
         t_in = [t for t, q in zip(t_leaves, perturbed, strict=True) if q]
-        return _eager_jvp(self, primals, in_leaves, in_tree, perturbed, t_in)
+        # The one question to the eager cache: which steps to take (``None``: as written).
+        eager = _eager_cache.lookup(self) or _PLAIN
+        return eager.jvp(self, primals, in_leaves, in_tree, perturbed, t_in)
 
     def traced_jvp(
-        self, primals: tuple, in_leaves: list[Any], in_tree: Any, perturbed: tuple, t_in: list
+        self,
+        primals: tuple,
+        in_leaves: list[Any],
+        in_tree: Any,
+        perturbed: tuple,
+        t_in: list,
+        eager: Any,
     ) -> tuple[Any, Any]:
-        """The JVP rule's work: ``fwd``, then the output tangent as ``tangent_p``."""
+        """The JVP rule's work: ``fwd``, then the output tangent as ``tangent_p``.
+
+        ``eager`` takes the steps that eager calls may take faster (see :class:`_Plain`).
+        """
         if self.spec.symbolic_zeros:
             wrapped = [CustomVJPPrimal(p, q) for p, q in zip(in_leaves, perturbed, strict=True)]
             fwd_args = jax.tree_util.tree_unflatten(in_tree, wrapped)
@@ -674,20 +661,20 @@ class _Op:
         if self.spec.optimize_remat:
             result = run_fwd(self, fwd_args)
         else:
-            result = self.call_fwd(fwd_args, in_leaves)
+            result = eager.fwd(self, fwd_args, in_leaves)
         if not isinstance(result, (tuple, list)) or len(result) != 2:
             raise TypeError(
                 f"`{self.name}`: fwd must return a pair (output, residuals); got "
                 f"{type(result).__name__}. {self.jax_fwd_phrase()}"
             )
         out, res = result
-        self.check_fwd_output(primals, out)
+        self.check_fwd_output(out, eager.expected_output(self, primals))
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
         res_leaves, res_tree = jax.tree_util.tree_flatten(res)
         res_is_array = tuple(_is_array_leaf(leaf) for leaf in res_leaves)
-        res_arrays = [jnp.asarray(r) for r, a in zip(res_leaves, res_is_array, strict=True) if a]
+        res_arrays = [_as_array(r) for r, a in zip(res_leaves, res_is_array, strict=True) if a]
         res_static = tuple(None if a else r for r, a in zip(res_leaves, res_is_array, strict=True))
-        out_float = tuple(_is_float(jnp.result_type(o)) for o in out_leaves)
+        out_float = tuple(_is_float(_dtype(o)) for o in out_leaves)
         lin = _Linear(
             op=self,
             in_tree=in_tree,
@@ -699,6 +686,7 @@ class _Op:
             out_tree=out_tree,
             out_avals=tuple(jax.typeof(o) for o in out_leaves),
             out_float=out_float,
+            eager=eager,
         )
         staged = any(isinstance(v, jax.core.Tracer) for v in [*in_leaves, *res_arrays])
         if t_in and staged and self.spec.hoist_closures:
@@ -714,22 +702,9 @@ class _Op:
                 out_tangents.append(jnp.zeros_like(o))
         return out, jax.tree_util.tree_unflatten(out_tree, out_tangents)
 
-    def call_fwd(self, fwd_args: Sequence[Any], in_leaves: Sequence[Any]) -> Any:
-        """Runs ``fwd``; eagerly where its inputs are concrete (eager ``grad``, ``vjp``).
-
-        Linearization runs the JVP rule under a partial-evaluation trace, where every
-        operation on concrete arrays takes JAX's slow dispatch path; ``jax.custom_vjp`` runs
-        its ``fwd`` outside that trace. A ``fwd`` that closes over a traced value (only
-        possible beneath another transformation) cannot run eagerly and runs as before.
-        """
-        eval_context = getattr(jax.core, "eval_context", None)
-        if eval_context is None or any(isinstance(p, jax.core.Tracer) for p in in_leaves):
-            return self.spec.fwd(*self.merge(fwd_args))
-        try:
-            with eval_context():
-                return self.spec.fwd(*self.merge(fwd_args))
-        except jax.errors.UnexpectedTracerError:
-            return self.spec.fwd(*self.merge(fwd_args))
+    def call_fwd(self, fwd_args: Sequence[Any]) -> Any:
+        """Runs ``fwd`` on ``fwd_args`` (the differentiable arguments) and the nondiff ones."""
+        return self.spec.fwd(*self.merge(fwd_args))
 
     def jax_fwd_phrase(self, instead: str = "") -> str:
         """JAX's wording of a wrong fwd output, which users' code may match on.
@@ -764,52 +739,26 @@ class _Op:
             f"output {kind}\n    {exp_s}{end}"
         )
 
-    def expected_output(self, primals: tuple) -> Any:
-        """The primal's output type for ``primals`` (``None``: it cannot be traced abstractly).
-
-        Cached per abstract signature (see :func:`_call_cache`): tracing the primal again
-        for every eager call costs more than the call itself.
-        """
-        key = self.cache_key("out", primals)
-        cache = _call_cache(self.spec)
-        if key is not None and key in cache:
-            cache.move_to_end(key)
-            return cache[key]
+    def abstract_output(self, primals: tuple) -> Any:
+        """The primal's output type for ``primals`` (``None``: it cannot be traced abstractly)."""
         try:
-            expected = jax.eval_shape(self.primal, *primals)
+            return jax.eval_shape(self.primal, *primals)
         except jax.errors.ConcretizationTypeError:
             # The primal branches in Python on its inputs' values: it cannot be traced
             # abstractly, and JAX itself never traces it when differentiating eagerly. Trust
             # fwd's output, as jax.custom_vjp does there.
-            expected = None
-        if key is not None:
-            _cache_put(cache, key, expected)
-        return expected
-
-    def cache_key(self, kind: str, diff_values: Any) -> Any:
-        """A key naming everything static about this call, or ``None`` (not cacheable).
-
-        The function and rules, the positions and values of the nondiff arguments (by type
-        and value, so ``1``, ``1.0`` and ``True`` differ), the pytree structure and the
-        abstract values (shape, dtype, weak type, sharding) of the differentiable ones.
-        """
-        nondiff = _static_key(self.nondiff())
-        if nondiff is None:
             return None
-        leaves, tree = jax.tree_util.tree_flatten(diff_values)
-        spec = self.spec
-        rules = (spec.fun, spec.fwd, spec.bwd, spec.jvp, spec.symbolic_zeros)
-        key = (kind, rules, len(self.args), self.diff, nondiff, tree)
-        try:
-            key = (*key, tuple(jax.typeof(leaf) for leaf in leaves))
-            hash(key)
-        except TypeError:  # a type JAX cannot hash (an extended one, say): not cached
-            return None
-        return key
 
-    def check_fwd_output(self, primals: tuple, out: Any) -> None:
-        expected = self.expected_output(primals)
+    def check_fwd_output(self, out: Any, expected: Any) -> None:
+        """Raises unless ``fwd``'s output ``out`` has the primal's output type ``expected``."""
         if expected is None:
+            return
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+        exp_leaves, exp_tree = jax.tree_util.tree_flatten(expected)
+        if out_tree == exp_tree and all(
+            np.shape(o) == e.shape and _dtype(o) == e.dtype
+            for o, e in zip(out_leaves, exp_leaves, strict=True)
+        ):
             return
         got = jax.tree_util.tree_map(
             lambda o: jax.ShapeDtypeStruct(np.shape(o), jnp.result_type(o)), out
@@ -836,6 +785,53 @@ class _Op:
                 )
 
 
+def _primal_template(*diff_values: Any) -> Any:
+    """Has the signature of :meth:`_Op.named_primal`'s functions."""
+    del diff_values
+
+
+# JAX inspects the signature of the functions a custom_jvp gets at every call (for debug
+# information); these are what it finds, precomputed.
+_PRIMAL_SIGNATURE = inspect.signature(_primal_template)
+_Op.jvp_rule.__signature__ = inspect.signature(_Op.jvp_rule)  # type: ignore[attr-defined]
+
+
+class _Plain:
+    """The steps of a call that eager work may take faster, taken as written.
+
+    The JVP rule takes these unless :func:`jaxext._eager_cache.lookup` gives steps of
+    the same meaning that reuse eager work; every value and error is the same either way.
+    """
+
+    def jvp(
+        self,
+        op: _Op,
+        primals: tuple,
+        in_leaves: list[Any],
+        in_tree: Any,
+        perturbed: tuple,
+        t_in: list,
+    ) -> tuple[Any, Any]:
+        """The JVP rule's output (primal output, output tangent)."""
+        return op.traced_jvp(primals, in_leaves, in_tree, perturbed, t_in, self)
+
+    def fwd(self, op: _Op, fwd_args: Sequence[Any], in_leaves: Sequence[Any]) -> Any:
+        """``fwd``'s result for ``fwd_args``, whose array leaves are ``in_leaves``."""
+        del in_leaves
+        return op.call_fwd(fwd_args)
+
+    def expected_output(self, op: _Op, primals: tuple) -> Any:
+        """The primal's output type for ``primals`` (``None``: not traceable abstractly)."""
+        return op.abstract_output(primals)
+
+    def tangent(self, lin: _Linear, args: Sequence[Any]) -> list[jax.Array]:
+        """``J t`` evaluated on concrete operands ``args`` (the tangent primitive's impl)."""
+        return lin.apply(args)
+
+
+_PLAIN = _Plain()
+
+
 class _Linear:
     """Static description of ``t -> J t`` for one traced call (a primitive parameter).
 
@@ -848,15 +844,24 @@ class _Linear:
         self.hoisted_bwd: Callable[..., Any] | None = None
         self.hoisted_jvp: Callable[..., Any] | None = None
         self.n_bwd_consts = self.n_jvp_consts = 0
-        self.t_avals = tuple(
-            a.to_tangent_aval() for a, q in zip(self.in_avals, self.perturbed, strict=True) if q
-        )
         self.ct_avals = tuple(
             a.to_tangent_aval() for a, f in zip(self.out_avals, self.out_float, strict=True) if f
         )
 
+    @functools.cached_property
+    def t_avals(self) -> tuple[Any, ...]:
+        """The types of the tangent operands (made when asked: eager ``grad`` never asks)."""
+        return tuple(
+            a.to_tangent_aval() for a, q in zip(self.in_avals, self.perturbed, strict=True) if q
+        )
+
     def __repr__(self) -> str:
         return f"<jaxext.custom_vjp {self.op.name}>"
+
+    def apply(self, args: Sequence[Any]) -> list[jax.Array]:
+        """``J t`` for the primitive's operands ``args`` (residuals, then tangents)."""
+        res, t = _split(args, self)
+        return self.tangent(res, t)
 
     # -- residuals ---------------------------------------------------------------------
 
@@ -971,27 +976,28 @@ class _Linear:
                     f"structure {tree} (or a prefix of it); got "
                     f"{jax.tree_util.tree_structure(grad)}."
                 ) from None
-        labels, paths = self.leaf_labels()
         result = []
-        for grad, aval, q, label, path in zip(
-            flat, self.in_avals, self.perturbed, labels, paths, strict=True
-        ):
+        for i, (grad, aval, q) in enumerate(zip(flat, self.in_avals, self.perturbed, strict=True)):
             if not q:
                 if isinstance(grad, SymbolicZero):  # checked even where no gradient is needed
-                    self.finish(grad, aval.to_tangent_aval(), label)
+                    self.finish(grad, aval.to_tangent_aval(), functools.partial(self.where, i))
                 continue
             # A gradient has its input's cotangent type (a reduced input's is unreduced).
             ct_aval = aval.to_ct_aval() if hasattr(aval, "to_ct_aval") else aval
-            result.append(self.finish(grad, ct_aval, label, jax_path=path))
+            where = functools.partial(self.where, i, with_path=True)
+            result.append(self.finish(grad, ct_aval, where))
         return result
 
+    def where(self, leaf: int, with_path: bool = False) -> tuple[str, str | None]:
+        """Input leaf ``leaf``'s argument label and, ``with_path``, JAX's ``output[k]...`` path."""
+        labels, paths = self.leaf_labels()
+        return labels[leaf], paths[leaf] if with_path else None
+
     def leaf_labels(self) -> tuple[list[str], list[str]]:
-        """Per input leaf: the argument's label and JAX's ``output[k]...`` path (cached)."""
-        key = ("labels", self.op.spec.fun, len(self.op.args), self.op.diff, self.in_tree)
-        cache = _call_cache(self.op.spec)
-        if key in cache:
-            cache.move_to_end(key)
-            return cache[key]
+        """Per input leaf: the argument's label and JAX's ``output[k]...`` path.
+
+        Made only for an error message (it inspects the function's signature).
+        """
         labels, paths = [], []
         for k, tree in enumerate(self.in_tree.children()):
             labels.extend([self.op.label(k)] * tree.num_leaves)
@@ -999,20 +1005,25 @@ class _Linear:
                 jax.tree_util.tree_unflatten(tree, range(tree.num_leaves))
             )[0]
             paths.extend(f"output[{k}]{jax.tree_util.keystr(p)}" for p, _ in leaves)
-        _cache_put(cache, key, (labels, paths))
         return labels, paths
 
     def finish(
-        self, grad: Any, aval: Any, label: str, rule: str = "bwd", jax_path: str | None = None
+        self,
+        grad: Any,
+        aval: Any,
+        where: Callable[[], tuple[str, str | None]],
+        rule: str = "bwd",
     ) -> jax.Array:
         """Checks one gradient (``rule="bwd"``) or output tangent (``rule="jvp"``).
 
-        ``jax_path`` (``output[k]...``) adds JAX's wording of a shape/dtype mismatch.
+        ``where()`` gives, for an error message only, the label of what is checked and
+        JAX's path (``output[k]...``, or ``None``) that adds JAX's wording of a
+        shape/dtype mismatch.
         """
         value, side = ("gradient", "input") if rule == "bwd" else ("tangent", "output")
         name = self.op.name
 
-        def jax_phrase(got: Any) -> str:
+        def jax_phrase(got: Any, jax_path: str | None) -> str:
             if jax_path is None:
                 return ""
             return (
@@ -1025,6 +1036,7 @@ class _Linear:
         if isinstance(grad, SymbolicZero) and (
             tuple(grad.shape) != tuple(aval.shape) or jnp.dtype(grad.dtype) != jnp.dtype(aval.dtype)
         ):
+            label, _ = where()
             raise RuleValueError(
                 f"`{name}`: {rule} returned a SymbolicZero for {label} of shape/dtype "
                 f"{jnp.dtype(grad.dtype)}{list(grad.shape)}; the {side} has "
@@ -1046,22 +1058,25 @@ class _Linear:
                     # (a float from an eager grad or vjp; an array under jit).
                     return grad
                 return jnp.asarray(grad, aval.dtype)
+            label, _ = where()
             raise RuleTypeError(
                 f"`{name}`: {rule}'s {value} for {label} must be an array or None; got "
                 f"{type(grad).__name__}."
             )
         if tuple(grad.shape) != tuple(aval.shape):
+            label, jax_path = where()
             raise RuleValueError(
                 f"`{name}`: {rule}'s {value} for {label} must have the {side}'s shape "
-                f"{tuple(aval.shape)}; got shape {tuple(grad.shape)}.{jax_phrase(grad)}"
+                f"{tuple(aval.shape)}; got shape {tuple(grad.shape)}.{jax_phrase(grad, jax_path)}"
             )
         if jnp.dtype(grad.dtype) != jnp.dtype(aval.dtype):
+            label, jax_path = where()
             raise RuleTypeError(
                 f"`{name}`: {rule}'s {value} for {label} must have the {side}'s dtype "
                 f"{jnp.dtype(aval.dtype)}; got {jnp.dtype(grad.dtype)} (cast it with .astype)."
-                f"{jax_phrase(grad)}"
+                f"{jax_phrase(grad, jax_path)}"
             )
-        return _match_type(jnp.asarray(grad), aval)
+        return _match_type(_as_array(grad), aval)
 
     # -- forward mode ------------------------------------------------------------------
 
@@ -1153,8 +1168,20 @@ class _Linear:
         result = []
         for t, aval, is_float in zip(flat, self.out_avals, self.out_float, strict=True):
             if is_float:
-                result.append(self.finish(t, aval.to_tangent_aval(), "the output", "jvp"))
+                result.append(self.finish(t, aval.to_tangent_aval(), _the_output, "jvp"))
         return result
+
+
+def _the_output() -> tuple[str, None]:
+    """What a ``jvp`` rule's output tangent is called in an error message."""
+    return "the output", None
+
+
+def _as_array(value: Any) -> Any:
+    """``jnp.asarray(value)``; a concrete JAX array is returned as it is (what that gives)."""
+    if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
+        return value
+    return jnp.asarray(value)
 
 
 def _PY_FLOAT() -> Any:  # noqa: N802 -- reads like the constant it stands for
@@ -1209,191 +1236,12 @@ def _split(args: Sequence[Any], lin: _Linear) -> tuple[list[Any], list[Any]]:
 
 
 def _tangent_apply(*args: Any, lin: _Linear) -> list[jax.Array]:
-    res, t = _split(args, lin)
-    return lin.tangent(res, t)
+    return lin.apply(args)
 
 
 def _tangent_impl(*args: Any, lin: _Linear) -> list[jax.Array]:
-    """Eager ``J t``: compiled once per abstract signature seen twice (see ``_eager_tangent``)."""
-    compiled = _eager_tangent(args, lin) if isinstance(lin, _Linear) else None
-    if compiled is None:
-        return _tangent_apply(*args, lin=lin)
-    return list(compiled(*args))
-
-
-def _eager_tangent(args: Sequence[Any], lin: _Linear) -> Callable[..., Any] | None:
-    """A compiled ``J t`` for ``lin``'s abstract signature, or ``None`` (run it as is).
-
-    Eager forward mode otherwise traces and transposes ``bwd`` (and checks that it is
-    linear) at every call. The program is compiled the second time a signature is seen, so
-    that eager calls each with a new nondiff value (a Python constant) compile nothing. A
-    signature whose rules cannot be staged (Python control flow on a residual's value) or
-    read arrays other than their arguments is remembered as such and keeps running as is.
-    As under ``jax.jit``, the rules are taken to be functions of their arguments: a Python
-    number they read from a global that is later rebound is not noticed.
-    """
-    if lin.n_res != lin.n_own:  # hoisted closures: only made inside a trace
-        return None
-    key = lin.op.cache_key("tangent", list(args))
-    static = _static_key(
-        [lin.res_static, lin.op.spec.forward_mode_hint, lin.op.spec.no_derivatives_message]
-    )
-    if key is None or static is None:
-        return None
-    key = (*key, lin.perturbed, lin.in_tree, lin.in_avals, lin.res_tree, lin.res_is_array)
-    key = (*key, static, lin.out_tree, lin.out_avals, lin.out_float, _bwd_checks_disabled())
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    cache = _call_cache(lin.op.spec)
-    entry = cache.get(key)
-    if entry is None:  # first sighting: run as is
-        _cache_put(cache, key, _SEEN_ONCE)
-        return None
-    cache.move_to_end(key)
-    if entry is _SEEN_ONCE:
-        try:
-            closed = jax.make_jaxpr(functools.partial(_tangent_apply, lin=lin))(*args)
-        except Exception:  # noqa: BLE001 -- the uncached path raises the error itself
-            closed = None
-        if closed is None or closed.consts:
-            # Arrays the rules read other than their arguments (a global or closed-over
-            # array) may be rebound between eager calls: such rules always run afresh.
-            _cache_put(cache, key, _UNSTAGED)
-            return None
-        entry = jax.jit(jaxpr_as_fun(closed))
-        _cache_put(cache, key, entry)
-    return None if entry is _UNSTAGED else entry
-
-
-_SEEN_ONCE, _UNSTAGED = object(), object()
-
-
-def _eager_jvp(
-    op: _Op, primals: tuple, in_leaves: list[Any], in_tree: Any, perturbed: tuple, t_in: list
-) -> tuple[Any, Any]:
-    """The JVP rule: eagerly, one compiled program per call signature seen twice.
-
-    An eager ``jax.jvp`` otherwise runs ``fwd`` operation by operation and then the
-    compiled tangent (see :func:`_eager_tangent`). Where every primal and tangent is a
-    concrete array and no transformation is under way (the JVP's parent is the top-level
-    evaluation), the rule's work -- ``fwd`` and ``J t`` -- is compiled into one program,
-    built the second time a signature is seen from the traced rule (the program
-    ``jax.jit`` would make of it), and run at every later call. A signature whose rule
-    cannot be staged (Python control flow on values, closed-over arrays) or whose eager
-    outputs are not all arrays (a Python number) keeps running as is, as do ``fwd`` rules
-    with ``optimize_remat`` and calls inside other transformations.
-    """
-    key = _eager_jvp_key(op, in_leaves, in_tree, perturbed, t_in)
-    if key is None:
-        return op.traced_jvp(primals, in_leaves, in_tree, perturbed, t_in)
-    cache = _call_cache(op.spec)
-    entry = cache.get(key)
-    if entry is None:  # first sighting: run as is, and note whether the outputs are arrays
-        out, out_t = op.traced_jvp(primals, in_leaves, in_tree, perturbed, t_in)
-        arrays = all(isinstance(o, jax.Array) for o in jax.tree_util.tree_leaves(out))
-        _cache_put(cache, key, _SEEN_ONCE if arrays else _UNSTAGED)
-        return out, out_t
-    cache.move_to_end(key)
-    if entry is _SEEN_ONCE:
-        entry = _stage_jvp(op, in_leaves, in_tree, perturbed, t_in)
-        if entry is not _UNSTAGED:
-            try:  # compiles it: a rule that cannot be lowered (see _eager_tangent) fails here
-                result = entry.run(in_leaves, t_in)
-            except Exception:  # noqa: BLE001 -- the uncached path raises the error itself
-                entry = _UNSTAGED
-        _cache_put(cache, key, entry)
-        if entry is not _UNSTAGED:
-            return result
-    if entry is _UNSTAGED:
-        return op.traced_jvp(primals, in_leaves, in_tree, perturbed, t_in)
-    return entry.run(in_leaves, t_in)
-
-
-class _CompiledJvp:
-    """One eager JVP signature's compiled ``fwd`` and ``J t`` (see :func:`_eager_jvp`)."""
-
-    def __init__(self, program: Callable[..., Any], out_tree: Any, out_float: tuple):
-        self.program, self.out_tree, self.out_float = program, out_tree, out_float
-
-    def run(self, in_leaves: Sequence[Any], t_in: Sequence[Any]) -> tuple[Any, Any]:
-        flat = self.program(*in_leaves, *t_in)
-        out_leaves = flat[: len(self.out_float)]
-        tangents = iter(flat[len(self.out_float) :])
-        out_t = [
-            next(tangents) if f else np.zeros(np.shape(o), jax.dtypes.float0)
-            for o, f in zip(out_leaves, self.out_float, strict=True)
-        ]
-        return (
-            jax.tree_util.tree_unflatten(self.out_tree, out_leaves),
-            jax.tree_util.tree_unflatten(self.out_tree, out_t),
-        )
-
-
-def _eager_jvp_key(
-    op: _Op, in_leaves: list[Any], in_tree: Any, perturbed: tuple, t_in: list
-) -> Any:
-    """The key of an eager JVP's compiled program, or ``None`` where it runs as is."""
-    spec = op.spec
-    if spec.optimize_remat or not _at_top_level():
-        return None
-    for leaf in (*in_leaves, *t_in):
-        if not isinstance(leaf, (jax.Array, np.ndarray)) or isinstance(leaf, jax.core.Tracer):
-            return None
-    # What every cached entry of this call is keyed by, plus what only this program reads.
-    base = op.cache_key("jvp", (list(in_leaves), list(t_in)))
-    static = _static_key([spec.forward_mode_hint, spec.no_derivatives_message])
-    if base is None or static is None:
-        return None
-    flags = (_bwd_checks_disabled(), bool(jax.config.jax_enable_x64))
-    key = (base, spec.hoist_closures, static, in_tree, perturbed, flags)
-    try:
-        hash(key)
-    except TypeError:  # a type JAX cannot hash: not cached
-        return None
-    return key
-
-
-def _stage_jvp(op: _Op, in_leaves: list[Any], in_tree: Any, perturbed: tuple, t_in: list) -> Any:
-    """The compiled program for :func:`_eager_jvp`, or ``_UNSTAGED``."""
-    n_in, meta = len(in_leaves), {}
-    # The program keeps the op (in its tangent's parameters): not this call's arrays.
-    args = tuple(None if i in op.diff else a for i, a in enumerate(op.args))
-    op = _Op(op.spec, op.name, args, op.diff)
-
-    def staged(*args: Any) -> list[Any]:
-        leaves = list(args[:n_in])
-        primals = jax.tree_util.tree_unflatten(in_tree, leaves)
-        out, out_t = op.traced_jvp(primals, leaves, in_tree, perturbed, list(args[n_in:]))
-        out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-        out_float = tuple(_is_float(jnp.result_type(o)) for o in out_leaves)
-        t_leaves = out_tree.flatten_up_to(out_t)
-        meta["out"] = out_tree, out_float
-        return [*out_leaves, *(t for t, f in zip(t_leaves, out_float, strict=True) if f)]
-
-    try:
-        closed = jax.make_jaxpr(staged)(*in_leaves, *t_in)
-    except Exception:  # noqa: BLE001 -- the uncached path raises the error itself
-        return _UNSTAGED
-    if closed.consts:  # arrays read other than the arguments, which may be rebound
-        return _UNSTAGED
-    return _CompiledJvp(jax.jit(jaxpr_as_fun(closed)), *meta["out"])
-
-
-_TOP_TRACE: list[Any] = []
-
-
-def _at_top_level() -> bool:
-    """Whether no transformation is under way (JAX's evaluation is the current trace)."""
-    find = getattr(getattr(jax.extend, "core", None), "find_top_trace", None)
-    eval_context = getattr(jax.core, "eval_context", None)
-    if find is None or eval_context is None:
-        return False
-    if not _TOP_TRACE:
-        with eval_context():
-            _TOP_TRACE.append(find(()))
-    return find(()) is _TOP_TRACE[0]
+    """Eager ``J t``, by the steps of the call that made ``lin`` (see :class:`_Plain`)."""
+    return lin.eager.tangent(lin, args)
 
 
 def _tangent_abstract_eval(*args: Any, lin: _Linear) -> list[Any]:
@@ -1462,6 +1310,12 @@ class _Batched:
         self.op, self.n_res = inner.op, inner.n_res
         self.t_avals = tuple(_batched_aval(a, size) for a in inner.t_avals)
         self.ct_avals = tuple(_batched_aval(a, size) for a in inner.ct_avals)
+        self.eager = _PLAIN  # a batched tangent is evaluated as written
+
+    def apply(self, args: Sequence[Any]) -> list[jax.Array]:
+        """``J t`` for the primitive's operands ``args`` (residuals, then tangents)."""
+        res, t = _split(args, self)
+        return self.tangent(res, t)
 
     def __repr__(self) -> str:
         return f"<jaxext.custom_vjp {self.op.name} batched {self.size}>"

@@ -1,7 +1,7 @@
 """The per-function caches of eager work in ``jaxext.custom_vjp`` never serve a stale rule.
 
-Eager calls reuse, per abstract signature, the primal's output type (fwd's output check),
-the argument labels and a compiled forward-mode tangent (see ``_custom_vjp.py``). Each
+Eager calls reuse, per abstract signature, the primal's output type (fwd's output check)
+and compiled forward-mode programs (see ``jaxext/_eager_cache.py``). Each
 test alternates calls that differ in one static aspect (nondiff value, shape, dtype, weak
 type, pytree structure, perturbed set, keyword argument, the rules themselves), three
 times each so that every cache is filled and then served, and compares every result
@@ -21,7 +21,7 @@ import pytest
 from helpers import assert_close, count_primitive, in_float64, rand
 
 import jaxext
-from jaxext import _custom_vjp
+from jaxext import _eager_cache
 
 REPEAT = 3  # first call: as is; second: the tangent is compiled; third: served from cache
 
@@ -211,13 +211,13 @@ def test_eager_distinct_constants_keep_the_cache_bounded():
     from jaxext._mul_constant import _mul_static
 
     x = jnp.ones(3)
-    n = 2 * _custom_vjp.CACHE_SIZE + 10
+    n = 2 * _eager_cache.CACHE_SIZE + 10
     for i in range(n):
         c = 1.0 + i / 7
         out = jax.jvp(lambda v, c=c: jaxext.mul_constant(v, c), (x,), (x,))[1]
         assert_close(out, np.full(3, c))
-    cache = _mul_static.__dict__["_call_cache"]
-    assert len(cache) <= _custom_vjp.CACHE_SIZE
+    cache = _eager_cache._entries(_mul_static)
+    assert len(cache) <= _eager_cache.CACHE_SIZE
     # Nothing was compiled for a constant seen once.
     assert all(not callable(v) for v in cache.values())
 
@@ -348,3 +348,61 @@ def test_eager_jvp_program_does_not_keep_the_calls_arrays_alive():
     del xs, x
     gc.collect()
     assert [r() for r in refs] == [None] * len(refs)
+
+
+def test_a_new_x64_setting_never_reuses_an_entry():
+    """The primal's output type and the compiled programs are keyed by jax_enable_x64."""
+
+    @jaxext.custom_vjp
+    def widen(x):
+        return x.astype(float)  # float32, or float64 under x64, for the same float32 input
+
+    widen.defvjp(lambda x: (widen(x), None), lambda _, g: (g.astype(jnp.float32),))
+    x = jnp.asarray(rand(17, (3,)))  # float32 under either setting
+    for x64 in (False, True, False):
+        with jax.enable_x64(x64):
+            wide = jnp.float64 if x64 else jnp.float32
+            for _ in range(REPEAT):
+                assert_close(jax.grad(lambda v: widen(v).sum())(x), np.ones(3))
+                out, t = jax.jvp(widen, (x,), (jnp.ones_like(x),))
+                assert out.dtype == t.dtype == wide
+                assert_close(t, np.ones(3))
+
+
+def test_the_plain_steps_without_the_cache(monkeypatch):
+    """With the eager cache off, the plain path gives the same values and errors."""
+    monkeypatch.setattr(_eager_cache, "ENABLED", False)
+
+    @jaxext.custom_vjp
+    def f(x, w):
+        return jnp.tanh(x) * w
+
+    def fwd(x, w):
+        return f(x, w), (1 - jnp.tanh(x) ** 2, jnp.tanh(x), w)
+
+    f.defvjp(fwd, lambda res, g: (g * res[0] * res[2], g * res[1]))
+    args = (jnp.asarray(rand(18, (2, 3))), jnp.asarray(rand(19, (2, 3))))
+    _check_grad_and_jvp(f, lambda x, w: jnp.tanh(x) * w, args)
+
+    scale = _scale_op()
+    x = jnp.asarray(rand(20, (3,)))
+    for c in (2, 2.0, -0.5):
+        _check_grad_and_jvp(lambda v, c=c: scale(v, c), lambda v, c=c: v * c, (x,))
+
+    w, b = jnp.asarray(rand(21, (4, 3))), jnp.asarray(rand(22, (4,)))
+    _check_grad_and_jvp(jaxext.linear, lambda x, w, b: x @ w.T + b, (x[None], w, b))
+    _, f_jvp = jax.linearize(lambda v: f(v, jnp.full(3, 2.0)), x)
+    ref_lin = in_float64(lambda x: jax.linearize(lambda v: jnp.tanh(v) * 2.0, x)[1](x), x)
+    for _ in range(REPEAT):
+        assert_close(f_jvp(x), ref_lin)
+
+    @jaxext.custom_vjp
+    def wrong(x):
+        return x * 2.0
+
+    wrong.defvjp(lambda x: ((x * 2.0).astype(jnp.bfloat16), None), lambda _, g: (g * 2.0,))
+    for _ in range(REPEAT):
+        with pytest.raises(TypeError, match="fwd's output must have the primal's"):
+            jax.grad(lambda v: wrong(v).sum())(x)
+    for op in (f, scale, wrong):
+        assert "_eager_cache" not in vars(op)  # nothing was cached
