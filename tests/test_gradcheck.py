@@ -885,6 +885,28 @@ def test_merged_program_falls_back_for_a_function_without_forward_mode(x64):
         jac.forward(range(4))
 
 
+def test_compiler_options_are_only_those_this_xla_accepts(monkeypatch):
+    # Each set of options is probed once per process and used only where XLA accepts it
+    # (JAX 0.12's XLA refuses xla_cpu_use_fusion_emitters): no program compiles with an
+    # option XLA refuses, and no check pays for a refused compilation again.
+    from jaxext._checks import _quick
+
+    for large in (False, True):
+        options = _quick._options(large) or {}
+        jax.jit(lambda x: x + 1, compiler_options=options).lower(np.float32(0)).compile()
+        assert set(options) <= {*_quick._LLVM, *_quick._OLDER_EMITTERS}
+        assert (set(_quick._LLVM) <= set(options)) == (not large)  # both JAX versions take it
+    probes = _quick._accepted.cache_info().misses
+    assert jaxext.gradcheck(jaxext.linear, (f64(0, (3, 2)), f64(1, (4, 2))))
+    assert _quick._accepted.cache_info().misses == probes
+    monkeypatch.setattr(_quick, "_OLDER_EMITTERS", {"xla_no_such_option_here": False})
+    assert _quick._options() == _quick._LLVM
+    assert _quick._options(large=True) is None
+    with CompileCounter() as compiles:
+        assert _quick.quick_jit(lambda x: 2 * x, quick=False)(np.arange(3.0)).tolist() == [0, 2, 4]
+    assert compiles.count == 1  # the program itself: the refused option is not tried again
+
+
 def test_programs_run_from_worker_threads_as_compiled(x64):
     # JAX's configuration is thread-local: a worker thread runs the executable compiled
     # in the check's thread (float64 here), and never compiles one under its own.

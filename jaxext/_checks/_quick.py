@@ -11,9 +11,11 @@ call their library kernels) when the work that its runs in one check do is small
 (``_engine.choose`` says so, from ``QUICK_MAX_WORK``). A program with more work
 keeps LLVM's optimisations but also takes the older emitters where XLA has them:
 they halve its compile time too, and its loops ran as fast (those of gradcheck's
-full method on a linear layer, 5e7 and 1.5e8 Jacobian entries). Options that this
-XLA does not know are left out (found once per process, by compiling a trivial
-program); without any, a program compiles as ``jax.jit`` does.
+full method on a linear layer, 5e7 and 1.5e8 Jacobian entries). Each option is
+used only where this XLA accepts it: whether it does is found once per process,
+by compiling a trivial program with it (JAX 0.10's XLA takes all three; JAX
+0.12's refuses ``xla_cpu_use_fusion_emitters``, "No such compile option", and
+its programs compile with the other two, or as ``jax.jit`` does).
 
 The work is estimated from the function's jaxpr (``entries``: every entry of
 every value it computes, a loop's body counted once) times the evaluations a
@@ -49,14 +51,11 @@ from ._jacobians import FlatJacobians, basis_or
 
 __all__ = ["QuickJacobians", "entries", "quick_jit"]
 
-# LLVM at -O0 and without its expensive passes (XLA's CPU backend reads both), and the
-# older loop emitters (an option of XLA's CPU backend until it dropped them): tried in
-# this order, the first set this XLA compiles with is used.
+# LLVM at -O0 and without its expensive passes (XLA's CPU backend reads both), for
+# programs with little work; the older loop emitters (an option of XLA's CPU backend
+# until it dropped them), for all. Each set is used where this XLA accepts it.
 _LLVM = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 _OLDER_EMITTERS = {"xla_cpu_use_fusion_emitters": False}
-_CANDIDATES = ({**_LLVM, **_OLDER_EMITTERS}, _LLVM)
-# A program with more work keeps LLVM's optimisations, with the older loop emitters.
-_LARGE_CANDIDATES = (_OLDER_EMITTERS,)
 
 
 def _on_cpu() -> bool:
@@ -69,17 +68,24 @@ def _on_cpu() -> bool:
 
 
 @functools.cache
-def _options(large: bool = False) -> dict[str, Any] | None:
-    """The first of ``_CANDIDATES`` (``_LARGE_CANDIDATES``) that the CPU backend
-    accepts, or ``None``."""
+def _accepted(options: tuple[tuple[str, Any], ...]) -> bool:
+    """Whether the CPU backend compiles with ``options`` (probed once per process)."""
     with jax.default_device(jax.devices("cpu")[0]):
-        for options in _LARGE_CANDIDATES if large else _CANDIDATES:
-            try:
-                jax.jit(lambda x: x + 1, compiler_options=options).lower(np.float32(0)).compile()
-            except Exception:  # noqa: BLE001 -- an option this XLA does not know
-                continue
-            return options
-    return None
+        try:
+            jax.jit(lambda x: x + 1, compiler_options=dict(options)).lower(np.float32(0)).compile()
+        except Exception:  # noqa: BLE001 -- an option this XLA does not know
+            return False
+    return True
+
+
+def _options(large: bool = False) -> dict[str, Any] | None:
+    """The compiler options of a quick program (``large``: of one with more work), of
+    those this XLA accepts, or ``None`` where it accepts none."""
+    options: dict[str, Any] = {}
+    for wanted in (_OLDER_EMITTERS,) if large else (_LLVM, _OLDER_EMITTERS):
+        if _accepted(tuple(wanted.items())):
+            options.update(wanted)
+    return options or None
 
 
 def _jaxprs(value: Any) -> list:
