@@ -168,7 +168,7 @@ class ScreenedJacobians(QuickJacobians):
         self, cols: Sequence[int] | range, eps: float | np.ndarray
     ) -> Callable[[], tuple[jax.Array, np.ndarray, int]]:
         """``numerical``, with the block left on the device and padded to ``col_chunk`` rows,
-        as a call that any thread can make (see ``_Program``; only a screened problem).
+        as a call that any thread can make (see ``_quick._Program``).
 
         Returns:
             A function of no arguments that returns ``(block, steps, count)``: the
