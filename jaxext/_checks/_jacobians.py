@@ -32,13 +32,26 @@ screens chunks on the device and runs them from worker threads.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["CHUNK", "CHUNK_ENTRIES", "FlatJacobians", "chunk_size", "unit_blocks"]
+__all__ = [
+    "CHUNK",
+    "CHUNK_ENTRIES",
+    "FlatJacobians",
+    "basis_or",
+    "chunk_size",
+    "padded",
+    "perturbed",
+    "pullback_rows",
+    "stacked_quotients",
+    "tangent_columns",
+    "unit_blocks",
+]
 
 CHUNK = 128  # most rows or columns per compiled call
 CHUNK_ENTRIES = 2**21  # most entries of one stacked array per call (16 MiB in float64)
@@ -108,57 +121,30 @@ class FlatJacobians:
         # Columns need stacked inputs and outputs; rows need stacked input-sized gradients.
         self.col_chunk = chunk_size(max(self.n, self.m))
         self.row_chunk = chunk_size(self.n)
-        self._differences = self._compile(self._quotients)
-        self._vjp_rows = self._compile(self._pullback_rows)
-        self._jvp_columns = self._compile(self._tangent_columns)
+        self._differences = self._compile(self._differences_fn())
+        self._vjp_rows = self._compile(self._rows_fn())
+        self._jvp_columns = self._compile(self._columns_fn())
         self._call = jax.jit(f)
 
     def _compile(self, fn: Callable) -> Callable:
         """The program of ``fn``: here a plain ``jax.jit`` (engines compile otherwise)."""
         return jax.jit(fn)
 
-    # -- the programs' functions (traced) ---------------------------------------------------
+    # The programs' functions hold what they need, never ``self`` (a program holding the
+    # object that holds it would keep both, executables included, until a garbage
+    # collection); engines return others.
 
-    def _perturbed(self, x, ks, plus, minus, count, j) -> tuple:
-        """Iteration ``j`` of the differences' loop: ``(minus side, i, f(x with entry
-        ks[i] set))``, iterations ``i`` and ``count + i`` being the two sides of ``ks[i]``.
-        ``x`` is copied with the entry set, afresh (carrying the perturbed input and
-        restoring the entry made XLA copy it twice)."""
-        minus_side = j >= count
-        i = jnp.where(minus_side, j - count, j)
-        value = jnp.where(minus_side, minus[i], plus[i])
-        return minus_side, i, self.f(x.at[ks[i]].set(value))
+    def _differences_fn(self) -> Callable:
+        """The differences' function: ``stacked_quotients`` of ``f``."""
+        return functools.partial(stacked_quotients, self.f, self.m)
 
-    def _quotients(self, x, ks, plus, minus, count) -> tuple:
-        """``((f(x + h e_k) - f(x - h e_k)) / step_k, a value of f)`` for the first
-        ``count`` entries of ``ks``: the same compiled body evaluates both sides, whose
-        values are stacked and differenced after the loop."""
-        size, steps = ks.shape[0], plus - minus
+    def _rows_fn(self) -> Callable:
+        """The pullbacks' function: ``pullback_rows`` of the VJP."""
+        return functools.partial(pullback_rows, self.vjp_fn, self.n, self.m)
 
-        def stacked(j, y):
-            minus_side, i, value = self._perturbed(x, ks, plus, minus, count, j)
-            return y.at[i + size * minus_side].set(value)
-
-        y = jax.lax.fori_loop(0, 2 * count, stacked, jnp.zeros((2 * size, self.m)))
-        return (y[:size] - y[size:]) / steps[:, None], y[0]
-
-    def _pullback_rows(self, x, ks, count, extra) -> tuple:
-        """``(f(x), rows)``: row ``i < count`` is the pullback of the one-hot cotangent
-        ``e_k`` (``k = ks[i]``), or of ``extra`` where ``k < 0``; the rows past ``count``
-        are zero."""
-        y, pullback = self.vjp_fn(x)
-        n, m = self.n, self.m
-
-        def body(i, rows):
-            return rows.at[i].set(pullback(basis_or(ks[i], m, extra)))
-
-        return y, jax.lax.fori_loop(0, count, body, jnp.zeros((ks.shape[0], n)))
-
-    def _tangent_columns(self, x, ks, extra) -> tuple:
-        """``(f(x), columns)``: the JVP of ``e_k`` for each ``k`` of ``ks`` (``extra``
-        where ``k < 0``), as rows."""
-        y, jvp_fn = jax.linearize(self.f, x)
-        return y, jax.lax.map(lambda k: jvp_fn(basis_or(k, self.n, extra)), ks)
+    def _columns_fn(self) -> Callable:
+        """The JVPs' function: ``tangent_columns`` of ``f``."""
+        return functools.partial(tangent_columns, self.f, self.n)
 
     # -- running them ------------------------------------------------------------------------
 
@@ -239,6 +225,52 @@ class FlatJacobians:
         plus = jnp.asarray(self.x0_host + eps * direction)
         minus = jnp.asarray(self.x0_host - eps * direction)
         return np.asarray(self._call(plus)) - np.asarray(self._call(minus)), 2 * eps
+
+
+# -- the programs' functions (traced) ---------------------------------------------------
+
+
+def perturbed(f: FlatFn, x, ks, plus, minus, count, j) -> tuple:
+    """Iteration ``j`` of the differences' loop: ``(minus side, i, f(x with entry ks[i]
+    set))``, iterations ``i`` and ``count + i`` being the two sides of ``ks[i]``. ``x`` is
+    copied with the entry set, afresh (carrying the perturbed input and restoring the
+    entry made XLA copy it twice)."""
+    minus_side = j >= count
+    i = jnp.where(minus_side, j - count, j)
+    value = jnp.where(minus_side, minus[i], plus[i])
+    return minus_side, i, f(x.at[ks[i]].set(value))
+
+
+def stacked_quotients(f: FlatFn, m: int, x, ks, plus, minus, count) -> tuple:
+    """``((f(x + h e_k) - f(x - h e_k)) / step_k, a value of f)`` for the first ``count``
+    entries of ``ks``: the same compiled body evaluates both sides, whose values are
+    stacked and differenced after the loop."""
+    size, steps = ks.shape[0], plus - minus
+
+    def stacked(j, y):
+        minus_side, i, value = perturbed(f, x, ks, plus, minus, count, j)
+        return y.at[i + size * minus_side].set(value)
+
+    y = jax.lax.fori_loop(0, 2 * count, stacked, jnp.zeros((2 * size, m)))
+    return (y[:size] - y[size:]) / steps[:, None], y[0]
+
+
+def pullback_rows(vjp: Callable, n: int, m: int, x, ks, count, extra) -> tuple:
+    """``(f(x), rows)``: row ``i < count`` is the pullback of the one-hot cotangent ``e_k``
+    (``k = ks[i]``), or of ``extra`` where ``k < 0``; the rows past ``count`` are zero."""
+    y, pullback = vjp(x)
+
+    def body(i, rows):
+        return rows.at[i].set(pullback(basis_or(ks[i], m, extra)))
+
+    return y, jax.lax.fori_loop(0, count, body, jnp.zeros((ks.shape[0], n)))
+
+
+def tangent_columns(f: FlatFn, n: int, x, ks, extra) -> tuple:
+    """``(f(x), columns)``: the JVP of ``e_k`` for each ``k`` of ``ks`` (``extra`` where
+    ``k < 0``), as rows."""
+    y, jvp_fn = jax.linearize(f, x)
+    return y, jax.lax.map(lambda k: jvp_fn(basis_or(k, n, extra)), ks)
 
 
 def unit_blocks(rng: np.random.Generator, slices: Sequence[slice], size: int) -> np.ndarray:

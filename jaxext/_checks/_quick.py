@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._jacobians import FlatJacobians, basis_or
+from ._jacobians import FlatFn, FlatJacobians, basis_or
 
 __all__ = ["QuickJacobians", "entries", "quick_jit"]
 
@@ -203,6 +203,28 @@ class _Program:
         return self.jitted(*args)
 
 
+def _jvp_loop(f: FlatFn, n: int, m: int, x, ks, count, extra) -> tuple:
+    """``_jacobians.tangent_columns`` for the first ``count`` entries of ``ks`` (the rest
+    are zero), as a loop (the merged program's)."""
+    y, jvp_fn = jax.linearize(f, x)
+
+    def body(i, cols):
+        return cols.at[i].set(jvp_fn(basis_or(ks[i], n, extra)))
+
+    return y, jax.lax.fori_loop(0, count, body, jnp.zeros((ks.shape[0], m)))
+
+
+def _all_loops(
+    differences, rows, f, n, m, x, kc, plus, minus, count_cols, kr, count_rows, extra, *forward
+) -> tuple:
+    """The merged program: the differences, the VJPs and (``forward``) the JVPs."""
+    return (
+        *differences(x, kc, plus, minus, count_cols),
+        *rows(x, kr, count_rows, extra),
+        *(_jvp_loop(f, n, m, x, *forward) if forward else ()),
+    )
+
+
 class QuickJacobians(FlatJacobians):
     """``FlatJacobians`` whose programs compile quickly (``quick_jit``), side by side
     ahead of their first call (``compile_ahead``), and, for a small problem, as one.
@@ -233,29 +255,14 @@ class QuickJacobians(FlatJacobians):
         self.quick = quick
         super().__init__(f, x0, vjp, m=m)
         self._forward_merged = merge and merge_forward
-        self._both: _Program | None = self._compile(self._all_loops) if merge else None
+        self._both: _Program | None = None
+        if merge:
+            loops = (self._differences_fn(), self._rows_fn(), self.f, self.n, self.m)
+            self._both = self._compile(functools.partial(_all_loops, *loops))
         self._both_checked = False
 
     def _compile(self, fn: Callable) -> _Program:
         return _Program(quick_jit(fn, self.quick))
-
-    def _jvp_loop(self, x, ks, count, extra) -> tuple:
-        """``_tangent_columns`` for the first ``count`` entries of ``ks`` (the rest are
-        zero), as a loop (the merged program's)."""
-        y, jvp_fn = jax.linearize(self.f, x)
-
-        def body(i, cols):
-            return cols.at[i].set(jvp_fn(basis_or(ks[i], self.n, extra)))
-
-        return y, jax.lax.fori_loop(0, count, body, jnp.zeros((ks.shape[0], self.m)))
-
-    def _all_loops(self, x, kc, plus, minus, count_cols, kr, count_rows, extra, *forward):
-        """The merged program: the differences, the VJPs and (``forward``) the JVPs."""
-        return (
-            *self._quotients(x, kc, plus, minus, count_cols),
-            *self._pullback_rows(x, kr, count_rows, extra),
-            *(self._jvp_loop(x, *forward) if forward else ()),
-        )
 
     def _idle(self, part: str) -> tuple:
         """The arguments of ``part`` of the merged program that run none of its loop."""

@@ -48,7 +48,7 @@ import numpy as np
 
 from . import _compare
 from ._compare import _EPS64, NOISE_ULPS, Mismatch, _allowed, _overlaps, _Tally, block_mismatches
-from ._jacobians import padded
+from ._jacobians import padded, perturbed, pullback_rows
 from ._quick import QuickJacobians, _Program
 
 __all__ = ["WORKERS", "ScreenedJacobians", "full_mismatches", "passes", "screen"]
@@ -88,6 +88,33 @@ def screen(numerical, automatic, noise, steps, valid, atol, rtol):
 _SCREEN = jax.jit(screen)
 
 
+def quotients_in_place(f: Callable, m: int, x, ks, plus, minus, count) -> tuple:
+    """``_jacobians.stacked_quotients`` with each quotient made in place: the first
+    iteration of entry ``i`` leaves ``f(x + h e_k)`` in row ``i``, the second makes it
+    the quotient. Returns ``(quotient, the last value of f)``."""
+    size, steps = ks.shape[0], plus - minus
+
+    def in_place(j, carry):
+        minus_side, i, y = perturbed(f, x, ks, plus, minus, count, j)
+        row = jnp.where(minus_side, (carry[0][i] - y) / steps[i], y)
+        return carry[0].at[i].set(row), y
+
+    init = (jnp.zeros((size, m)), jnp.zeros(m))
+    return jax.lax.fori_loop(0, 2 * count, in_place, init)  # (quotient, last value)
+
+
+def screened_rows(vjp: Callable, n: int, m: int, x, ks, count, extra, *screen_args) -> tuple:
+    """``_jacobians.pullback_rows``, and the rows screened against ``numerical`` in the
+    same program (``screen``), except the entries whose bits are set in ``left`` (the
+    caller checks those)."""
+    y, rows = pullback_rows(vjp, n, m, x, ks, count, extra)
+    numerical, left, noise, steps, valid, col0, atol, rtol = screen_args
+    width = numerical.shape[1]
+    automatic = jax.lax.dynamic_slice_in_dim(rows, col0, width, axis=1)
+    unset = jnp.unpackbits(left, axis=1, count=width, bitorder="little") == 0
+    return y, rows, screen(numerical, automatic, noise, steps, valid & unset, atol, rtol)
+
+
 class ScreenedJacobians(QuickJacobians):
     """``QuickJacobians`` with the screen compiled into its VJPs' program and the
     differences made in place, whose chunks can be run from worker threads
@@ -111,30 +138,11 @@ class ScreenedJacobians(QuickJacobians):
         self._screen = _Program(_SCREEN)
         self._zero_blocks: dict[int, jax.Array] = {}
 
-    def _quotients(self, x, ks, plus, minus, count) -> tuple:
-        """The differences with each quotient made in place: the first iteration of
-        entry ``i`` leaves ``f(x + h e_k)`` in row ``i``, the second makes it the
-        quotient. Returns ``(quotient, the last value of f)``."""
-        size, steps = ks.shape[0], plus - minus
+    def _differences_fn(self) -> Callable:
+        return functools.partial(quotients_in_place, self.f, self.m)
 
-        def in_place(j, carry):
-            minus_side, i, y = self._perturbed(x, ks, plus, minus, count, j)
-            row = jnp.where(minus_side, (carry[0][i] - y) / steps[i], y)
-            return carry[0].at[i].set(row), y
-
-        init = (jnp.zeros((size, self.m)), jnp.zeros(self.m))
-        return jax.lax.fori_loop(0, 2 * count, in_place, init)  # (quotient, last value)
-
-    def _pullback_rows(self, x, ks, count, extra, *screen_args) -> tuple:
-        """``FlatJacobians._pullback_rows``, and the rows screened against ``numerical``
-        in the same program (``screen``), except the entries whose bits are set in
-        ``left`` (the caller checks those)."""
-        y, rows = super()._pullback_rows(x, ks, count, extra)
-        numerical, left, noise, steps, valid, col0, atol, rtol = screen_args
-        width = numerical.shape[1]
-        automatic = jax.lax.dynamic_slice_in_dim(rows, col0, width, axis=1)
-        unset = jnp.unpackbits(left, axis=1, count=width, bitorder="little") == 0
-        return y, rows, screen(numerical, automatic, noise, steps, valid & unset, atol, rtol)
+    def _rows_fn(self) -> Callable:
+        return functools.partial(screened_rows, self.vjp_fn, self.n, self.m)
 
     def _pullbacks(self, ks: np.ndarray, count: int, extra: np.ndarray) -> tuple:
         """``(primal, rows)`` from the VJPs' program, with an empty screen."""
@@ -142,7 +150,7 @@ class ScreenedJacobians(QuickJacobians):
         return y, block
 
     def _rows_args(self, ks: np.ndarray, count: int, extra: np.ndarray) -> tuple:
-        """The arguments of ``_pullback_rows`` with an empty screen."""
+        """The arguments of ``screened_rows`` with an empty screen."""
         return (self.x0, ks, count, extra, *self._empty_screen, 0, 0.0, 0.0)
 
     @functools.cached_property
