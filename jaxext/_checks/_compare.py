@@ -393,8 +393,7 @@ def _stream_rows(
     column ``col0`` on) with the VJP rows, a chunk of rows at a time; with ``linear = (u,
     sum, allowance)``, adds ``u^T`` times the columns to ``sum`` and the ``|u|``-weighted
     sum of their entries' allowances to ``allowance``."""
-    columns = np.concatenate(held)  # (columns, m)
-    col1 = col0 + columns.shape[0]
+    col1 = col0 + sum(chunk.shape[0] for chunk in held)
     if linear is not None:
         # sum_i |u_i| (atol + rtol |n_ij| + noise_i / step_j), term by term.
         u, total, allowance = linear
@@ -405,7 +404,11 @@ def _stream_rows(
         allowance[col0:col1] += atol * np.abs(u).sum() + rtol * weighted_magnitude + noise_share
     for start in range(0, jac.m, jac.row_chunk):
         stop = min(jac.m, start + jac.row_chunk)
-        numerical = columns[:, start:stop].T
+        numerical = np.empty((stop - start, col1 - col0))  # the rows of the columns held
+        offset = 0
+        for chunk in held:
+            numerical[:, offset : offset + chunk.shape[0]] = chunk[:, start:stop].T
+            offset += chunk.shape[0]
         automatic = jac.reverse(range(start, stop))[1][:, col0:col1]
         relative = _allowed(numerical, 0.0, rtol, noise[start:stop, None] / steps[None, col0:col1])
         tally.add(start, col0, numerical, automatic, relative)
