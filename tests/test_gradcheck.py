@@ -907,6 +907,28 @@ def test_compiler_options_are_only_those_this_xla_accepts(monkeypatch):
     assert compiles.count == 1  # the program itself: the refused option is not tried again
 
 
+def test_only_choose_reads_the_engine_thresholds():
+    # The engines only make a check faster; one function picks them, and it alone reads
+    # the thresholds (the reference path needs none of them).
+    import ast
+    import pathlib
+
+    import jaxext._checks as checks
+
+    thresholds = {"QUICK_MAX_WORK", "MERGE_MAX_ENTRIES", "SCREEN_MIN_ENTRIES", "FORCE"}
+    readers = set()
+    for path in sorted(pathlib.Path(checks.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for function in ast.walk(tree):
+            if not isinstance(function, ast.FunctionDef):
+                continue
+            for node in ast.walk(function):
+                name = getattr(node, "id", None) or getattr(node, "attr", None)
+                if name in thresholds:
+                    readers.add(f"{path.stem}.{function.name}")
+    assert readers == {"_engine.choose"}
+
+
 def test_programs_run_from_worker_threads_as_compiled(x64):
     # JAX's configuration is thread-local: a worker thread runs the executable compiled
     # in the check's thread (float64 here), and never compiles one under its own.
