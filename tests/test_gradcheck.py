@@ -260,9 +260,9 @@ def test_primal_mismatch_is_reported_before_a_wrong_jacobian(monkeypatch, screen
     # Reverse mode's primal output is compared after the Jacobians are computed (the
     # differences run while the VJPs compile), but its mismatch is still the error
     # reported, before the wrong Jacobian of the same backward.
-    from jaxext._checks import _compare
+    from jaxext._checks import _engine
 
-    monkeypatch.setattr(_compare, "SCREEN_MIN_ENTRIES", 1 if screened else 2**62)
+    monkeypatch.setattr(_engine, "SCREEN_MIN_ENTRIES", 1 if screened else 2**62)
     args = (f64(0, (3, 4)), f64(1, (2, 4)))
     errors = []
     for offset in (0.1, 0.0):
@@ -571,7 +571,7 @@ def test_tile_gives_back_the_rows_of_its_chunks(density):
     # The tile holds chunks of numerical columns dense or as their nonzero entries, and
     # hands back any range of rows (merged across chunks once): the rows of the
     # columns it was given, NaN and signed zeros included.
-    from jaxext._checks._compare import _Tile
+    from jaxext._checks._screened import _Tile
 
     rng = np.random.default_rng(int(density * 100))
     m, widths = 37, (5, 8, 1, 6)
@@ -659,22 +659,26 @@ SCREEN_CASES = {
 def test_device_screen_changes_no_verdict_and_no_report(monkeypatch, name, workers):
     # Large problems are screened chunk by chunk on the device first, by worker threads;
     # small chunks and tiles here make some chunks pass the screen and others go to the
-    # host comparison, and many chunks in flight at once.
-    from jaxext._checks import _compare, _jacobians
+    # host comparison, and many chunks in flight at once. The reference path (plain
+    # programs, no engine) gives the same verdicts and reports too.
+    from jaxext._checks import _compare, _engine, _jacobians, _screened
 
     func, shapes, modes = SCREEN_CASES[name]
     inputs = tuple(f64(seed, shape) for seed, shape in enumerate(shapes))
     monkeypatch.setattr(_jacobians, "CHUNK", 4)
     monkeypatch.setattr(_compare, "TILE_BYTES", 2**9)
-    monkeypatch.setattr(_compare, "WORKERS", workers)
+    monkeypatch.setattr(_screened, "WORKERS", workers)
     reports = []
-    for minimum in (2**62, 0):  # the host comparison alone; every chunk screened
-        monkeypatch.setattr(_compare, "SCREEN_MIN_ENTRIES", minimum)
+    # The host comparison alone; every chunk screened; the reference path.
+    for minimum, force in ((2**62, None), (0, None), (0, "reference")):
+        monkeypatch.setattr(_engine, "SCREEN_MIN_ENTRIES", minimum)
+        monkeypatch.setattr(_engine, "FORCE", force)
         try:
             reports.append(jaxext.gradcheck(func, inputs, modes=modes))
         except jaxext.GradcheckError as err:
             reports.append((str(err), err.kind, err.num_mismatched, err.input_element))
     assert reports[1] == reports[0]
+    assert reports[2] == reports[0]
     passes = name in {
         "correct", "correct_both_modes", "tiny_gradient_correct", "closure_constant",
         "dense_correct", "two_outputs_tiny_correct",
@@ -689,7 +693,7 @@ def test_column_maxima_per_output_block(density, bounds):
     # and output block, taken from the chunk as the tile holds it (dense or its nonzero
     # entries): NaN and infinities left out, an empty block or a column with no entry
     # there gives 0, and the last columns count even where they are all zero.
-    from jaxext._checks._compare import _column_maxima, _Tile
+    from jaxext._checks._screened import _column_maxima, _Tile
 
     rng = np.random.default_rng(int(density * 100) + len(bounds))
     block = rng.standard_normal((9, 37)) * (rng.random((9, 37)) < density)
@@ -713,13 +717,11 @@ def test_rows_screen_leaves_out_exactly_the_entries_whose_bits_are_set(x64, col0
     # nonzero automatic entry exactly where its bit is set (19 columns: three bytes of
     # bits, the last one partly used), from the tile's first column on; a dense tile's
     # rows are screened against the rows sent, with the same bits.
-    from jaxext._checks._jacobians import FlatJacobians
+    from jaxext._checks._screened import ScreenedJacobians
 
     rng = np.random.default_rng(3)
     a = rng.standard_normal((6, 19)) * (rng.random((6, 19)) < 0.3)
-    jac = FlatJacobians(
-        lambda x: jnp.asarray(a) @ x, jnp.asarray(f64(0, (19,))), screen_min_entries=0
-    )
+    jac = ScreenedJacobians(lambda x: jnp.asarray(a) @ x, jnp.asarray(f64(0, (19,))))
     rows, width = jac.row_chunk, 19 - col0
     nonzero = a[:, col0:] != 0
 
@@ -763,9 +765,9 @@ def test_full_check_compiles_each_program_once(monkeypatch, screened, modes):
     # The programs are compiled side by side before their first call (compile_ahead),
     # with the signatures of those calls: a mismatch would compile a program twice. The
     # flat input is staged without compiling anything.
-    from jaxext._checks import _compare, _quick
+    from jaxext._checks import _engine, _quick
 
-    monkeypatch.setattr(_compare, "SCREEN_MIN_ENTRIES", 1 if screened else 2**62)
+    monkeypatch.setattr(_engine, "SCREEN_MIN_ENTRIES", 1 if screened else 2**62)
     inputs = (f64(0, (4, 3)), f64(1, (2, 3)))
     jaxext.linear(*inputs)  # the op's own programs, compiled outside the count
     _quick._options()  # the compiler options, probed once per process
@@ -783,10 +785,10 @@ def test_screened_programs_compute_the_same_chunks(x64, monkeypatch, merged):
     # The screen is compiled into the programs only for screened problems, and small
     # problems merge their two programs into one; all must compute the same numerical
     # and automatic chunks, bit for bit.
-    from jaxext._checks import _jacobians
-    from jaxext._checks._jacobians import FlatJacobians
+    from jaxext._checks import _engine
+    from jaxext._checks._screened import ScreenedJacobians
 
-    monkeypatch.setattr(_jacobians, "MERGE_MAX_ENTRIES", 2**18 if merged else 0)
+    monkeypatch.setattr(_engine, "MERGE_MAX_ENTRIES", 2**18 if merged else 0)
 
     dense = jnp.asarray(f64(1, (7, 5)))
 
@@ -794,9 +796,9 @@ def test_screened_programs_compute_the_same_chunks(x64, monkeypatch, merged):
         return jnp.tanh(dense @ x[:5]) * x[5:].sum()
 
     x0 = jnp.asarray(f64(0, (9,)))
-    lean = FlatJacobians(f, x0, merge=True)
-    screened = FlatJacobians(f, x0, screen_min_entries=0)
-    assert (lean.screened, screened.screened) == (False, True)
+    lean = _engine.jacobians(f, x0, None, full=True, modes=("rev",))[1]
+    screened = ScreenedJacobians(f, x0)
+    assert not isinstance(lean, ScreenedJacobians) and isinstance(screened, ScreenedJacobians)
     assert (lean._both is not None, screened._both) == (merged, None)
     np.testing.assert_array_equal(lean.value(), screened.value())
     np.testing.assert_allclose(lean.value(), np.asarray(f(x0)), rtol=1e-14, atol=1e-15)
@@ -811,14 +813,13 @@ def test_screened_programs_compute_the_same_chunks(x64, monkeypatch, merged):
     assert count == 6
     np.testing.assert_array_equal(np.asarray(block)[:count], expected)
     np.testing.assert_array_equal(steps[:count], expected_steps)
-    with pytest.raises(ValueError, match="`numerical_on_device` needs the screen"):
-        lean.numerical_on_device(cols, eps)
+    assert not hasattr(lean, "numerical_on_device")  # the screened engine's alone
 
 
 def test_small_problem_in_both_modes_compiles_one_program(x64):
     # A small problem checked in both modes runs its differences, VJPs and JVPs from one
     # merged program (one compilation, not three), with the values of separate programs.
-    from jaxext._checks._jacobians import FlatJacobians
+    from jaxext._checks._quick import QuickJacobians
 
     dense = jnp.asarray(f64(1, (7, 5)))
 
@@ -826,13 +827,13 @@ def test_small_problem_in_both_modes_compiles_one_program(x64):
         return jnp.tanh(dense @ x[:5]) * x[5:].sum()
 
     x0 = jnp.asarray(f64(0, (9,)))
-    separate = FlatJacobians(f, x0)
+    separate = QuickJacobians(f, x0)  # the same compiler options, programs apart
     cols, eps, u, t = range(2, 9), 1e-6, f64(2, (7,)), f64(3, (9,))
     expected = (
         separate.value(), separate.numerical(cols, eps)[0], separate.reverse(range(1, 6))[1],
         separate.forward(cols)[1], separate.vjp(u)[1], separate.jvp(t)[1],
     )  # fmt: skip
-    merged = FlatJacobians(f, x0, merge=True, merge_forward=True)
+    merged = QuickJacobians(f, x0, merge=True, merge_forward=True)
     with CompileCounter() as compiles:
         got = (
             merged.value(), merged.numerical(cols, eps)[0], merged.reverse(range(1, 6))[1],
@@ -851,22 +852,31 @@ def test_programs_compile_quickly_only_for_little_work(x64, monkeypatch, size, q
     # The programs compile with XLA's optimisations off only where they compute little:
     # with 256 inputs, f's (256, 256) intermediate, evaluated per column, is too much,
     # though the Jacobian has only 65 536 entries.
-    from jaxext._checks import _jacobians, _quick
+    from jaxext._checks import _engine
 
-    works = []
-    monkeypatch.setattr(_jacobians, "quick_jit", lambda fn, work: works.append(work) or jax.jit(fn))
-    _jacobians.FlatJacobians(lambda x: jnp.tanh(x[:, None] * x[None, :]).sum(1), jnp.ones(size))
+    works, choose = [], _engine.choose
+
+    def spy(work, *args, **kwargs):
+        works.append(work)
+        return choose(work, *args, **kwargs)
+
+    def f(x):
+        return jnp.tanh(x[:, None] * x[None, :]).sum(1)
+
+    monkeypatch.setattr(_engine, "choose", spy)
+    engine, _ = _engine.jacobians(f, jnp.ones(size), None, full=True, modes=("rev",))
+    assert engine.quick == quick
     # f computes size**2 entries twice (the product, its tanh), and a few vectors: at
     # least 2 size**2 entries, in 4 (n + m) evaluations.
     expected = 4 * (2 * size) * (2 * size**2)
     assert works and all(w >= expected for w in works)
-    assert all((w <= _quick.QUICK_MAX_WORK) == quick for w in works)
+    assert all((w <= _engine.QUICK_MAX_WORK) == quick for w in works)
 
 
 def test_merged_program_falls_back_for_a_function_without_forward_mode(x64):
     # A plain jax.custom_vjp has no JVP: the merged program does not lower, and each
     # loop compiles alone: reverse mode works, forward mode raises as it would alone.
-    from jaxext._checks._jacobians import FlatJacobians
+    from jaxext._checks._quick import QuickJacobians
 
     @jax.custom_vjp
     def double(x):
@@ -874,7 +884,7 @@ def test_merged_program_falls_back_for_a_function_without_forward_mode(x64):
 
     double.defvjp(lambda x: (2 * x, None), lambda _, g: (2 * g,))
     x0 = jnp.asarray(f64(0, (4,)))
-    jac = FlatJacobians(double, x0, merge=True, merge_forward=True)
+    jac = QuickJacobians(double, x0, merge=True, merge_forward=True)
     np.testing.assert_array_equal(jac.reverse(range(4))[1], 2 * np.eye(4))
     np.testing.assert_allclose(jac.numerical(range(4), 1e-6)[0], 2 * np.eye(4), rtol=1e-8)
     assert jac._both is None
@@ -882,14 +892,58 @@ def test_merged_program_falls_back_for_a_function_without_forward_mode(x64):
         jac.forward(range(4))
 
 
+def test_compiler_options_are_only_those_this_xla_accepts(monkeypatch):
+    # Each set of options is probed once per process and used only where XLA accepts it
+    # (JAX 0.12's XLA refuses xla_cpu_use_fusion_emitters): no program compiles with an
+    # option XLA refuses, and no check pays for a refused compilation again.
+    from jaxext._checks import _quick
+
+    for large in (False, True):
+        options = _quick._options(large) or {}
+        jax.jit(lambda x: x + 1, compiler_options=options).lower(np.float32(0)).compile()
+        assert set(options) <= {*_quick._LLVM, *_quick._OLDER_EMITTERS}
+        assert (set(_quick._LLVM) <= set(options)) == (not large)  # both JAX versions take it
+    probes = _quick._accepted.cache_info().misses
+    assert jaxext.gradcheck(jaxext.linear, (f64(0, (3, 2)), f64(1, (4, 2))))
+    assert _quick._accepted.cache_info().misses == probes
+    monkeypatch.setattr(_quick, "_OLDER_EMITTERS", {"xla_no_such_option_here": False})
+    assert _quick._options() == _quick._LLVM
+    assert _quick._options(large=True) is None
+    with CompileCounter() as compiles:
+        assert _quick.quick_jit(lambda x: 2 * x, quick=False)(np.arange(3.0)).tolist() == [0, 2, 4]
+    assert compiles.count == 1  # the program itself: the refused option is not tried again
+
+
+def test_only_choose_reads_the_engine_thresholds():
+    # The engines only make a check faster; one function picks them, and it alone reads
+    # the thresholds (the reference path needs none of them).
+    import ast
+    import pathlib
+
+    import jaxext._checks as checks
+
+    thresholds = {"QUICK_MAX_WORK", "MERGE_MAX_ENTRIES", "SCREEN_MIN_ENTRIES", "FORCE"}
+    readers = set()
+    for path in sorted(pathlib.Path(checks.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for function in ast.walk(tree):
+            if not isinstance(function, ast.FunctionDef):
+                continue
+            for node in ast.walk(function):
+                name = getattr(node, "id", None) or getattr(node, "attr", None)
+                if name in thresholds:
+                    readers.add(f"{path.stem}.{function.name}")
+    assert readers == {"_engine.choose"}
+
+
 def test_programs_run_from_worker_threads_as_compiled(x64):
     # JAX's configuration is thread-local: a worker thread runs the executable compiled
     # in the check's thread (float64 here), and never compiles one under its own.
     import threading
 
-    from jaxext._checks._jacobians import FlatJacobians
+    from jaxext._checks._screened import ScreenedJacobians
 
-    jac = FlatJacobians(lambda x: jnp.sin(x) * 3.0, jnp.asarray(f64(0, (5,))), None, 0)
+    jac = ScreenedJacobians(lambda x: jnp.sin(x) * 3.0, jnp.asarray(f64(0, (5,))))
     call = jac.numerical_on_device(range(5), 1e-7)
     expected = jac.numerical(range(5), 1e-7)[0]
     results = {}

@@ -12,26 +12,13 @@ better than about 1e-3, so no correct function fails for lack of resolution,
 while for outputs of order one the term is about 1e-9 and changes nothing. (A
 true zero of the Jacobian needs no allowance: ``_jacobians`` makes it exact.)
 
-``full_mismatches`` compares the full Jacobians without ever holding them: it
-walks the numerical Jacobian a chunk of columns at a time and holds the chunks
-(as their nonzero entries where that is smaller: exact zeros are the rule for
-large problems, where an output depends on few inputs) until ``TILE_BYTES`` are
-held; then it streams the automatic Jacobian a chunk of rows at a time against
-that tile. Memory stays bounded for any size; a dense Jacobian simply takes
-several passes over the VJPs.
-From ``SCREEN_MIN_ENTRIES`` Jacobian entries up, each pair of chunks (numerical and
-automatic) is first screened on the device, where the automatic chunk was computed:
-one fused pass tells whether every entry passes with room to spare (its error at
-most half of the smallest allowance the entry can get, whatever the final scale
-of its block pair), and only a chunk that does not goes through the exact
-comparison on the host. A screened chunk cannot hold a failing entry, nor the
-worst entry of a failing pair, so verdicts and error reports are unchanged; the
-host work of a passing check shrinks to copying the numerical columns once.
-The chunks of a screened problem are computed by ``WORKERS`` threads
-(``_in_order``): JAX runs the programs of one thread one after the other, those of
-two threads on two cores at once, and the host copies of one chunk overlap the
-computation of the next. The results are consumed in order, each computed exactly
-as it would be alone, so nothing depends on the threads.
+``full_mismatches`` compares the full Jacobians without ever holding them (the
+reference path, the counterpart of PyTorch's ``_slow_gradcheck``): it walks the
+numerical Jacobian a chunk of columns at a time and holds the chunks until
+``TILE_BYTES`` are held; then it streams the automatic Jacobian a chunk of rows at
+a time against those columns. Memory stays bounded for any size; a dense Jacobian
+simply takes several passes over the VJPs. (Large problems take the screened
+engine, ``_screened``, which gives the same verdicts and reports faster.)
 ``directional_mismatches`` compares ``u . J v`` for random unit vectors.
 Both return ``Mismatch`` records: the worst entry of each failing pair of an
 output block and an input block.
@@ -39,20 +26,16 @@ output block and an input block.
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import dataclasses
-import os
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from ._jacobians import FlatJacobians, passes, unit_blocks
+from ._jacobians import FlatJacobians, unit_blocks
 
 __all__ = [
     "NOISE_ULPS",
-    "SCREEN_MIN_ENTRIES",
     "TILE_BYTES",
     "Mismatch",
     "block_mismatches",
@@ -67,15 +50,7 @@ __all__ = [
 
 NOISE_ULPS = 4.0
 TILE_BYTES = 2**27  # numerical-Jacobian columns held at once (128 MiB)
-# Jacobians from this many entries up are screened chunk by chunk on the device.
-SCREEN_MIN_ENTRIES = 2**22
 _EPS64 = float(np.finfo(np.float64).eps)
-# Threads that compute the chunks of a screened problem (`_in_order`): one more than
-# the cores (at most four), so that a thread's host work and waits leave its core to
-# another (on 2 cores, 3 threads took 5-8% less time than 2 at 5e7 and 1.5e8 entries).
-WORKERS = max(2, min(4, (os.cpu_count() or 1) + 1))
-
-T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,179 +322,6 @@ def leaf_mismatches(
     return block_mismatches(flat_e, flat_a, allowed, slices, on_inputs=True, nan_equal=nan_equal)
 
 
-class _Tile:
-    """Consecutive columns of the numerical Jacobian, held until compared with VJP rows.
-
-    Each chunk of columns is kept dense, or as its nonzero entries sorted by
-    row when that is smaller (the usual case for large problems).
-    """
-
-    def __init__(self, start: int) -> None:
-        self.start = self.stop = start
-        self.nbytes = 0
-        self.chunks: list[tuple[int, int, np.ndarray | None, tuple | None]] = []
-
-    @staticmethod
-    def pack(block: np.ndarray) -> tuple[np.ndarray | None, tuple | None, int, int]:
-        """``block`` as the tile holds it: ``(dense, sparse, nbytes, columns)``."""
-        flat = np.flatnonzero(block != 0)  # a boolean mask scans ten times faster
-        if 16 * flat.size < block.nbytes:
-            cols, rows = np.divmod(flat, block.shape[1])
-            # By row, then by column (a radix sort where the rows fit 16 bits).
-            key = rows.astype(np.uint16) if block.shape[1] <= 2**16 else rows
-            order = np.argsort(key, kind="stable")
-            values = block.ravel()[flat[order]]
-            sparse = (rows[order].astype(np.int32), cols[order].astype(np.int32), values)
-            return None, sparse, 16 * flat.size, block.shape[0]
-        return block, None, block.nbytes, block.shape[0]
-
-    def add(self, start: int, block: np.ndarray) -> None:
-        """Adds ``block``, the transposed columns ``start, start + 1, ...``."""
-        self.append(start, self.pack(block))
-
-    def append(self, start: int, packed: tuple) -> None:
-        """Adds a block packed by ``pack``."""
-        dense, sparse, nbytes, columns = packed
-        self.chunks.append((start, columns, dense, sparse))
-        self.nbytes += nbytes
-        self.stop = start + columns
-
-    def rows(self, first: int, stop: int) -> np.ndarray:
-        """The dense ``(stop - first, self.stop - self.start)`` block of rows ``[first, stop)``."""
-        out = np.zeros((stop - first, self.stop - self.start))
-        for start, _, dense, _ in self.chunks:
-            if dense is not None:
-                offset = start - self.start
-                out[:, offset : offset + dense.shape[0]] = dense[:, first:stop].T
-        rows, cols, values = next(self.entries([first, stop]))
-        out[rows, cols] = values
-        return out
-
-    @property
-    def sparse(self) -> bool:
-        """Whether every chunk is held as its nonzero entries (``entries`` has them all)."""
-        return all(dense is None for _, _, dense, _ in self.chunks)
-
-    def entries(self, edges: Sequence[int]) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """For each span of rows ``[edges[i], edges[i + 1])``, the sparse chunks' entries
-        there, as ``(rows - edges[i], columns in the tile, values)``, chunk after chunk
-        (each sorted by row): slices of each chunk, nothing merged or sorted (a tile of
-        many chunks is read a span of rows at a time, and the entries of a span go
-        where their indices say), one search per chunk for all the spans."""
-        edges = np.asarray(edges, np.int32)  # as the rows: searched without a cast
-        empty = (np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0))
-        chunks = [
-            (start - self.start, sparse, np.searchsorted(sparse[0], edges).tolist())
-            for start, _, _, sparse in self.chunks
-            if sparse is not None
-        ]
-        for i in range(len(edges) - 1):
-            parts, offsets, counts = [empty], [0], [0]
-            for offset, (rows, cols, values), bounds in chunks:
-                lo, hi = bounds[i], bounds[i + 1]
-                parts.append((rows[lo:hi], cols[lo:hi], values[lo:hi]))
-                offsets.append(offset)
-                counts.append(hi - lo)
-            rows, cols, values = (np.concatenate(arrays) for arrays in zip(*parts, strict=True))
-            yield rows - edges[i], cols + np.repeat(offsets, counts).astype(np.int32), values
-
-    def weighted(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(u^T N, |u|^T |N|)`` for the tile's columns ``N`` (all ``m`` rows)."""
-        parts = []
-        for _, columns, dense, sparse in self.chunks:
-            if dense is not None:
-                parts.append((dense @ u, np.abs(dense) @ np.abs(u)))
-            else:
-                rows, cols, values = sparse
-                products = u[rows] * values
-                parts.append(
-                    (
-                        np.bincount(cols, products, minlength=columns),
-                        np.bincount(cols, np.abs(products), minlength=columns),
-                    )
-                )
-        if not parts:
-            return np.zeros(0), np.zeros(0)
-        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
-
-
-@dataclasses.dataclass
-class _Columns:
-    """One chunk of columns of the numerical Jacobian, on the host, and what goes with it.
-
-    ``numerical`` is the transposed block (``count`` rows); ``maxima`` its largest
-    finite ``|n|`` per column and output block (screened problems); ``forward`` the
-    JVP columns to compare on the host (``None`` where there are none, or where the
-    screen passed them); ``packed`` the block as the tile holds it.
-    """
-
-    start: int
-    numerical: np.ndarray
-    steps: np.ndarray
-    maxima: np.ndarray | None = None
-    forward: np.ndarray | None = None
-    packed: tuple | None = None
-
-
-def _host_columns(jac: FlatJacobians, eps, forward: bool) -> Iterator[_Columns]:
-    """The chunks of columns, one after the other, for the host comparison."""
-    for start in range(0, jac.n, jac.col_chunk):
-        cols = range(start, min(jac.n, start + jac.col_chunk))
-        numerical, steps = jac.numerical(cols, eps)
-        automatic = jac.forward(cols)[1] if forward else None
-        yield _Columns(start, numerical, steps, forward=automatic)
-
-
-def _screened_columns(
-    jac: FlatJacobians, eps, noise, atol, rtol, *, forward: bool, pack: bool, bounds: tuple
-) -> Iterator[Callable[[], _Columns]]:
-    """Tasks for ``_in_order``: each computes a chunk of columns on the device (and
-    screens its JVP columns there) and brings to the host what the comparison needs:
-    its column maxima per output block (``bounds``) and, with ``pack``, the block as
-    the tile holds it."""
-    for start in range(0, jac.n, jac.col_chunk):
-        cols = range(start, min(jac.n, start + jac.col_chunk))
-        numerical = jac.numerical_on_device(cols, eps)
-        screened = jac.forward_screened(cols, noise[None, :], atol, rtol) if forward else None
-
-        def task(start=start, numerical=numerical, screened=screened) -> _Columns:
-            block, steps, count = numerical()
-            host = np.asarray(block)[:count]  # no copy on the CPU
-            packed = _Tile.pack(host) if pack else (host, None, host.nbytes, count)
-            chunk = _Columns(start, host, steps[:count], _column_maxima(packed, bounds))
-            chunk.packed = packed if pack else None
-            if screened is not None:
-                automatic, clean = screened(block, steps[:, None])
-                chunk.forward = None if bool(clean) else np.asarray(automatic)[:count]
-            return chunk
-
-        yield task
-
-
-def _in_order(tasks: Iterator[Callable[[], T]], workers: int) -> Iterator[T]:
-    """The results of ``tasks`` (functions of no arguments, made in this thread as they
-    are needed), in order, computed by ``workers`` threads, with at most ``workers + 1``
-    submitted and not yet collected (so memory stays bounded).
-
-    JAX dispatch from one thread runs programs one after the other; from two threads,
-    on two cores at once (and the host copies and bookkeeping of one chunk overlap the
-    computation of the next). Each chunk is computed exactly as it would be alone, and
-    the caller consumes the results in order, so nothing depends on the threads.
-    """
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        pending: collections.deque = collections.deque()
-        try:
-            for task in tasks:
-                pending.append(pool.submit(task))
-                if len(pending) > workers:
-                    yield pending.popleft().result()
-            while pending:
-                yield pending.popleft().result()
-        finally:
-            for future in pending:
-                future.cancel()
-
-
 def full_mismatches(
     jac: FlatJacobians,
     y0: np.ndarray,
@@ -534,16 +336,17 @@ def full_mismatches(
 ) -> dict[str, list[Mismatch]]:
     """Entrywise comparison of the full Jacobians, per mode (``"rev"``, ``"fwd"``).
 
+    The numerical Jacobian is computed a chunk of columns at a time; forward mode's
+    columns are compared as they come, and for reverse mode the columns are held until
+    ``TILE_BYTES`` are held (or the last one comes), then compared with the VJP rows,
+    computed a chunk of rows at a time (``_stream_rows``).
+
     With a ``cotangent`` ``u`` (reverse mode), the rows of the numerical Jacobian are
     also summed into ``u^T J`` as they stream by, and compared with the VJP of ``u``
     itself: one-hot cotangents cannot tell a backward linear in its cotangent from one
     that is not (``|g|`` in place of ``g``). The allowance is the sum of the entries'
     allowances weighted by ``|u|``, so a backward that passes entry by entry and is
     linear always passes.
-
-    Chunks are screened on the device first (see the module's docstring) where ``jac``
-    was built for it (``jac.screened``: ``_gradcheck`` passes ``SCREEN_MIN_ENTRIES``);
-    then they are also computed by ``WORKERS`` threads (``_in_order``).
 
     Returns:
         For each mode, the failing block pairs in output-major order; with a
@@ -558,32 +361,21 @@ def full_mismatches(
         linear = (np.asarray(cotangent, np.float64), np.zeros(n), np.zeros(n))
     noise = NOISE_ULPS * _EPS64 * np.abs(y0)
     steps = np.empty(n)
-    tile = _Tile(0)
-    screen = jac.screened
-    if screen:
-        tasks = _screened_columns(
-            jac, eps, noise, atol, rtol, forward="fwd" in modes, pack="rev" in modes,
-            bounds=tuple((s.start, s.stop) for s in out_slices),
-        )  # fmt: skip
-        columns = _in_order(tasks, WORKERS)
-    else:
-        columns = _host_columns(jac, eps, "fwd" in modes)
-    for chunk in columns:
-        start, numerical = chunk.start, chunk.numerical
-        stop = start + numerical.shape[0]
-        steps[start:stop] = chunk.steps
-        if screen:
-            _add_scales(tallies.values(), chunk.maxima, stop - start, start, in_slices)
-        if chunk.forward is not None:
-            relative = _allowed(numerical, 0.0, rtol, noise[None, :] / chunk.steps[:, None])
-            tallies["fwd"].add(0, start, numerical.T, chunk.forward.T, relative.T)
+    held: list[np.ndarray] = []  # chunks of columns (transposed), from column `first` on
+    first, held_bytes = 0, 0
+    for start in range(0, n, jac.col_chunk):
+        stop = min(n, start + jac.col_chunk)
+        numerical, steps[start:stop] = jac.numerical(range(start, stop), eps)
+        if "fwd" in modes:
+            automatic = jac.forward(range(start, stop))[1]
+            relative = _allowed(numerical, 0.0, rtol, noise[None, :] / steps[start:stop, None])
+            tallies["fwd"].add(0, start, numerical.T, automatic.T, relative.T)
         if "rev" in modes:
-            tile.append(start, chunk.packed if chunk.packed is not None else tile.pack(numerical))
-            if tile.nbytes >= TILE_BYTES or stop == n:
-                _stream_rows(
-                    jac, tile, steps, noise, atol, rtol, tallies["rev"], linear, screen=screen
-                )
-                tile = _Tile(stop)
+            held.append(numerical)
+            held_bytes += numerical.nbytes
+            if held_bytes >= TILE_BYTES or stop == n:
+                _stream_rows(jac, first, held, steps, noise, atol, rtol, tallies["rev"], linear)
+                held, first, held_bytes = [], stop, 0
     results = {mode: tally.mismatches() for mode, tally in tallies.items()}
     if linear is not None:
         u, expected, allowed = linear
@@ -595,133 +387,31 @@ def full_mismatches(
 
 
 def _stream_rows(
-    jac, tile: _Tile, steps, noise, atol, rtol, tally: _Tally, linear, *, screen: bool = False
+    jac, col0: int, held: list[np.ndarray], steps, noise, atol, rtol, tally: _Tally, linear
 ) -> None:
-    """Compares the columns held in ``tile`` with VJP rows, a chunk of rows at a time;
-    with ``linear = (u, sum, allowance)``, adds ``u^T`` times the tile to ``sum`` and the
-    ``|u|``-weighted sum of its entries' allowances to ``allowance``.
-    With ``screen``, the rows are screened on the device (``_screened_rows``), by
-    ``WORKERS`` threads, and a chunk of rows that passes skips the host comparison."""
-    col0, col1 = tile.start, tile.stop
+    """Compares the columns ``held`` (chunks of the transposed numerical Jacobian, from
+    column ``col0`` on) with the VJP rows, a chunk of rows at a time; with ``linear = (u,
+    sum, allowance)``, adds ``u^T`` times the columns to ``sum`` and the ``|u|``-weighted
+    sum of their entries' allowances to ``allowance``."""
+    col1 = col0 + sum(chunk.shape[0] for chunk in held)
     if linear is not None:
         # sum_i |u_i| (atol + rtol |n_ij| + noise_i / step_j), term by term.
         u, total, allowance = linear
-        weighted, weighted_magnitude = tile.weighted(u)
+        weighted = np.concatenate([chunk @ u for chunk in held])
+        weighted_magnitude = np.concatenate([np.abs(chunk) @ np.abs(u) for chunk in held])
         total[col0:col1] += weighted
         noise_share = np.abs(u) @ noise / steps[col0:col1]
         allowance[col0:col1] += atol * np.abs(u).sum() + rtol * weighted_magnitude + noise_share
-    if screen:
-        tasks = _screened_rows(jac, tile, steps, noise, atol, rtol)
-        chunks = _in_order(tasks, WORKERS)
-    else:
-        chunks = (
-            (start, tile.rows(start, stop), jac.reverse(range(start, stop))[1][:, col0:col1])
-            for start, stop in _row_chunks(jac)
-        )
-    for start, numerical, automatic in chunks:
-        if automatic is None:  # passed the screen
-            continue
-        stop = start + numerical.shape[0]
+    for start in range(0, jac.m, jac.row_chunk):
+        stop = min(jac.m, start + jac.row_chunk)
+        numerical = np.empty((stop - start, col1 - col0))  # the rows of the columns held
+        offset = 0
+        for chunk in held:
+            numerical[:, offset : offset + chunk.shape[0]] = chunk[:, start:stop].T
+            offset += chunk.shape[0]
+        automatic = jac.reverse(range(start, stop))[1][:, col0:col1]
         relative = _allowed(numerical, 0.0, rtol, noise[start:stop, None] / steps[None, col0:col1])
         tally.add(start, col0, numerical, automatic, relative)
-
-
-def _row_chunks(jac) -> Iterator[tuple[int, int]]:
-    for start in range(0, jac.m, jac.row_chunk):
-        yield start, min(jac.m, start + jac.row_chunk)
-
-
-def _screened_rows(jac, tile, steps, noise, atol, rtol) -> Iterator[Callable[[], tuple]]:
-    """Tasks for ``_in_order``: each computes a chunk of VJP rows (padded, on the device),
-    screened in the same program against the tile's rows, and returns ``(start,
-    numerical, automatic)``, with ``automatic`` ``None`` where the rows pass the screen.
-
-    A tile held as its nonzero entries alone (``_Tile.sparse``, the rule for large
-    problems) sends none of its rows to the device: the device screens the rows'
-    entries against zeros already there, except those the tile holds (their bits are
-    set), and the task checks those few on the host (the same test, ``passes``),
-    reading the automatic rows where the device left them."""
-    rows = jac.row_chunk
-    col0, col1 = tile.start, tile.stop
-    spans = list(_row_chunks(jac))
-    sparse = tile.entries([start for start, _ in spans] + [jac.m]) if tile.sparse else None
-    for start, stop in spans:
-        count = stop - start
-        padded_noise = np.zeros((rows, 1))
-        padded_noise[:count, 0] = noise[start:stop]
-        if sparse is not None:  # the device screens zeros, the task the entries held
-            entries = next(sparse)
-            held = np.zeros((rows, col1 - col0), bool)
-            held[entries[:2]] = True
-            numerical, left = None, np.packbits(held, axis=1, bitorder="little")
-        else:
-            entries, left = None, np.zeros((rows, -(-(col1 - col0) // 8)), np.uint8)
-            numerical = tile.rows(start, stop)
-            if count < rows:
-                numerical = np.concatenate([numerical, np.zeros((rows - count, col1 - col0))])
-        call = jac.reverse_screened(
-            range(start, stop), numerical, left, padded_noise, steps[None, col0:col1], col0,
-            atol, rtol,
-        )  # fmt: skip
-
-        def task(start=start, stop=stop, call=call, entries=entries) -> tuple:
-            on_device, clean = call()
-            clean = bool(clean)
-            if clean and entries is None:
-                return start, None, None
-            automatic = np.asarray(on_device)  # no copy on the CPU
-            if clean:
-                r, c, values = entries
-                with np.errstate(invalid="ignore"):
-                    clean = passes(
-                        values, automatic[r, col0 + c], noise[start + r],
-                        steps[col0 + c], atol, rtol, xp=np,
-                    ).all()  # fmt: skip
-                if clean:
-                    return start, None, None
-            return start, tile.rows(start, stop), automatic[: stop - start, col0:col1]
-
-        yield task
-
-
-def _add_scales(tallies, maxima, count: int, start: int, in_slices) -> None:
-    """Raises each tally's per-pair scale (largest finite ``|n|``) by the columns
-    ``start .. start + count`` of the numerical Jacobian, given as ``maxima``, their
-    largest finite ``|n|`` per output block (``_column_maxima``): screened chunks never
-    reach ``_Tally.add``, which also keeps it."""
-    per_out = np.asarray(maxima)[:count]  # (count, out blocks)
-    in_starts = np.array([s.start for s in in_slices], dtype=np.int64)
-    in_stops = np.array([s.stop for s in in_slices], dtype=np.int64)
-    for j, c0, c1 in _overlaps(in_starts, in_stops, start, count):
-        local = per_out[c0:c1].max(axis=0)
-        for tally in tallies:
-            for i, value in enumerate(local):
-                tally.scale[i, j] = max(tally.scale.get((i, j), 0.0), float(value))
-
-
-def _column_maxima(packed: tuple, bounds: Sequence[tuple[int, int]]) -> np.ndarray:
-    """The ``(columns, len(bounds))`` largest finite ``|n|`` of each column of a chunk,
-    ``packed`` as ``_Tile.pack`` returns it, in each output block ``[lo, hi)`` of
-    ``bounds`` (which cover the outputs in order; 0 where a column has no finite
-    nonzero entry in a block)."""
-    dense, sparse, _, columns = packed
-    if dense is not None:
-        magnitude = np.abs(dense)
-        maxima = np.stack([magnitude[:, lo:hi].max(axis=1, initial=0.0) for lo, hi in bounds], 1)
-        if np.isfinite(maxima).all():
-            return maxima
-        magnitude[~np.isfinite(magnitude)] = 0.0
-        return np.stack([magnitude[:, lo:hi].max(axis=1, initial=0.0) for lo, hi in bounds], 1)
-    rows, cols, values = sparse
-    magnitude = np.abs(values)
-    finite = np.isfinite(magnitude)
-    flat = cols[finite].astype(np.int64) * len(bounds)
-    if len(bounds) > 1:  # each entry's block: the last whose start is at most its row
-        starts = np.array([lo for lo, _ in bounds])
-        flat += np.searchsorted(starts, rows[finite], side="right") - 1
-    maxima = np.zeros(columns * len(bounds))
-    np.maximum.at(maxima, flat, magnitude[finite])
-    return maxima.reshape(columns, len(bounds))
 
 
 def directional_mismatches(

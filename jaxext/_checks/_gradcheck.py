@@ -10,7 +10,9 @@ for problems up to ``FULL_MAX_ENTRIES`` Jacobian entries; larger ones fall back
 (with a warning) to a few random directions per (output, input) pair.
 
 The flow is one way: arguments -> ``_problem`` (the caller's function as a flat
-``R^n -> R^m``) -> ``_compare`` (mismatches) -> ``_gradcheck_report`` (the error).
+``R^n -> R^m``) -> ``_jacobians`` (its Jacobians, a chunk at a time) -> ``_compare``
+(mismatches) -> ``_gradcheck_report`` (the error). ``_engine.choose`` picks the engine
+that computes and compares them: the reference path, or one that only makes it faster.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compare
+from . import _engine
 from ._backward import (
     TIGHT,
     batched_gradients,
@@ -33,7 +35,7 @@ from ._backward import (
     reentrancy,
     zero_cotangent,
 )
-from ._compare import Mismatch, directional_mismatches, entry_mismatches, full_mismatches
+from ._compare import Mismatch, directional_mismatches, entry_mismatches
 from ._gradcheck_report import GradcheckError as GradcheckError
 from ._gradcheck_report import dtype_error, gradcheck_error
 from ._jacobians import FlatJacobians
@@ -462,14 +464,10 @@ def _check(
     """Runs the checks on the flat problem; the first failure becomes the error."""
     in_slices = [segment.slice for segment in problem.inputs]
     out_slices = [segment.slice for segment in problem.outputs]
-    # The screen is compiled in only where the full method could use it (see _compare).
-    screen_min = None if settings.fast_mode is True else _compare.SCREEN_MIN_ENTRIES
-    # One merged program only where reverse mode is checked: it traces the VJP first, and
-    # forward mode alone must work (and be reported) without one. With both modes, the
-    # JVPs too (should they not trace, FlatJacobians compiles each loop alone).
-    merge = "rev" in settings.modes
-    merge_forward = merge and "fwd" in settings.modes
-    jac = FlatJacobians(problem.f, problem.x0, problem.vjp, screen_min, merge, merge_forward)
+    engine, jac = _engine.jacobians(
+        problem.f, problem.x0, problem.vjp, full=settings.fast_mode is not True,
+        modes=settings.modes,
+    )  # fmt: skip
     tolerances = {"atol": settings.atol, "rtol": settings.rtol}
 
     def error(kind: str, mode: str, method: str | None, found: list[Mismatch]) -> GradcheckError:
@@ -477,7 +475,7 @@ def _check(
 
     if jac.n == 0 or jac.m == 0:
         return None  # an empty input or output: no derivative to check (as in PyTorch)
-    jac.compile_ahead(forward="fwd" in settings.modes)
+    engine.compile_ahead(jac, forward="fwd" in settings.modes)
     y_call = jac.value()
     # Forward mode's primal output now (a function without forward mode raises here);
     # reverse mode's once the Jacobians are computed, so that the differences run while
@@ -492,7 +490,7 @@ def _check(
         # A random cotangent too: one-hot ones cannot tell a backward linear in its
         # cotangent from one that is not (|g| for g).
         cotangent = np.random.default_rng(settings.seed + 1).standard_normal(jac.m)
-        results = full_mismatches(
+        results = engine.full_mismatches(
             jac, y_call, out_slices, in_slices, eps=eps, modes=settings.modes,
             cotangent=cotangent, **tolerances,
         )  # fmt: skip
