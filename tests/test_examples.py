@@ -16,7 +16,8 @@ Markers, HTML comments (invisible on the site) on the lines right before a fence
   the page's previous ``python`` block, or the ones named, which are run first in the same
   process (with, in page order, the blocks those build on). Nothing else is shared.
 
-The processes run a few at a time; the tests are marked ``slow`` (``-m "not slow"`` skips them).
+The processes run a few at a time; the tests are in the ``slow`` tier (the ``docs_build``
+fixture starts them).
 """
 
 from __future__ import annotations
