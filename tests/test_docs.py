@@ -154,6 +154,61 @@ def test_every_public_name_has_a_docstring(name):
     assert doc and doc.strip(), f"{name} has no docstring, so its API entry would be empty"
 
 
+def _docstrings() -> dict[str, str]:
+    """The docstring of every public name and of each public member of its classes and modules."""
+    import inspect
+
+    docs = {}
+    for name, obj in public_names().items():
+        docs[name] = inspect.getdoc(obj) or ""
+        if inspect.isclass(obj) or inspect.ismodule(obj):
+            for member, value in vars(obj).items():
+                doc = getattr(value, "__doc__", None)
+                documented = inspect.isroutine(value) or isinstance(value, property)
+                if documented and not member.startswith("_") and isinstance(doc, str):
+                    docs[f"{name}.{member}"] = inspect.cleandoc(doc)
+    return docs
+
+
+# Markdown reads `2**30` in running text as `2` and a bold run up to the next `**`: the API page
+# showed "230 Jacobian entries" and ten lines in bold. Code spans and doctests are left alone.
+_CODE_SPAN = re.compile(r"``.*?``|`[^`\n]*`", flags=re.DOTALL)
+_DOCTEST_LINE = re.compile(r"^\s*(>>>|\.\.\.)( .*)?$", flags=re.MULTILINE)
+_MARKDOWN_IN_A_NUMBER = re.compile(r"\w\*{1,2}[\w(]")
+
+
+def markdown_in_numbers(doc: str) -> list[str]:
+    """Each ``a**b`` or ``a*b`` of ``doc``'s running text: Markdown would open emphasis there."""
+    text = _CODE_SPAN.sub("``", _DOCTEST_LINE.sub("", doc))
+    return [
+        text[max(m.start() - 20, 0) : m.end() + 20] for m in _MARKDOWN_IN_A_NUMBER.finditer(text)
+    ]
+
+
+def test_markdown_in_numbers_is_found():
+    assert markdown_in_numbers("up to 2**30 entries") == ["up to 2**30 entries"]
+    assert markdown_in_numbers("from 2*x up") == ["from 2*x up"]
+    assert not markdown_in_numbers("up to ``2**30`` or `2**22`, a **bold** word, x ** y")
+    assert not markdown_in_numbers(">>> x**2\n... return s**2, s\n")
+
+
+def test_docstrings_write_powers_as_code():
+    found = {
+        name: hits for name, doc in _docstrings().items() if (hits := markdown_in_numbers(doc))
+    }
+    assert not found, f"write these as code (``2**30``), or Markdown makes them bold: {found}"
+
+
+def test_api_pages_have_no_number_cut_by_emphasis(site):
+    """The built pages: no `<strong>` or `<em>` opens right after a digit (`2<strong>30`)."""
+    found = {
+        page.name: re.findall(r".{0,40}\d<(?:strong|em)>.{0,40}", page.read_text())
+        for page in (site / "api").rglob("*.html")
+    }
+    found = {page: hits for page, hits in found.items() if hits}
+    assert not found, found
+
+
 @pytest.mark.parametrize("page", PAGES_WITH_CODE)
 def test_page_code_runs(page, tmp_path, docs_build):
     blocks = [code for skip, code in _BLOCK.findall((DOCS / page).read_text()) if not skip]

@@ -96,7 +96,7 @@ def gradcheck(
     ``atol`` (an L2 penalty of ``1e-6``) is still held to ``rtol`` against its own
     size, so an error of 2x is caught.
 
-    * Full method (up to ``FULL_MAX_ENTRIES`` = 2**30 Jacobian entries, about
+    * Full method (up to ``FULL_MAX_ENTRIES = 2**30`` Jacobian entries, about
       1.07e9, e.g. 41,000 inputs by 25,000 outputs; it costs ``2 n`` calls of
       ``func`` and ``m`` VJPs for ``n`` inputs and ``m`` outputs, and
       ``benchmarks/results/checks_cpu.md`` times it up to 1e9 entries): the
@@ -107,7 +107,7 @@ def gradcheck(
       backward not linear in its cotangent, ``|g|`` for ``g``, fails too:
       ``kind="random_cotangent"``). Both are computed and compared in
       chunks: memory stays bounded (well under 1 GB) whatever the size. From
-      2**22 entries up, each chunk is first screened where it was computed
+      ``2**22`` entries up, each chunk is first screened where it was computed
       (on the device) and only a chunk that could fail is compared on the host.
       An output that an input does not touch differences to exactly zero.
     * Directional method (``fast_mode=True``, or larger problems, with a
