@@ -2,6 +2,10 @@
 
 - The version: ``site_name`` becomes ``jaxext <version>``, read from ``jaxext/__init__.py``
   (without importing jaxext), so every page's header and title carry it.
+- Signatures: mkdocstrings-python wraps a long signature one parameter a line only when it
+  can import a formatter (Black, or Ruff, which the ``docs`` extra installs); without one, each
+  signature is a single clipped line and it says so only at INFO level. The build warns
+  instead, so ``mkdocs build --strict`` fails.
 - Notebooks: mkdocs-jupyter builds a notebook page's table of contents from a Markdown export
   that drops code spans, so a heading such as ``C++ kernels in JAX with `jaxext.cpp_extension```
   got a truncated TOC entry and an anchor that does not exist. The TOC is rebuilt here from the
@@ -41,7 +45,28 @@ def jaxext_version(root: Path) -> str:
     return match[1]
 
 
+def signature_formatter() -> str | None:
+    """The formatter mkdocstrings-python will wrap signatures with (Black first, then Ruff)."""
+    import importlib.util
+
+    if importlib.util.find_spec("black") is not None:
+        return "black"
+    try:
+        from ruff.__main__ import find_ruff_bin
+    except ImportError:
+        return None
+    try:
+        return find_ruff_bin()
+    except FileNotFoundError:
+        return None
+
+
 def on_config(config):
+    if signature_formatter() is None:
+        log.warning(
+            "no formatter for API signatures (Ruff or Black): each signature would be one "
+            "clipped line. Install the `docs` extra, which pins Ruff: pip install '.[docs]'"
+        )
     version = jaxext_version(Path(config.config_file_path).parent)
     config.site_name = f"{config.site_name} {version}"
     config.extra["version"] = version

@@ -459,3 +459,55 @@ def test_jax_and_flax_names_link_to_their_docs(site):
     assert (f"{JAX}_autosummary/jax.custom_vjp.html", "jax.custom_vjp") in links
     links = set(_Page((site / "api" / "ops.html").read_text()).link_texts)  # in signatures
     assert (f"{JAX}_autosummary/jax.typing.ArrayLike.html", "ArrayLike") in links
+
+
+# --- Signatures: wrapped by a formatter that the `docs` extra installs -------------------------
+
+
+def _extra(name: str) -> list[str]:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return project["optional-dependencies"][name]
+
+
+def test_docs_extra_installs_the_signature_formatter():
+    """mkdocstrings-python wraps signatures only with Black or Ruff importable."""
+    [ruff] = [req for req in _extra("test") if req.startswith("ruff")]
+    pins = [req.split(";")[0].strip() for req in _extra("docs")]
+    assert ruff in pins, f"the docs extra should pin {ruff}, as the test extra does: {pins}"
+
+
+def test_build_warns_without_a_signature_formatter(monkeypatch, caplog):
+    hooks = _hooks()
+    assert hooks.signature_formatter() is not None  # Ruff, from the test extra
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "black" else real_find_spec(name, *a),
+    )
+    monkeypatch.setitem(sys.modules, "ruff.__main__", None)  # `import` raises ImportError
+    assert hooks.signature_formatter() is None
+
+    class Config(dict):
+        config_file_path = str(ROOT / "mkdocs.yml")
+        site_name = "jaxext"
+        extra: dict = {}
+
+    with caplog.at_level("WARNING", logger="mkdocs.plugins.jaxext_hooks"):
+        hooks.on_config(Config())
+    assert "no formatter for API signatures" in caplog.text  # a failure under --strict
+
+
+def test_long_signatures_are_wrapped_one_parameter_a_line(site):
+    signatures = re.findall(
+        r'<div class="doc-signature highlight"><pre>(.*?)</pre>',
+        (site / "api" / "checking.html").read_text(),
+        flags=re.DOTALL,
+    )
+    text = [re.sub(r"<[^>]+>", "", html_) for html_ in signatures]
+    [gradcheck] = [t for t in text if t.startswith("gradcheck(")]
+    lines = gradcheck.strip().splitlines()
+    assert len(lines) > 10, lines  # one line, clipped, without a formatter
+    assert lines[1:3] == ["    func: Callable[..., Any],", "    inputs: Any,"], lines
