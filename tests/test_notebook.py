@@ -45,6 +45,57 @@ def test_stored_outputs_hold_no_machine_paths(path):
     assert not found, f"stored outputs show paths of the machine that ran them: {found[:3]}"
 
 
+# What a terminal repr leaves in a stored output: colour codes (Flax's `print(module)` in a
+# kernel) and memory addresses (`<function dot_general at 0x7fb1a670a020>`), which differ on
+# every run and show as noise in the rendered page.
+_TERMINAL_NOISE = re.compile(r"\x1b\[|0x[0-9a-fA-F]{6,}")
+
+
+def terminal_noise(nb):
+    """The output lines of ``nb`` holding an ANSI escape or a memory address."""
+    return [line for line in output_lines(nb) if _TERMINAL_NOISE.search(line)]
+
+
+def test_terminal_noise_is_found():
+    cell = nbformat.v4.new_code_cell(
+        outputs=[
+            nbformat.v4.new_output(
+                "stream", name="stdout", text="\x1b[38;2;79;201;177mLinear\x1b[0m(\nok 0x1f\n"
+            ),
+            nbformat.v4.new_output(
+                "execute_result", data={"text/plain": "<function f at 0x7fb1a670a020>"}
+            ),
+        ]
+    )
+    nb = nbformat.v4.new_notebook(cells=[cell])
+    assert terminal_noise(nb) == [
+        "<function f at 0x7fb1a670a020>",
+        "\x1b[38;2;79;201;177mLinear\x1b[0m(",
+    ]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_stored_outputs_are_plain_and_deterministic(path):
+    found = terminal_noise(nbformat.read(path, as_version=4))
+    assert not found, f"stored outputs hold ANSI colours or memory addresses: {found[:3]}"
+
+
+# A page of the site named as code (`docs/porting_from_pytorch.md`) rather than linked.
+_PAGE_AS_CODE = re.compile(r"`[^`\n]*\.(?:md|ipynb)`")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_pages_are_linked_not_named_as_code(path):
+    nb = nbformat.read(path, as_version=4)
+    found = [
+        match
+        for cell in nb.cells
+        if cell.cell_type == "markdown"
+        for match in _PAGE_AS_CODE.findall(cell.source)
+    ]
+    assert not found, f"link these pages ([title](../docs/page.md)): {found}"
+
+
 def output_lines(nb):
     """The text lines a notebook's code cells printed or displayed.
 
@@ -106,6 +157,7 @@ def test_notebook_executes(path, docs_build):
     # Whole lines, with a print split over several stream messages joined back.
     text = "\n".join(output_lines(fresh))
     CLAIMS[path.name](fresh, text)
+    assert not terminal_noise(fresh), terminal_noise(fresh)[:3]  # as stored, so as rendered
 
 
 def _extending_jax_claims(nb, text):
