@@ -199,11 +199,13 @@ def test_docstrings_write_powers_as_code():
     assert not found, f"write these as code (``2**30``), or Markdown makes them bold: {found}"
 
 
-def test_api_pages_have_no_number_cut_by_emphasis(site):
+def test_pages_have_no_number_cut_by_emphasis(site):
     """The built pages: no `<strong>` or `<em>` opens right after a digit (`2<strong>30`)."""
     found = {
-        page.name: re.findall(r".{0,40}\d<(?:strong|em)>.{0,40}", page.read_text())
-        for page in (site / "api").rglob("*.html")
+        page.relative_to(site).as_posix(): re.findall(
+            r".{0,40}\d<(?:strong|em)>.{0,40}", page.read_text()
+        )
+        for page in site.rglob("*.html")
     }
     found = {page: hits for page, hits in found.items() if hits}
     assert not found, found
@@ -511,3 +513,62 @@ def test_long_signatures_are_wrapped_one_parameter_a_line(site):
     lines = gradcheck.strip().splitlines()
     assert len(lines) > 10, lines  # one line, clipped, without a formatter
     assert lines[1:3] == ["    func: Callable[..., Any],", "    inputs: Any,"], lines
+
+
+# --- What a new reader meets: titles, the API index, the first limitation ----------------------
+
+
+def _first_heading(notebook: Path) -> str:
+    import json
+
+    cells = json.loads(notebook.read_text())["cells"]
+    source = "".join(next(c for c in cells if c["cell_type"] == "markdown")["source"])
+    heading = next(line[2:] for line in source.splitlines() if line.startswith("# "))
+    return heading.replace("`", "")  # a code span's text, as the sidebar shows it
+
+
+def test_notebook_nav_titles_are_their_headings():
+    """The sidebar and the page title name a notebook as its first heading does."""
+    import yaml
+
+    nav = _nav_titles(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"])
+    notebooks = [(title, page) for title, page in nav if page.endswith(".ipynb")]
+    assert notebooks
+    for title, page in notebooks:
+        assert title == _first_heading(DOCS / page), page
+
+
+def _api_index_row(page: str) -> str:
+    [row] = [
+        line
+        for line in (DOCS / "api" / "index.md").read_text().splitlines()
+        if line.startswith("| [") and f"]({page})" in line
+    ]
+    return row
+
+
+def test_api_index_names_the_main_entries_of_each_page():
+    """The table of pages says what is on them: every function of the Checking page."""
+    checking = (DOCS / "api" / "checking.md").read_text()
+    functions = re.findall(r"^::: (jaxext\.[a-z_]+)$", checking, flags=re.MULTILINE)
+    assert functions == ["jaxext.gradcheck", "jaxext.gradgradcheck", "jaxext.opcheck"]
+    row = _api_index_row("checking.md")
+    assert all(f"`{name}`" in row for name in functions), row
+    row = _api_index_row("writing_ops.md")
+    assert "`jaxext.custom_vjp`" in row and "`jaxext.Function`" in row, row
+
+
+def test_first_limitation_leads_with_what_a_beginner_needs():
+    """The internals (transposition, reduced shardings) sit in a section it links to."""
+    page = (DOCS / "limitations.md").read_text()
+    first = page.split("\n### ")[1]
+    assert first.startswith("Forward mode needs"), first[:80]
+    assert "**What you need to know.**" in first.split("\n\n")[1]
+    assert "reduced=" not in first and "{U:" not in first and "RuleTypeError" not in first
+    assert "(#forward-mode-in-detail)" in first
+    assert "\n### Forward mode, in detail\n" in page
+    readme = (ROOT / "README.md").read_text()
+    limitations = readme.split("\n## Limitations\n", 1)[1]
+    entry = limitations.split("\n- ")[1]
+    assert "transpos" not in entry and "reduced" not in entry, entry
+    assert "(docs/limitations.md)" in entry, entry
