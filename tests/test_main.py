@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import re
 
 import jax
@@ -92,3 +93,25 @@ def test_module_entry_point_runs_help(spawn_python):
     assert result.returncode == 0, result.stderr
     for option in ("--epochs", "--seed", "--plot"):
         assert option in result.stdout
+
+
+def _core_dependencies() -> dict[str, str]:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    names = [re.match(r"[A-Za-z0-9_.-]+", spec).group(0) for spec in project["dependencies"]]
+    return {"names": names, "export": project["optional-dependencies"]["export"], "root": root}
+
+
+def test_core_install_serializes_exports_as_the_quickstart_table_shows():
+    deps = _core_dependencies()
+    # what opcheck's export rows and Exported.serialize() import; without it they SKIP
+    assert "flatbuffers" in deps["names"]
+    assert [re.match(r"[\w.-]+", spec).group(0) for spec in deps["export"]] == ["flatbuffers"]
+    # the quickstart's `pip install .` line names exactly what it installs
+    page = (deps["root"] / "docs" / "quickstart.md").read_text()
+    comment = re.search(r"^pip install \. +# jaxext, with (.+)$", page, flags=re.MULTILINE)
+    assert comment, "no `pip install .  # jaxext, with ...` line in docs/quickstart.md"
+    listed = re.split(r", | and ", comment.group(1))
+    assert sorted(listed) == sorted(deps["names"])
+
