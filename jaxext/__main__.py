@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 
@@ -16,12 +17,43 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m jaxext",
         description="Opcheck jaxext's custom ops, then train an MLP of jaxext layers "
-        "on scikit-learn's 8x8 digits.",
+        f"on scikit-learn's 8x8 digits (needs the demo extra: {_DEMO_INSTALL}).",
     )
-    parser.add_argument("--epochs", type=_positive_int, default=20, help="training epochs")
-    parser.add_argument("--seed", type=int, default=0, help="init and shuffling seed")
-    parser.add_argument("--plot", metavar="PATH", help="write loss/accuracy curves to this PNG")
+    parser.add_argument(
+        "--epochs", type=_positive_int, default=20, help="training epochs (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="init and shuffling seed (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="write loss/accuracy curves to this PNG (needs matplotlib; default: no plot)",
+    )
     return parser.parse_args(argv)
+
+
+_DEMO_INSTALL = "pip install 'jaxext[demo]'"
+
+# The demo's optional dependencies: import name -> the package that provides it.
+_DEMO_PACKAGES = {"optax": "optax", "sklearn": "scikit-learn"}
+_PLOT_PACKAGES = {"matplotlib": "matplotlib"}
+
+
+def _missing_packages(plot: bool) -> list[str]:
+    """The packages of the demo extra that this run needs and cannot import."""
+    needed = {**_DEMO_PACKAGES, **(_PLOT_PACKAGES if plot else {})}
+    missing = []
+    for module, package in needed.items():
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(package)
+    return missing
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}" if count == 1 else f"{count} {word}s"
 
 
 def _positive_int(text: str) -> int:
@@ -60,6 +92,14 @@ def _run_opchecks() -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
+    missing = _missing_packages(plot=args.plot is not None)
+    if missing:  # before any work: the checks take half a minute
+        print(
+            f"python -m jaxext: the training demo needs {', '.join(missing)}, not installed; "
+            f"install the demo extra: {_DEMO_INSTALL} (from a clone: pip install '.[demo]')",
+            file=sys.stderr,
+        )
+        return 2
     _report_environment()
     print()
     if not _run_opchecks():
@@ -75,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
 
-    print(f"training DigitsMLP on 8x8 digits (seed {args.seed}, {args.epochs} epochs)")
+    print(f"training DigitsMLP on 8x8 digits (seed {args.seed}, {_plural(args.epochs, 'epoch')})")
     result = train_digits(epochs=args.epochs, seed=args.seed, on_epoch=on_epoch)
     print(f"trained in {result.seconds:.1f} s")
     if args.plot:

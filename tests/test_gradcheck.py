@@ -1208,13 +1208,13 @@ def test_check_forward_and_backward_ad_select_the_modes():
         reference_linear, (f64(0, (3, 4)), f64(1, (2, 4))), check_fwd_over_rev=True
     )
     with pytest.raises(ValueError, match="nothing to check") as info:
-        jaxext.gradgradcheck(reference_linear, (x,), check_rev_over_rev=False)
+        jaxext.gradgradcheck(reference_linear, (x, f64(1, (2, 5))), check_rev_over_rev=False)
     # gradgradcheck's errors name gradgradcheck's own options, not gradcheck's
     assert "`check_rev_over_rev` is False" in str(info.value)
     assert "check_fwd_over_rev=True" in str(info.value)
     assert "_ad" not in str(info.value)
     with pytest.raises(TypeError, match="`check_fwd_over_rev` must be True or False"):
-        jaxext.gradgradcheck(reference_linear, (x,), check_fwd_over_rev=1)
+        jaxext.gradgradcheck(reference_linear, (x, f64(1, (2, 5))), check_fwd_over_rev=1)
 
 
 @pytest.mark.parametrize(
@@ -1320,3 +1320,78 @@ def test_a_gradient_off_by_2x_is_caught_however_small_its_entries(lam):
     with pytest.raises(jaxext.GradcheckError, match="Jacobian mismatch") as info:
         jaxext.gradcheck(op, (w,), modes="fwd")
     assert info.value.mode == "fwd"
+
+
+def _counted_product():
+    """A ``jaxext.custom_vjp`` of two inputs ``x * y``, and the list its primal appends to."""
+    calls = []
+
+    @jaxext.custom_vjp
+    def product(x, y):
+        calls.append(1)
+        return x * y
+
+    product.defvjp(lambda x, y: (product(x, y), (x, y)), lambda res, g: (g * res[1], g * res[0]))
+    return product, calls
+
+
+def _opcheck_gradcheck(func, inputs):
+    return not jaxext.opcheck(func, inputs, checks=["gradcheck"]).failed
+
+
+CHECKERS = {
+    "gradcheck": (jaxext.gradcheck, "inputs"),
+    "gradgradcheck": (jaxext.gradgradcheck, "inputs"),
+    "opcheck": (_opcheck_gradcheck, "args"),
+}
+
+
+@pytest.mark.parametrize("checker", list(CHECKERS))
+@pytest.mark.parametrize("as_array", [np.asarray, jnp.asarray])
+@pytest.mark.filterwarnings("ignore:.*upcasting to float64:UserWarning")
+def test_a_single_array_is_the_one_input(checker, as_array):
+    # as torch.autograd.gradcheck(fn, tensor): the array is the op's one input, whole
+    check, _ = CHECKERS[checker]
+    shapes = []
+
+    def op(a):
+        shapes.append(a.shape)
+        return jnp.sin(a) * a[:, :1]
+
+    assert check(op, as_array(f64(0, (3, 2))))
+    assert shapes and set(shapes) == {(3, 2)}
+
+
+@pytest.mark.parametrize("checker", list(CHECKERS))
+def test_an_input_count_that_misses_the_signature_is_refused_before_the_call(checker):
+    check, argument = CHECKERS[checker]
+    product, calls = _counted_product()
+    x = f64(0, (3,))
+    with pytest.raises(TypeError) as info:
+        check(product, x)  # one array for two inputs: PyTorch's single-tensor form
+    message = str(info.value)
+    assert f"`{argument}` must hold 2 positional arguments for `product(x, y)`; got 1" in message
+    assert "ndarray, not a tuple or list, is the one argument" in message
+    assert "e.g. `(x, y)`" in message
+    with pytest.raises(TypeError, match=rf"`{argument}` must hold 2 positional .*; got 3\.$"):
+        check(product, (x, x, x))
+    assert calls == []  # refused before product ran, even under a trace
+    assert check(product, (x, f64(1, (3,))))
+    assert calls
+
+
+@pytest.mark.parametrize(
+    ("count", "expected"), [(1, "2 to 3 positional arguments"), (4, "2 to 3 positional")]
+)
+def test_an_input_count_names_the_optional_range(count, expected):
+    inputs = [f64(0, (4, 3)), f64(1, (2, 3)), f64(2, (2,)), f64(3, (2,))][:count]
+    with pytest.raises(TypeError, match=rf"`inputs` must hold {expected}.*`linear\(x, weight"):
+        jaxext.gradcheck(jaxext.linear, tuple(inputs))
+
+
+def test_a_variadic_function_takes_any_count():
+    x, y = f64(0, (3,)), f64(1, (3,))
+    assert jaxext.gradcheck(lambda *a: a[0] * a[-1], (x, y))
+    assert jaxext.gradcheck(lambda *a: a[0] * a[-1], x)
+    with pytest.raises(TypeError, match=r"`inputs` must hold at least 2 positional arguments"):
+        jaxext.gradcheck(lambda a, b, *rest: a * b, x)

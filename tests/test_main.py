@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import pathlib
 import re
+import sys
 
 import jax
 import pytest
@@ -92,3 +94,87 @@ def test_module_entry_point_runs_help(spawn_python):
     assert result.returncode == 0, result.stderr
     for option in ("--epochs", "--seed", "--plot"):
         assert option in result.stdout
+
+
+def _core_dependencies() -> dict[str, str]:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    names = [re.match(r"[A-Za-z0-9_.-]+", spec).group(0) for spec in project["dependencies"]]
+    return {"names": names, "export": project["optional-dependencies"]["export"], "root": root}
+
+
+def test_core_install_serializes_exports_as_the_quickstart_table_shows():
+    deps = _core_dependencies()
+    # what opcheck's export rows and Exported.serialize() import; without it they SKIP
+    assert "flatbuffers" in deps["names"]
+    assert [re.match(r"[\w.-]+", spec).group(0) for spec in deps["export"]] == ["flatbuffers"]
+    # the quickstart's `pip install .` line names exactly what it installs
+    page = (deps["root"] / "docs" / "quickstart.md").read_text()
+    comment = re.search(r"^pip install \. +# jaxext, with (.+)$", page, flags=re.MULTILINE)
+    assert comment, "no `pip install .  # jaxext, with ...` line in docs/quickstart.md"
+    listed = re.split(r", | and ", comment.group(1))
+    assert sorted(listed) == sorted(deps["names"])
+
+
+def _no_opcheck(monkeypatch):
+    calls = []
+    monkeypatch.setattr(jaxext, "opcheck", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(main_module, "_run_opchecks", lambda: calls.append("run") or True)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("hidden", "argv", "package"),
+    [
+        ("sklearn", ["--epochs", "1"], "scikit-learn"),
+        ("optax", ["--epochs", "1"], "optax"),
+        ("matplotlib", ["--epochs", "1", "--plot", "curves.png"], "matplotlib"),
+    ],
+)
+def test_missing_demo_package_names_the_extra_before_any_work(
+    capsys, monkeypatch, hidden, argv, package
+):
+    calls = _no_opcheck(monkeypatch)
+    monkeypatch.setitem(sys.modules, hidden, None)  # `import <hidden>` now raises ImportError
+    assert main_module.main(argv) == 2
+    captured = capsys.readouterr()
+    assert calls == []  # failed before the opcheck tables
+    assert captured.out == ""  # nor the environment report
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err  # one line, no traceback
+    assert package in lines[0]
+    assert "pip install 'jaxext[demo]'" in lines[0]
+
+
+def test_matplotlib_is_needed_only_with_plot(capsys, monkeypatch):
+    calls = _no_opcheck(monkeypatch)
+    monkeypatch.setattr(main_module, "_run_opchecks", lambda: calls.append("run") and False)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main_module.main(["--epochs", "1"]) == 1  # got as far as the (failing) checks
+    assert calls == ["run"]
+    assert "matplotlib" not in capsys.readouterr().err
+
+
+def test_help_shows_each_default(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main_module.main(["--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "--epochs EPOCHS training epochs (default: 20)" in text
+    assert "--seed SEED init and shuffling seed (default: 0)" in text
+    assert "default: no plot" in text
+    assert "pip install 'jaxext[demo]'" in text
+
+
+@pytest.mark.parametrize(("epochs", "words"), [(1, "1 epoch)"), (2, "2 epochs)")])
+def test_epoch_count_is_singular_for_one(capsys, monkeypatch, epochs, words):
+    _no_opcheck(monkeypatch)
+    assert main_module.main(["--epochs", str(epochs)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        re.search(r"^training DigitsMLP .*\)$", out, flags=re.MULTILINE)
+        .group(0)
+        .endswith(f"(seed 0, {words}")
+    )
+    assert len(re.findall(rf"^epoch +\d+/{epochs} ", out, flags=re.MULTILINE)) == epochs

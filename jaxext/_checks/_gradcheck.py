@@ -18,6 +18,7 @@ that computes and compares them: the reference path, or one that only makes it f
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import numbers
 import warnings
@@ -368,13 +369,57 @@ def _as_tolerance(value: Any, name: str, *, allow_zero: bool) -> float:
     return value
 
 
-def _as_args(func: Any, inputs: Any) -> tuple:
+def _as_args(func: Any, inputs: Any, *, argument: str = "inputs") -> tuple:
+    """``func``'s positional arguments: ``inputs`` unpacked if a tuple or list, else itself.
+
+    As ``torch.autograd.gradcheck`` takes a single tensor as its one input. Where
+    ``func`` has a signature, the count of arguments must fit it: a ``TypeError``
+    naming ``argument`` then, before ``func`` is called.
+    """
     if not callable(func):
         raise TypeError(f"`func` must be callable; got {type(func).__name__}.")
     args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     if not args:
-        raise ValueError("`inputs` must hold at least one positional argument; got none.")
+        raise ValueError(f"`{argument}` must hold at least one positional argument; got none.")
+    _check_arity(func, args, argument=argument, packed=isinstance(inputs, (tuple, list)))
     return private_copies(args)
+
+
+def _check_arity(func: Any, args: tuple, *, argument: str, packed: bool) -> None:
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):  # no signature to read (some builtins): the call decides
+        return
+    params = list(signature.parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    variadic = any(p.kind is p.VAR_POSITIONAL for p in params)
+    n = len(args)
+    if len(required) <= n and (variadic or n <= len(positional)):
+        return
+    if variadic:
+        expected = f"at least {len(required)}"
+    elif len(required) == len(positional):
+        expected = f"{len(positional)}"
+    else:
+        expected = f"{len(required)} to {len(positional)}"
+    plural = "" if expected == "1" else "s"
+    plain = signature.replace(
+        parameters=[p.replace(annotation=p.empty) for p in params],
+        return_annotation=signature.empty,
+    )
+    name = getattr(func, "__name__", None) or type(func).__name__
+    hint = ""
+    if not packed:
+        example = ", ".join(p.name for p in required)
+        hint = (
+            f" (a {type(args[0]).__name__}, not a tuple or list, is the one argument; "
+            f"pass a tuple of them, e.g. `({example})`)"
+        )
+    raise TypeError(
+        f"`{argument}` must hold {expected} positional argument{plural} for "
+        f"`{name}{plain}`; got {n}{hint}."
+    )
 
 
 def _flags(undefined: Any, batched: Any, dtypes: Any) -> tuple[bool, bool, bool]:

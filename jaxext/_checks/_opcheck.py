@@ -14,9 +14,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._battery import CHECKS, Skip
-from ._gradcheck import Settings
+from ._gradcheck import Settings, _as_args
 from ._kernels import checking_mode
-from ._leaves import private_copies
 from ._op import CheckFailed, OpUnderTest
 from ._opcheck_report import CheckResult, OpcheckError, OpcheckReport
 from ._precision import float64_numerics
@@ -157,9 +156,7 @@ def opcheck(
         >>> report.failed
         ()
     """
-    if not callable(func):
-        raise TypeError(f"`func` must be callable; got {type(func).__name__}.")
-    args = private_copies(tuple(args) if isinstance(args, (tuple, list)) else (args,))
+    args = _as_args(func, args, argument="args")
     selected = _selected(checks, skip)
     settings = Settings.validate(
         eps=eps, atol=atol, rtol=rtol, nondet_tol=nondet_tol, fast_mode=None, modes=("rev",),
