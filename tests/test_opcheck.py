@@ -550,3 +550,34 @@ def test_checks_leave_the_callers_arrays_as_they_were(checker):
         want_x[i] += 2 * y[i, j] * w[j] * 2 * x[i]
     np.testing.assert_allclose(grad[0], want_x, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(grad[1], want_w, rtol=1e-5, atol=1e-6)
+
+
+class Cube(jaxext.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * g
+
+
+def test_a_function_op_is_titled_with_its_class_name():
+    report = jaxext.opcheck(Cube.apply, (f64(0, (3,)),), checks=["jit"], raise_exception=False)
+    assert str(report).splitlines()[0] == "opcheck Cube"
+    assert report.op == "Cube"
+
+
+def test_jit_reuse_with_one_differentiable_input_is_a_skip_that_says_why():
+    """One differentiable input has one subset, every input: nothing is reused with other
+    inputs differentiated, and a PASS would claim a comparison that never ran."""
+    for op in (Cube.apply, jaxext.custom_vjp(jnp.sin)):
+        report = jaxext.opcheck(op, (f64(0, (3,)),), checks=["jit_reuse"], raise_exception=False)
+        result = report["jit_reuse"]
+        assert result.status == "SKIP", str(report)
+        assert "only one differentiable input (input 0)" in result.detail
+        assert "0 pairs" not in result.detail
+    report = jaxext.opcheck(jaxext.linear, (f64(0, (4, 3)), f64(1, (2, 3))), checks=["jit_reuse"])
+    assert report["jit_reuse"].status == "PASS"
