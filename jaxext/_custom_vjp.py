@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -495,6 +496,59 @@ def arg_label(fun: Callable[..., Any], position: int, skip: int = 0) -> str:
     return f"argument {position}"
 
 
+def name_user_function(
+    err: jax.errors.ConcretizationTypeError, fun: Callable[..., Any], diff: Sequence[int]
+) -> None:
+    """Rewrites ``err``'s message (same exception, same type) to name the user's function
+    and arguments where JAX's names jaxext's internals: JAX describes the function it
+    traced, jaxext's wrapper of ``fun`` (``_custom_vjp.py:...``, ``custom_jvp fun``), and
+    its arguments ``diff_values[k]``, the ``k``-th differentiable one (``diff[k]`` of
+    ``fun``'s). ``fun._jaxext_origin`` (a ``jaxext.Function``'s ``forward``) is the
+    function the user wrote, where ``fun`` stands for it."""
+    if getattr(err, "_jaxext_named", False) or not err.args or not isinstance(err.args[0], str):
+        return
+    origin = getattr(fun, "_jaxext_origin", fun)
+    where = getattr(origin, "__qualname__", None) or getattr(origin, "__name__", repr(origin))
+    try:
+        code = inspect.unwrap(origin).__code__
+        location = f"{code.co_filename}:{code.co_firstlineno}"
+    except AttributeError:
+        location = None
+    try:
+        params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+
+    def arg_name(k: int) -> str:
+        position = diff[k] if k < len(diff) else k
+        if position < len(params) and params[position].kind in (
+            inspect.Parameter.POSITIONAL_ONLY,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        ):
+            return params[position].name
+        return f"args[{position}]"
+
+    message = err.args[0]
+    named: list[str] = []
+
+    def rename(match: re.Match) -> str:
+        name = arg_name(int(match[1]))
+        named.append(name)
+        return name
+
+    message = re.sub(r"\bdiff_values\[(\d+)\]", rename, message)
+    at = where if location is None else f"{where} at {location}"
+    message = re.sub(r"the function \S+ at \S+?:\d+(?: for [\w ]+)?", f"the function {at}", message)
+    names = ", ".join(f"`{n}`" for n in dict.fromkeys(named)) or "its traced arguments"
+    lead = (
+        f"`{where}`{'' if location is None else f' ({location})'} needs the concrete value of "
+        f"{names}, which is traced here (under jax.jit, jax.vmap or another transformation): "
+        "branch with jnp.where or jax.lax.cond rather than a Python `if`."
+    )
+    err.args = (f"{lead}\n{message}", *err.args[1:])
+    err._jaxext_named = True  # type: ignore[attr-defined]
+
+
 def _bwd_checks_disabled() -> bool:
     """JAX's ``jax_disable_bwd_checks`` option (absent in some releases: then False)."""
     return bool(getattr(jax.config, "jax_disable_bwd_checks", False))
@@ -595,7 +649,11 @@ class _Op:
         return arg_label(self.spec.fun, self.diff[k])
 
     def primal(self, *diff_values: Any) -> Any:
-        return self.spec.fun(*self.merge(diff_values))
+        try:
+            return self.spec.fun(*self.merge(diff_values))
+        except jax.errors.ConcretizationTypeError as err:
+            name_user_function(err, self.spec.fun, self.diff)
+            raise
 
     def named_primal(self) -> Callable[..., Any]:
         """The primal, named after the user's function (for jaxprs and profiles)."""

@@ -446,7 +446,9 @@ class _Lowered:
             symbolic_zeros=True,
             jvp=self.attached_jvp if has_jvp else None,
         )
-        self.op: custom_vjp = custom_vjp(_named(self.primal, name), **options)
+        self.op: custom_vjp = custom_vjp(
+            _named(self.primal, name, origin=(cls, diff_positions)), **options
+        )
         self.op.defvjp(self.fwd, self.bwd, symbolic_zeros=True, jvp=self.jvp if has_jvp else None)
         if self.batching_rule:
             self.op.def_vmap(self.vmap)
@@ -575,13 +577,38 @@ class _Lowered:
         return list(out) if isinstance(out, tuple) else [out]
 
 
-def _named(method: Callable[..., Any], name: str) -> Callable[..., Any]:
-    """``method`` as a plain function called ``name`` (the op's name in errors and jaxprs)."""
+def _named(
+    method: Callable[..., Any], name: str, origin: tuple[type, tuple[int, ...]] | None = None
+) -> Callable[..., Any]:
+    """``method`` as a plain function called ``name`` (the op's name in errors and jaxprs).
+
+    With ``origin``, ``(cls, diff_positions)``: the function stands for ``cls.forward``
+    called with its arguments at ``diff_positions``; it carries their names as its
+    signature, and ``forward`` as ``_jaxext_origin``, so that an error raised while JAX
+    traces it names the user's ``forward`` and arguments.
+    """
 
     def call(*args: Any) -> Any:
         return method(*args)
 
     call.__name__ = call.__qualname__ = name
+    if origin is not None:
+        cls, diff_positions = origin
+        skip = 0 if _overrides(cls, "setup_context") else 1
+        try:
+            params = list(inspect.signature(cls.forward).parameters.values())[skip:]
+        except (TypeError, ValueError):
+            params = []
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        names = [
+            params[i].name if i < len(params) and params[i].kind in positional else f"args[{i}]"
+            for i in diff_positions
+        ]
+        if len(set(names)) == len(names) and all(n.isidentifier() for n in names):
+            call.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+                [inspect.Parameter(n, inspect.Parameter.POSITIONAL_ONLY) for n in names]
+            )
+        call._jaxext_origin = cls.forward  # type: ignore[attr-defined]
     return call
 
 
