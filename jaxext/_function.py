@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from ._custom_vjp import arg_label, custom_vjp, without_derivatives
+from ._custom_vjp import arg_label, custom_vjp, name_user_function, without_derivatives
 
 __all__ = ["Function", "FunctionCtx", "VmapInfo", "once_differentiable"]
 
@@ -645,11 +645,15 @@ def _run_forward(cls, args, diff_positions, diff_values, needs_input_grad, evalu
         # typed Python floats): forward and setup_context may read .shape and .dtype.
         full[i] = value if isinstance(value, jax.Array) else jnp.asarray(value)
     ctx = FunctionCtx(name, needs_input_grad)
-    if _overrides(cls, "setup_context"):
-        raw = cls.forward(*full) if evaluate is None else evaluate(*diff_values)
-        cls.setup_context(ctx, tuple(full), raw)
-    else:
-        raw = cls.forward(ctx, *full)
+    try:
+        if _overrides(cls, "setup_context"):
+            raw = cls.forward(*full) if evaluate is None else evaluate(*diff_values)
+            cls.setup_context(ctx, tuple(full), raw)
+        else:
+            raw = cls.forward(ctx, *full)
+    except jax.errors.ConcretizationTypeError as err:  # a Python `if` on a traced value
+        name_user_function(err, cls.forward, None)
+        raise
     outputs, tuple_output = _check_outputs(name, raw)
     non_diff = ctx._non_differentiable_flags(raw if tuple_output else (raw,))
     return ctx, outputs, tuple_output, non_diff

@@ -881,3 +881,12 @@ def test_a_python_if_on_a_traced_value_in_a_custom_vjp_names_the_users_function(
     assert "clipped" in message.splitlines()[0]
     for internal in ("jaxext/_custom_vjp.py", "custom_jvp fun", "diff_values"):
         assert internal not in message, message
+
+
+def test_a_python_if_on_a_traced_value_in_forward_under_grad_leads_with_the_users_forward():
+    with pytest.raises(jax.errors.TracerBoolConversionError) as info:
+        jax.jit(jax.grad(lambda x: _BranchingCube.apply(x, 1.0).sum()))(jnp.arange(3.0))
+    message = str(info.value)
+    assert message.startswith("`_BranchingCube.forward` ("), message
+    assert "jaxext/_custom_vjp.py" not in message and "diff_values" not in message
+    assert "the function <lambda> at " in message  # JAX names the user's own jitted lambda
