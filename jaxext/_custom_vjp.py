@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -495,6 +497,78 @@ def arg_label(fun: Callable[..., Any], position: int, skip: int = 0) -> str:
     return f"argument {position}"
 
 
+def name_user_function(
+    err: jax.errors.ConcretizationTypeError,
+    fun: Callable[..., Any],
+    diff: Sequence[int] | None,
+) -> None:
+    """Rewrites ``err``'s message (same exception, same type) to lead with the user's
+    function and name its arguments where JAX's names jaxext's internals.
+
+    JAX describes the function it traced, which may be jaxext's wrapper of ``fun``
+    (``.../jaxext/_custom_vjp.py:...``, ``custom_jvp fun``), and its arguments
+    ``diff_values[k]``: the ``k``-th differentiable one, ``diff[k]`` of ``fun``'s
+    (``diff=None``: no such names to map). ``fun._jaxext_origin`` (a
+    ``jaxext.Function``'s ``forward``) is the function the user wrote, where ``fun``
+    stands for it. Called at each boundary the error passes, innermost first: the
+    innermost names the function, each adds the argument names it can map.
+    """
+    if not err.args or not isinstance(err.args[0], str):
+        return
+    origin = getattr(fun, "_jaxext_origin", fun)
+    if not hasattr(err, "_jaxext_where"):
+        where = getattr(origin, "__qualname__", None) or getattr(origin, "__name__", "")
+        try:
+            code = inspect.unwrap(origin).__code__
+            location = f"{code.co_filename}:{code.co_firstlineno}"
+        except AttributeError:
+            location = None
+        err._jaxext_where = (where or repr(origin), location)  # type: ignore[attr-defined]
+        err._jaxext_body = err.args[0]  # type: ignore[attr-defined]
+        err._jaxext_names = []  # type: ignore[attr-defined]
+    where, location = err._jaxext_where
+    body: str = err._jaxext_body
+    names: list[str] = err._jaxext_names
+    if diff is not None:
+        try:
+            params = list(inspect.signature(fun).parameters.values())
+        except (TypeError, ValueError):
+            params = []
+
+        def rename(match: re.Match) -> str:
+            k = int(match[1])
+            position = diff[k] if k < len(diff) else k
+            name = f"args[{position}]"
+            if position < len(params) and params[position].kind in (
+                inspect.Parameter.POSITIONAL_ONLY,
+                inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            ):
+                name = params[position].name
+            names.append(name)
+            return name
+
+        body = re.sub(r"\bdiff_values\[(\d+)\]", rename, body)
+    at = where if location is None else f"{where} at {location}"
+
+    def relocate(match: re.Match) -> str:  # only where JAX names jaxext's own wrapper
+        inside = os.path.abspath(match[1]).startswith(_PACKAGE_DIR + os.sep)
+        return f"the function {at}" if inside else match[0]
+
+    body = re.sub(r"the function \S+ at (\S+?):\d+(?: for [\w ]+)?", relocate, body)
+    named = ", ".join(f"`{n}`" for n in dict.fromkeys(names))
+    what = f"the concrete value of {named}, which is" if named else "a concrete value of an array"
+    lead = (
+        f"`{where}`{'' if location is None else f' ({location})'} needs {what} traced here "
+        "(under jax.jit, jax.vmap or another transformation): branch with jnp.where or "
+        "jax.lax.cond rather than a Python `if`."
+    )
+    err._jaxext_body = body  # type: ignore[attr-defined]
+    err.args = (f"{lead}\n{body}", *err.args[1:])
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
 def _bwd_checks_disabled() -> bool:
     """JAX's ``jax_disable_bwd_checks`` option (absent in some releases: then False)."""
     return bool(getattr(jax.config, "jax_disable_bwd_checks", False))
@@ -595,7 +669,11 @@ class _Op:
         return arg_label(self.spec.fun, self.diff[k])
 
     def primal(self, *diff_values: Any) -> Any:
-        return self.spec.fun(*self.merge(diff_values))
+        try:
+            return self.spec.fun(*self.merge(diff_values))
+        except jax.errors.ConcretizationTypeError as err:
+            name_user_function(err, self.spec.fun, self.diff)
+            raise
 
     def named_primal(self) -> Callable[..., Any]:
         """The primal, named after the user's function (for jaxprs and profiles)."""

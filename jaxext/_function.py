@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from ._custom_vjp import arg_label, custom_vjp, without_derivatives
+from ._custom_vjp import arg_label, custom_vjp, name_user_function, without_derivatives
 
 __all__ = ["Function", "FunctionCtx", "VmapInfo", "once_differentiable"]
 
@@ -446,7 +446,9 @@ class _Lowered:
             symbolic_zeros=True,
             jvp=self.attached_jvp if has_jvp else None,
         )
-        self.op: custom_vjp = custom_vjp(_named(self.primal, name), **options)
+        self.op: custom_vjp = custom_vjp(
+            _named(self.primal, name, origin=(cls, diff_positions)), **options
+        )
         self.op.defvjp(self.fwd, self.bwd, symbolic_zeros=True, jvp=self.jvp if has_jvp else None)
         if self.batching_rule:
             self.op.def_vmap(self.vmap)
@@ -575,13 +577,38 @@ class _Lowered:
         return list(out) if isinstance(out, tuple) else [out]
 
 
-def _named(method: Callable[..., Any], name: str) -> Callable[..., Any]:
-    """``method`` as a plain function called ``name`` (the op's name in errors and jaxprs)."""
+def _named(
+    method: Callable[..., Any], name: str, origin: tuple[type, tuple[int, ...]] | None = None
+) -> Callable[..., Any]:
+    """``method`` as a plain function called ``name`` (the op's name in errors and jaxprs).
+
+    With ``origin``, ``(cls, diff_positions)``: the function stands for ``cls.forward``
+    called with its arguments at ``diff_positions``; it carries their names as its
+    signature, and ``forward`` as ``_jaxext_origin``, so that an error raised while JAX
+    traces it names the user's ``forward`` and arguments.
+    """
 
     def call(*args: Any) -> Any:
         return method(*args)
 
     call.__name__ = call.__qualname__ = name
+    if origin is not None:
+        cls, diff_positions = origin
+        skip = 0 if _overrides(cls, "setup_context") else 1
+        try:
+            params = list(inspect.signature(cls.forward).parameters.values())[skip:]
+        except (TypeError, ValueError):
+            params = []
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        names = [
+            params[i].name if i < len(params) and params[i].kind in positional else f"args[{i}]"
+            for i in diff_positions
+        ]
+        if len(set(names)) == len(names) and all(n.isidentifier() for n in names):
+            call.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+                [inspect.Parameter(n, inspect.Parameter.POSITIONAL_ONLY) for n in names]
+            )
+        call._jaxext_origin = cls.forward  # type: ignore[attr-defined]
     return call
 
 
@@ -618,11 +645,15 @@ def _run_forward(cls, args, diff_positions, diff_values, needs_input_grad, evalu
         # typed Python floats): forward and setup_context may read .shape and .dtype.
         full[i] = value if isinstance(value, jax.Array) else jnp.asarray(value)
     ctx = FunctionCtx(name, needs_input_grad)
-    if _overrides(cls, "setup_context"):
-        raw = cls.forward(*full) if evaluate is None else evaluate(*diff_values)
-        cls.setup_context(ctx, tuple(full), raw)
-    else:
-        raw = cls.forward(ctx, *full)
+    try:
+        if _overrides(cls, "setup_context"):
+            raw = cls.forward(*full) if evaluate is None else evaluate(*diff_values)
+            cls.setup_context(ctx, tuple(full), raw)
+        else:
+            raw = cls.forward(ctx, *full)
+    except jax.errors.ConcretizationTypeError as err:  # a Python `if` on a traced value
+        name_user_function(err, cls.forward, None)
+        raise
     outputs, tuple_output = _check_outputs(name, raw)
     non_diff = ctx._non_differentiable_flags(raw if tuple_output else (raw,))
     return ctx, outputs, tuple_output, non_diff

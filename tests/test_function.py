@@ -835,3 +835,58 @@ def test_setup_context_style_errors_name_the_right_argument():
 
     with pytest.raises(ValueError, match=r"gradient for argument 0 \(`x`\) must have"):
         jax.grad(lambda x: Scale.apply(x, jnp.ones(3)).sum())(jnp.ones(3))
+
+
+class _BranchingCube(jaxext.Function):
+    @staticmethod
+    def forward(ctx, x, threshold):
+        if x.sum() > threshold:  # a Python `if` on traced values: an error under jit
+            return x**3
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def test_a_python_if_on_a_traced_value_in_forward_names_the_users_forward_and_arguments():
+    with pytest.raises(jax.errors.TracerBoolConversionError) as info:
+        jax.jit(_BranchingCube.apply)(jnp.arange(3.0), 1.0)
+    message = str(info.value)
+    first = message.splitlines()[0]
+    assert first.startswith("`_BranchingCube.forward` (")
+    assert "needs the concrete value of `x`, `threshold`" in first
+    assert "the function _BranchingCube.forward at " in message
+    assert "the arguments x and threshold" in message  # JAX's explanation, with their names
+    assert "Attempted boolean conversion of traced array" in message
+    for internal in (
+        "jaxext/_custom_vjp.py",
+        "jaxext/_function.py",
+        "custom_jvp fun",
+        "diff_values",
+    ):
+        assert internal not in message, message
+
+
+def test_a_python_if_on_a_traced_value_in_a_custom_vjp_names_the_users_function():
+    @jaxext.custom_vjp
+    def clipped(x, t):
+        return x if x.sum() > t else 0 * x
+
+    clipped.defvjp(lambda x, t: (clipped(x, t), None), lambda r, g: (g, None))
+    with pytest.raises(jax.errors.ConcretizationTypeError) as info:
+        jax.jit(clipped)(jnp.ones(3), 0.5)
+    message = str(info.value)
+    assert "needs the concrete value of `x`, `t`" in message.splitlines()[0]
+    assert "clipped" in message.splitlines()[0]
+    for internal in ("jaxext/_custom_vjp.py", "custom_jvp fun", "diff_values"):
+        assert internal not in message, message
+
+
+def test_a_python_if_on_a_traced_value_in_forward_under_grad_leads_with_the_users_forward():
+    with pytest.raises(jax.errors.TracerBoolConversionError) as info:
+        jax.jit(jax.grad(lambda x: _BranchingCube.apply(x, 1.0).sum()))(jnp.arange(3.0))
+    message = str(info.value)
+    assert message.startswith("`_BranchingCube.forward` ("), message
+    assert "jaxext/_custom_vjp.py" not in message and "diff_values" not in message
+    assert "the function <lambda> at " in message  # JAX names the user's own jitted lambda

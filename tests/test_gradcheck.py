@@ -1395,3 +1395,79 @@ def test_a_variadic_function_takes_any_count():
     assert jaxext.gradcheck(lambda *a: a[0] * a[-1], x)
     with pytest.raises(TypeError, match=r"`inputs` must hold at least 2 positional arguments"):
         jaxext.gradcheck(lambda a, b, *rest: a * b, x)
+
+
+# --- The failure text the docs show is the text the code prints ---------------------------
+
+_DOCS_WITH_FAILURES = ["README.md", "docs/guides/checking.md"]
+
+
+def _documented_failures(page: str) -> list[tuple[str, str, str, str]]:
+    """``(where, bases, code, shown)`` for each Python block of ``page`` that prints a
+    ``GradcheckError`` or ``OpcheckError``: the blocks it builds on, the block, and the
+    ``text`` block that follows it on the page."""
+    from pathlib import Path
+
+    from test_examples import _FENCE, markdown_examples
+
+    text = (Path(__file__).resolve().parent.parent / page).read_text()
+    examples = {e.lineno: e for e in markdown_examples(text, page)}
+    fences = list(_FENCE.finditer(text))
+    found = []
+    for fence, after in zip(fences, fences[1:], strict=False):
+        lineno = text.count("\n", 0, fence.start()) + 1
+        if lineno not in examples or "except jaxext." not in fence["body"]:
+            continue
+        assert after["lang"] == "text", f"{page}:{lineno}: the printed error should follow"
+        code = examples[lineno].code
+        own = code.rindex(fence["body"])  # the blocks it builds on come first
+        found.append((f"{page}:{lineno}", code[:own], code[own:], after["body"]))
+    return found
+
+
+@pytest.mark.parametrize("page", _DOCS_WITH_FAILURES)
+def test_documented_failure_text_is_what_the_code_prints(page):
+    import contextlib
+    import io
+
+    failures = _documented_failures(page)
+    assert failures, f"{page} shows no failing example"
+    for where, bases, code, shown in failures:
+        namespace = {"__name__": "__main__"}
+        printed = io.StringIO()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with contextlib.redirect_stdout(io.StringIO()):
+                exec(compile(bases, where, "exec"), namespace)
+            with contextlib.redirect_stdout(printed):
+                exec(compile(code, where, "exec"), namespace)
+        printed = printed.getvalue().rstrip("\n")
+        shown = shown.rstrip("\n")
+        if shown.endswith("\n  ..."):  # the page abbreviates the rest of the diagnostic
+            shown = shown.removesuffix("\n  ...")
+            assert printed.startswith(shown + "\n"), f"{where}: the page shows\n{shown}\n\n" + (
+                f"but the code prints\n{printed}"
+            )
+        else:
+            assert printed == shown, (
+                f"{where}: the page shows\n{shown}\n\nbut the code prints\n{printed}"
+            )
+
+
+def test_allowed_error_explains_a_scaled_atol_only_where_it_was_scaled():
+    x, w = f64(0, (4, 3)), f64(1, (2, 3))
+    op = jax.custom_vjp(lambda x, w: x @ w.T)
+    op.defvjp(lambda x, w: (op(x, w), (x, w)), lambda r, g: (g @ r[1], 1.01 * g.T @ r[0]))
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(op, (x, w))
+    message = str(info.value)
+    assert "(atol + rtol * |numerical| + finite-difference noise)\n" in message
+    assert "largest" not in message and "times" not in message
+
+    w = f64(0, (3, 4))
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(l2_penalty(1e-6, 2.0), (w,))
+    message = str(info.value)
+    scale = float(np.max(np.abs(2e-6 * np.asarray(w))))
+    assert f"(atol * {scale:.3e} + rtol * |numerical| + finite-difference noise)\n" in message
+    assert f"(atol is multiplied by {scale:.3e}, the largest |numerical| of this pair" in message

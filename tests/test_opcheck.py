@@ -75,8 +75,17 @@ def test_correct_ops_pass(name):
     op, args = make()
     report = jaxext.opcheck(op, args)
     assert report.failed == ()
-    # unwritten_outputs applies to ops with C++ kernels only (tests/test_cpp_extension.py).
-    assert set(report.skipped) <= set(expected_skips) | {"export_symbolic", "unwritten_outputs"}
+    # unwritten_outputs applies to ops with C++ kernels only (tests/test_cpp_extension.py);
+    # jit_reuse to ops with two float array leaves or more (subsets of them to differentiate).
+    floats = [
+        leaf
+        for leaf in jax.tree.leaves(args)
+        if isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+        and jnp.issubdtype(leaf.dtype, jnp.inexact)
+    ]
+    assert ("jit_reuse" in report.skipped) == (len(floats) < 2), str(report)
+    allowed = {"export_symbolic", "unwritten_outputs", "jit_reuse"}
+    assert set(report.skipped) <= set(expected_skips) | allowed
     assert "unwritten_outputs" in report.skipped
     assert set(expected_skips) <= set(report.skipped)
     assert len(report.results) == len(CHECK_NAMES)
@@ -550,3 +559,34 @@ def test_checks_leave_the_callers_arrays_as_they_were(checker):
         want_x[i] += 2 * y[i, j] * w[j] * 2 * x[i]
     np.testing.assert_allclose(grad[0], want_x, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(grad[1], want_w, rtol=1e-5, atol=1e-6)
+
+
+class Cube(jaxext.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * g
+
+
+def test_a_function_op_is_titled_with_its_class_name():
+    report = jaxext.opcheck(Cube.apply, (f64(0, (3,)),), checks=["jit"], raise_exception=False)
+    assert str(report).splitlines()[0] == "opcheck Cube"
+    assert report.op == "Cube"
+
+
+def test_jit_reuse_with_one_differentiable_input_is_a_skip_that_says_why():
+    """One differentiable input has one subset, every input: nothing is reused with other
+    inputs differentiated, and a PASS would claim a comparison that never ran."""
+    for op in (Cube.apply, jaxext.custom_vjp(jnp.sin)):
+        report = jaxext.opcheck(op, (f64(0, (3,)),), checks=["jit_reuse"], raise_exception=False)
+        result = report["jit_reuse"]
+        assert result.status == "SKIP", str(report)
+        assert "only one differentiable input (input 0)" in result.detail
+        assert "0 pairs" not in result.detail
+    report = jaxext.opcheck(jaxext.linear, (f64(0, (4, 3)), f64(1, (2, 3))), checks=["jit_reuse"])
+    assert report["jit_reuse"].status == "PASS"

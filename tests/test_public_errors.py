@@ -138,3 +138,26 @@ def test_extension_errors_are_shown_with_public_names(name):
     kwargs = {"command": ["c++"], "output": "", "log_path": "build.log"}
     error = cls("message", **kwargs) if cls is cpp_extension.CompileError else cls("message")
     assert _shown_as(error) == f"{name}: message\n"
+
+
+def test_differentiating_a_bare_ffi_call_names_the_handler_and_how_to_give_it_a_gradient():
+    """JAX's own message names the target and suggests "`jax.custom_jvp` or `jax.custom_jvp`"."""
+    # Never registered and never run: differentiation fails while tracing, before any call.
+    kernel = cpp_extension.FfiFunction("square", "my_ext_square", "cpu")
+
+    def f(x):
+        out = kernel(x, result_shape_dtypes=jax.ShapeDtypeStruct(x.shape, x.dtype))
+        return out.sum()
+
+    x = jnp.ones(3)
+    for differentiate in (
+        lambda: jax.grad(f)(x),
+        lambda: jax.jit(jax.grad(f))(x),
+        lambda: jax.jvp(f, (x,), (x,)),
+    ):
+        with pytest.raises(ValueError) as info:
+            differentiate()
+        message = str(info.value)
+        assert message.startswith("The C++ handler `square` (FFI target `my_ext_square`)")
+        assert "@jaxext.custom_vjp" in message and ".defvjp(fwd, bwd, jvp=...)" in message
+        assert "jax.custom_jvp` or `jax.custom_jvp" not in message

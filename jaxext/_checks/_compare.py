@@ -74,6 +74,9 @@ class Mismatch:
     allowed: float
     count: int
     total: int
+    # Set where the pair's gradients are all below 1 in magnitude and ``atol`` was scaled by
+    # the largest of them (``allowed`` then holds ``atol * atol_scale``): the report says so.
+    atol_scale: float | None = None
 
 
 class _Tally:
@@ -183,7 +186,7 @@ class _Tally:
             total = self.out_sizes[i] * self.in_sizes[j]
             found[i, j] = Mismatch(
                 i, j, out_element, in_element, None, expected, actual, atol + relative, count,
-                total,
+                total, atol_scale=scale,
             )  # fmt: skip
         return [found[key] for key in sorted(found)]
 

@@ -200,18 +200,16 @@ def gradcheck_error(
         error = (
             f"  abs error: {abs_error:.3e}, rel error: {rel_error:.3e}; "
             f"allowed: {worst.allowed:.3e}"
-        ) + (
-            f" (atol, times the pair's largest |{reference}| where that is below 1, "
-            f"+ rtol * |{reference}| + finite-difference noise)"
-            if kind == "jacobian" and method == "full"
-            else f" (atol + rtol * |{reference}| + finite-difference noise)"
-            if kind == "jacobian"
-            else ""
         )
-    lines += [
-        error,
-        f"  mismatched: {worst.count} of {worst.total} {unit}",
-    ]
+        if kind == "jacobian":
+            error += f" ({_bound(worst.atol_scale, reference)})"
+    lines.append(error)
+    if kind == "jacobian" and worst.atol_scale is not None:
+        lines.append(
+            f"  (atol is multiplied by {worst.atol_scale:.3e}, the largest |{reference}| of "
+            "this pair: its derivatives are all below 1 in magnitude)"
+        )
+    lines.append(f"  mismatched: {worst.count} of {worst.total} {unit}")
     if problem.order == 2 and problem.inner == "fwd":
         lines.append(
             "  (order 2 here checks the Jacobian of (inputs, tangents) -> JVP of `func`: its "
@@ -270,6 +268,12 @@ def dtype_error(label: str, index: int, path: str, primal: Any, grad: Any) -> Gr
         input_index=index,
         input_path=path,
     )
+
+
+def _bound(atol_scale: float | None, reference: str) -> str:
+    """How a Jacobian entry's allowed error is made up, in the report's words."""
+    atol = "atol" if atol_scale is None else f"atol * {atol_scale:.3e}"
+    return f"{atol} + rtol * |{reference}| + finite-difference noise"
 
 
 def _pair_label(out: Segment | None, inp: Segment | None) -> str:

@@ -169,7 +169,7 @@ def opcheck(
         op = OpUnderTest.build(func, args)
         op.cache["selected"] = frozenset(selected)
         results = tuple(_run(name, op, settings) for name in selected)
-    report = OpcheckReport(getattr(func, "__name__", type(func).__name__), results)
+    report = OpcheckReport(_op_name(func), results)
     if report.failed and raise_exception:
         raise OpcheckError(report)
     return report
@@ -205,3 +205,14 @@ def _run(name: str, op: OpUnderTest, settings: Settings) -> CheckResult:
         message = str(err).strip()
         detail, status = f"raised {type(err).__name__}: {message}", "FAIL"
     return CheckResult(name, status, detail, time.perf_counter() - start)
+
+
+def _op_name(func: Callable[..., Any]) -> str:
+    """The report's title: a ``jaxext.Function``'s class name for its ``apply`` (``Cube``,
+    not ``apply``), else the function's ``__name__``."""
+    from .._function import Function
+
+    owner = getattr(func, "__self__", None)
+    if isinstance(owner, type) and issubclass(owner, Function):
+        return owner.__name__
+    return getattr(func, "__name__", type(func).__name__)

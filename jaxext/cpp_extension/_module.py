@@ -125,14 +125,32 @@ class FfiFunction:
             )
             return lambda *arrays: call(*arrays, **attributes)
 
-        if rule is None:
-            return make_call(result_shape_dtypes)(*args)
-        several = isinstance(result_shape_dtypes, (list, tuple))
-        results = list(result_shape_dtypes) if several else [result_shape_dtypes]
-        outs = partitioned_call(make_call, args, results, rule)
+        try:
+            if rule is None:
+                return make_call(result_shape_dtypes)(*args)
+            several = isinstance(result_shape_dtypes, (list, tuple))
+            results = list(result_shape_dtypes) if several else [result_shape_dtypes]
+            outs = partitioned_call(make_call, args, results, rule)
+        except ValueError as err:
+            # JAX's own message names the target and suggests "`jax.custom_jvp` or
+            # `jax.custom_jvp`": name the handler and say how to give it a gradient.
+            if "cannot be differentiated" not in str(err) or "FFI call" not in str(err):
+                raise
+            raise ValueError(self._no_derivative_message()) from None
         if not several:
             return outs[0]
         return tuple(outs) if isinstance(result_shape_dtypes, tuple) else outs
+
+    def _no_derivative_message(self) -> str:
+        return (
+            f"The C++ handler `{self.name}` (FFI target `{self.target_name}`) has no derivative "
+            "rule: JAX cannot differentiate (jax.grad, jax.vjp, jax.jvp ...) a call of it by "
+            "itself. Give it one: call it inside a function decorated with "
+            "`@jaxext.custom_vjp` and attach its rules with `.defvjp(fwd, bwd, jvp=...)` (they "
+            "may call other handlers; `jvp=` for forward mode; see 'Giving it a gradient' in "
+            "the C++ extensions guide), "
+            "or apply `jax.lax.stop_gradient` to its inputs where no gradient is needed."
+        )
 
     def __repr__(self) -> str:
         return f"<FfiFunction {self.name} -> FFI target {self.target_name!r} ({self.platform})>"
