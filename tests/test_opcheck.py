@@ -590,3 +590,25 @@ def test_jit_reuse_with_one_differentiable_input_is_a_skip_that_says_why():
         assert "0 pairs" not in result.detail
     report = jaxext.opcheck(jaxext.linear, (f64(0, (4, 3)), f64(1, (2, 3))), checks=["jit_reuse"])
     assert report["jit_reuse"].status == "PASS"
+
+
+@pytest.mark.parametrize("width", [40, 60, 100])
+def test_table_wraps_a_long_detail_and_keeps_its_remedy(width):
+    # A SKIP's reason ends with its remedy: the table wraps it, never cuts it off.
+    reason = (
+        "jax.export serialization needs the flatbuffers package "
+        "(pip install 'jaxext[export]') to run this check"
+    )
+    report = jaxext.OpcheckReport(
+        "op",
+        (
+            jaxext.CheckResult("export", "SKIP", reason, 0.0),
+            jaxext.CheckResult("jit", "PASS", "", 0.0),
+        ),
+    )
+    lines = report.table(width=width).splitlines()
+    assert all(len(line) <= width for line in lines), lines
+    assert lines[2].startswith("export  SKIP    jax.export")
+    detail = " ".join(line[len("export  SKIP    ") :].strip() for line in lines[2:-2])
+    assert detail == reason
+    assert lines[-2].startswith("jit     PASS") and lines[-1] == "1 PASS, 0 FAIL, 1 SKIP"

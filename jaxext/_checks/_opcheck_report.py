@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 
 __all__ = ["CheckResult", "OpcheckError", "OpcheckReport"]
 
@@ -74,15 +75,21 @@ class OpcheckReport:
         return not self.failed
 
     def table(self, width: int = 100) -> str:
-        """The report as a text table, details cut to fit ``width`` columns."""
+        """The report as a text table ``width`` columns wide.
+
+        Each check's detail is its first line, wrapped onto as many lines as it needs
+        (never cut: a SKIP's reason ends with its remedy); the full diagnostic of a check
+        is ``report[name].detail``.
+        """
         name_width = max([len("check")] + [len(r.name) for r in self.results])
         lines = [f"opcheck {self.op}", f"{'check':<{name_width}}  result  detail"]
+        room = max(20, width - name_width - 10)
+        indent = " " * (name_width + 10)
         for result in self.results:
             detail = result.detail.splitlines()[0] if result.detail else ""
-            room = max(20, width - name_width - 10)
-            if len(detail) > room:
-                detail = detail[: room - 3] + "..."
-            lines.append(f"{result.name:<{name_width}}  {result.status:<6}  {detail}")
+            first, *rest = textwrap.wrap(detail, room) or [""]
+            lines.append(f"{result.name:<{name_width}}  {result.status:<6}  {first}")
+            lines.extend(indent + line for line in rest)
         counts = {s: list(self.statuses.values()).count(s) for s in ("PASS", "FAIL", "SKIP")}
         lines.append(", ".join(f"{n} {s}" for s, n in counts.items()))
         return "\n".join(lines)
