@@ -234,8 +234,10 @@ def test_correct_complex_ops_pass_every_opcheck_check(case, precision):
     op, args = _op(forward, backward), _args(kinds, precision)
     with _no_imaginary_part_dropped():
         report = jaxext.opcheck(op, args, raise_exception=False)
-    # (export_symbolic: a two-input elementwise op gets one symbolic batch on both inputs)
-    assert report.skipped == ("unwritten_outputs",), str(report)
+    # (export_symbolic: a two-input elementwise op gets one symbolic batch on both inputs;
+    # jit_reuse leaves out subsets of two or more differentiable inputs)
+    expected = ("unwritten_outputs", "jit_reuse") if len(args) < 2 else ("unwritten_outputs",)
+    assert report.skipped == expected, str(report)
     assert not report.failed, str(report)
     if "r" not in kinds:
         assert "bfloat16 not run" in report["low_precision"].detail
