@@ -777,7 +777,9 @@ def test_ops_pass_opcheck(op):
     pytest.importorskip("flatbuffers")  # what jax.export's serialization needs
     report = jaxext.opcheck(f, args)
     statuses = {r.name: r.status for r in report.results}
-    assert report.skipped == ("low_precision",), str(report)
+    # jit_reuse leaves out subsets of two or more differentiable inputs: mul_constant has one.
+    one_input = ("jit_reuse",) if len(args) < 2 else ()
+    assert report.skipped == (*one_input, "low_precision"), str(report)
     detail = report["low_precision"].detail
     assert "float32 checked" in detail and "bfloat16: the op does not take it" in detail
     assert "must be float32 or float64; got bfloat16" in detail  # the op's own reason
