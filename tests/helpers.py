@@ -271,6 +271,20 @@ class MulConstant(jaxext.Function):
         return grad_output * ctx.constant, None
 
 
+class Cube(jaxext.Function):
+    """``x ** 3``, a PyTorch-style Function with one input."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * grad_output
+
+
 class OnceCube(jaxext.Function):
     @staticmethod
     def forward(ctx, x):

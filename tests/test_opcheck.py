@@ -28,7 +28,7 @@ from checker_ops import (
     residuals_by_perturbed_reused,
     symbolic_zero_as_ones,
 )
-from helpers import tiered
+from helpers import Cube, tiered
 from ops_table import OPS
 
 import jaxext
@@ -559,18 +559,6 @@ def test_checks_leave_the_callers_arrays_as_they_were(checker):
         want_x[i] += 2 * y[i, j] * w[j] * 2 * x[i]
     np.testing.assert_allclose(grad[0], want_x, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(grad[1], want_w, rtol=1e-5, atol=1e-6)
-
-
-class Cube(jaxext.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x**3
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return 3 * x**2 * g
 
 
 def test_a_function_op_is_titled_with_its_class_name():
