@@ -552,7 +552,8 @@ CHECKS = {
 
 
 if __name__ == "__main__":
-    swapped = jax.custom_vjp is not jax.custom_derivatives.custom_vjp
+    # What Flax captured at import (`from jax import custom_vjp`): the swap came first.
+    swapped = fp8_ops.custom_vjp is not jax.custom_derivatives.custom_vjp
     checks = CHECKS
     if len(sys.argv) > 3:  # a subset, for debugging: python ... OUT MODE NAME...
         checks = {name: CHECKS[name] for name in sys.argv[3:]}

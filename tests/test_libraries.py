@@ -259,7 +259,11 @@ def test_jaxopt_implicit_differentiation_jvp(results):
 
 
 def _defined_with(monkeypatch, custom_vjp, define):
-    """``define()`` run with ``jax.custom_vjp`` set to ``custom_vjp``, and called so."""
+    """``define()`` run with ``jax.custom_vjp`` set to ``custom_vjp``, and called so.
+
+    Equinox is imported first, unpatched: its own loops decorate at import time.
+    """
+    pytest.importorskip("equinox", reason=f"needs equinox: {INSTALL}")
     with monkeypatch.context() as patch:
         patch.setattr(jax, "custom_vjp", custom_vjp)
         return define()
