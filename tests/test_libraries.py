@@ -44,6 +44,10 @@ FD = {"rtol": 1e-6, "atol": 1e-8}
 
 NEEDS_DROPIN = "needs the dropin branch (issue #34)"
 NEEDS_FWDMODE = "needs the fwdmode branch (issue #34): forward mode through a while_loop backward"
+# Eagerly, `jax.grad` at a Python float hands Equinox's fwd the float itself, so the
+# output is a Python float that Equinox treats as static: JAX's gradient is then 0 (2, the
+# rule's, under jit or at an array). A drop-in may match that 0 or give the rule's 2.
+EAGER_FLOAT = "eager grad at a Python float: neither JAX's value nor the rule's"
 PLAIN_JAX_REFUSES = "can't apply forward-mode autodiff (jvp) to a custom_vjp function"
 
 
@@ -133,7 +137,7 @@ def test_flax_fp8_amax_history(results):
     swapped = measured(results, "jaxext", "flax_fp8_meta_history")
     assert swapped["histories"] == [[3, 0, 0, 0], [7, 0, 0, 3], [2.5, 0, 3, 7]]
     np.testing.assert_allclose(np.ravel(swapped["scales"]), [1.0, 3 / 448, 7 / 448], rtol=1e-7)
-    assert swapped == measured(results, "jax", "flax_fp8_meta_history")
+    assert_tree_close(swapped, measured(results, "jax", "flax_fp8_meta_history"), rtol=1e-7)
 
 
 def test_flax_fp8_scaled_dot_general(results):
@@ -148,11 +152,13 @@ def test_flax_fp8_scaled_dot_general(results):
 
 @pytest.mark.xfail(strict=True, reason=f"{NEEDS_DROPIN}: Python-float outputs of fwd")
 def test_equinox_filter_custom_vjp_python_scalars(results):
-    swapped = measured(results, "jaxext", "eqx_filter_custom_vjp_python_scalars")
+    swapped = dict(measured(results, "jaxext", "eqx_filter_custom_vjp_python_scalars"))
     np.testing.assert_allclose(swapped["grad"], swapped["expected"], **SAME)
     np.testing.assert_allclose(swapped["jit_grad"], swapped["expected"], **SAME)
     assert swapped["float_input_jit"] == swapped["array_input"] == 2.0
-    assert swapped == measured(results, "jax", "eqx_filter_custom_vjp_python_scalars")
+    plain = dict(measured(results, "jax", "eqx_filter_custom_vjp_python_scalars"))
+    assert swapped.pop("float_input") in (plain.pop("float_input"), 2.0), EAGER_FLOAT
+    assert_tree_close(swapped, plain, **SAME)
 
 
 def test_equinox_checkpointed_while_loop_grad(results):
@@ -310,7 +316,8 @@ def test_equinox_python_float_input_as_with_jax(monkeypatch):
     swapped = _defined_with(monkeypatch, jaxext.custom_vjp, _equinox_doubling)
     assert PLAIN_JAX_REFUSES in plain.pop("jvp")
     assert float(swapped.pop("jvp")) == 2.0 * 0.5  # the transpose of the backward
-    assert {k: float(v) for k, v in swapped.items()} == {k: float(v) for k, v in plain.items()}
+    assert float(swapped.pop("float")) in (float(plain.pop("float")), 2.0), EAGER_FLOAT
+    assert_tree_close(swapped, plain, **SAME)
 
 
 def test_equinox_filter_custom_vjp_jvp(monkeypatch):
