@@ -10,8 +10,8 @@ swap must come before any import: ``tests/_libraries_worker.py`` runs once with 
 JAX and once with ``jax.custom_vjp = jaxext.custom_vjp`` set first, each in its own
 process (the slow tier), and the tests here compare the two, or each with finite
 differences, a closed form or a hand-computed value. Two cheap cases run in this
-process (the default tier): Equinox and Flax NNX look ``jax.custom_vjp`` up when a rule
-is attached or called, so patching it for one test reaches them.
+process (the default tier): ``eqx.filter_custom_vjp`` looks ``jax.custom_vjp`` up when its
+rules are attached, so patching it for one test reaches a function defined there.
 
 The libraries are the ``libs`` extra (``pip install 'jaxext[libs]'``); without them the
 module skips. A case marked ``xfail(strict=True)`` fails on this branch for a known
