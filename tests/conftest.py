@@ -17,4 +17,5 @@ def x64():
 
 
 # Run by test_sharding.py in a subprocess with 8 CPU devices; never import it here.
-collect_ignore = ["_sharding_worker.py"]
+# Nor _libraries_worker.py (test_libraries.py's): it replaces jax.custom_vjp on import.
+collect_ignore = ["_sharding_worker.py", "_libraries_worker.py"]

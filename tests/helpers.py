@@ -298,10 +298,10 @@ class OnceCube(jaxext.Function):
         return grad_output * 3 * x**2
 
 
-def run_json_worker(spawn_python, worker, out, what):
-    """Runs ``python worker out`` (through the ``spawn_python`` fixture) on the CPU backend
-    from the repository root and returns the JSON it wrote to ``out`` (multi-device checks
-    run in such a subprocess, which sets its device count before importing JAX)."""
+def run_json_worker(spawn_python, worker, out, what, *args):
+    """Runs ``python worker out *args`` (through the ``spawn_python`` fixture) on the CPU
+    backend from the repository root and returns the JSON it wrote to ``out`` (multi-device
+    checks run in such a subprocess, which sets its device count before importing JAX)."""
     import json
     import os
     from pathlib import Path
@@ -311,7 +311,7 @@ def run_json_worker(spawn_python, worker, out, what):
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo_root), env.get("PYTHONPATH", "")) if p)
     proc = spawn_python.run(
-        [str(worker), str(out)],
+        [str(worker), str(out), *map(str, args)],
         env=env,
         cwd=repo_root,
         capture_output=True,

@@ -54,7 +54,17 @@ PAGES_WITH_CODE = [
     "guides/scaling_out.md",
     "guides/writing_ops.md",
     "guides/cpp_extension.md",
+    pytest.param(
+        "guides/libraries.md",
+        marks=pytest.mark.xfail(
+            strict=True,
+            reason="needs the dropin (FP8 metadata) and fwdmode (forward mode through a "
+            "while_loop backward) branches of issue #34",
+        ),
+    ),
 ]
+# Pages whose examples need optional packages (the `libs` extra): skipped without them.
+PAGE_NEEDS = {"guides/libraries.md": ("equinox", "diffrax", "optax")}
 _BLOCK = re.compile(r"(<!-- not-run:[^>]*-->\n)?```python\n(.*?)```", flags=re.DOTALL)
 
 
@@ -213,6 +223,8 @@ def test_pages_have_no_number_cut_by_emphasis(site):
 
 @pytest.mark.parametrize("page", PAGES_WITH_CODE)
 def test_page_code_runs(page, tmp_path, docs_build):
+    for module in PAGE_NEEDS.get(page, ()):
+        pytest.importorskip(module, reason=f"{page} needs {module}: pip install 'jaxext[libs]'")
     blocks = [code for skip, code in _BLOCK.findall((DOCS / page).read_text()) if not skip]
     assert blocks, f"{page} has no Python block to run"
     result = docs_build.run(
