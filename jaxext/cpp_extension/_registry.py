@@ -106,6 +106,16 @@ def registered_targets() -> list[str]:
     return sorted({*names, *(f"{n}.raw" for n in names)})
 
 
+def target_platforms() -> dict[str, set[str]]:
+    """``{target name: platforms it has a handler for}``, JAX's platform names
+    (``"cpu"``, ``"cuda"``), for the targets registered by ``jaxext.cpp_extension``."""
+    found: dict[str, set[str]] = {}
+    with _LOCK:
+        for target, platform in _REGISTERED:
+            found.setdefault(target, set()).add(platform.lower())
+    return found
+
+
 def open_library(extension: str, library: Path) -> ctypes.CDLL:
     """``ctypes.CDLL(library)``, with a link failure explained.
 
