@@ -785,7 +785,9 @@ def test_ops_pass_opcheck(op):
     statuses = {r.name: r.status for r in report.results}
     # jit_reuse leaves out subsets of two or more differentiable inputs: mul_constant has one.
     one_input = ("jit_reuse",) if len(args) < 2 else ()
-    assert report.skipped == (*one_input, "low_precision"), str(report)
+    # The kernels have CPU handlers only: CPU-only, a SKIP for the other platforms.
+    accelerators = ("platform_cuda", "platform_rocm", "platform_tpu")
+    assert report.skipped == (*one_input, "low_precision", *accelerators), str(report)
     detail = report["low_precision"].detail
     assert "float32 checked" in detail and "bfloat16: the op does not take it" in detail
     assert "must be float32 or float64; got bfloat16" in detail  # the op's own reason
@@ -793,6 +795,26 @@ def test_ops_pass_opcheck(op):
     for name in ("unwritten_outputs", "gradgradcheck", "export", "export_symbolic", "vmap"):
         assert statuses[name] == "PASS", str(report)
     assert "jaxext_linear" in report["unwritten_outputs"].detail or op == "mul_constant"
+    assert statuses["platform_cpu"] == "PASS"
+    kernel = "jaxext_mul_constant" if op == "mul_constant" else "jaxext_linear_forward"
+    for name in accelerators:
+        detail = report[name].detail
+        assert detail.startswith("CPU-only: its C++ kernels (") and kernel in detail, detail
+
+
+@pytest.mark.parametrize("op", CPP_OPS)
+def test_ops_are_cpu_only_and_fail_a_platform_asked_for(op):
+    f, args = OPS_BY_NAME[op].cpp(ops, np.random.default_rng(0))
+    rows = ["platform_cpu", "platform_cuda", "platform_rocm", "platform_tpu"]
+    report = jaxext.opcheck(f, args, checks=rows, platforms=["cpu", "tpu"], raise_exception=False)
+    assert report.statuses == {
+        "platform_cpu": "PASS",
+        "platform_cuda": "SKIP",
+        "platform_rocm": "SKIP",
+        "platform_tpu": "FAIL",
+    }, str(report)
+    assert "none for TPU (asked for with `platforms`)" in report["platform_tpu"].detail
+    assert "pass platforms=['cuda'] to require it" in report["platform_cuda"].detail
 
 
 # -- checking mode: kernels that leave results unwritten -------------------------------

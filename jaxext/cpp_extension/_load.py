@@ -48,25 +48,32 @@ def load(
     """Compiles C++ (or CUDA) source files of XLA FFI handlers and registers them with JAX.
 
     The sources are compiled with ``$CXX`` (else ``c++``; ``nvcc`` when a source is
-    ``.cu``) as ``-std=c++17 -O3 -fPIC -shared`` against the XLA FFI headers that
-    ship with jaxlib (``jax.ffi.include_dir()``), once: the library is cached under
-    a hash of the sources, the headers they include (found by following their
-    ``#include`` lines in the sources' directories and ``extra_include_paths``),
-    flags, jaxlib version and compiler, and later calls, in this process or
-    another, load it from there.
+    ``.cu``) as ``-std=c++17 -O3 -fPIC`` and linked with ``-shared``, against the
+    XLA FFI headers that ship with jaxlib (``jax.ffi.include_dir()``), once: the
+    library is cached under a hash of the sources, flags, include paths, jaxlib
+    version and compiler, with a record of every header the compiler read (its
+    ``-MD`` output) and their contents' hashes, and later calls, in this process
+    or another, load it from there while those headers are unchanged. A library
+    built anew gets a new file name (the hash of its bytes), so loading it again in
+    a process that loaded an older build runs the new code.
 
     A library built ahead of time with ``python -m jaxext.cpp_extension build``
     (see :func:`jaxext.cpp_extension.build`) is used instead, without a compiler,
     when it is found, for the same name, sources, headers and flags, in
     ``prebuilt_directory`` or in the directory of the first source.
 
+    Without ``functions``, the handlers are the functions the built library exports
+    with C linkage (read from its ELF symbol table, leaving out jaxext's own), as
+    ``XLA_FFI_DEFINE_HANDLER_SYMBOL`` defines them, also when a macro stamps them out.
+
     Args:
         name: the extension's name, a C identifier; FFI targets are registered
             under it, so two extensions may define handlers of the same name.
         sources: source file paths (``.cc``, ``.cpp``, ``.cxx``, or ``.cu``).
         functions: the handler symbols to register, each defined in the sources
-            with ``XLA_FFI_DEFINE_HANDLER_SYMBOL``. ``None``: every such
-            definition found in the sources.
+            with ``XLA_FFI_DEFINE_HANDLER_SYMBOL``. ``None``: every function the
+            built library exports with C linkage (name them when the sources
+            export other ``extern "C"`` functions).
         extra_cflags: more compiler flags, e.g. ``["-march=native"]``.
         extra_ldflags: more linker flags, e.g. ``["-lm"]``.
         extra_include_paths: more ``-I`` directories.
@@ -94,7 +101,7 @@ def load(
         TypeError: if an argument has the wrong type (e.g. ``sources`` is not a list of
             paths).
         ValueError: if ``name``, ``sources``, ``functions`` or ``platform`` is malformed,
-            or no handler is found in the sources.
+            or the built library exports no handler.
         FileNotFoundError: if a source file does not exist.
         CompilerNotFoundError: if no compiler is installed (the message says what to
             install).
@@ -183,8 +190,8 @@ def load_inline(
         cpp_sources: C++ source text, or a list of texts joined with newlines.
         cuda_sources: CUDA source text(s); when given, everything is compiled with
             ``nvcc`` and the handlers register for ``"CUDA"`` by default.
-        functions: the handler symbols to register; ``None``: all that the
-            sources define with ``XLA_FFI_DEFINE_HANDLER_SYMBOL``.
+        functions: the handler symbols to register; ``None``: every function the
+            built library exports with C linkage (see :func:`jaxext.cpp_extension.load`).
         extra_cflags: see :func:`jaxext.cpp_extension.load`.
         extra_ldflags: see :func:`jaxext.cpp_extension.load`.
         extra_include_paths: see :func:`jaxext.cpp_extension.load`.
