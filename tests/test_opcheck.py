@@ -667,6 +667,7 @@ def test_an_op_that_lowers_only_here_is_a_skip_elsewhere():
     [
         ({"platforms": ["gpu"]}, ValueError, r"`platforms`: unknown platforms \['gpu'\]"),
         ({"platforms": [1]}, TypeError, "`platforms` must be a sequence"),
+        ({"platforms": "tpu"}, TypeError, "`platforms` must be a sequence"),
         ({"platforms": ["tpu"], "skip": ["platform_tpu"]}, ValueError, "platform_tpu"),
     ],
 )

@@ -45,15 +45,14 @@ def check_platforms(platforms: Any) -> frozenset[str]:
     """
     if platforms is None:
         return frozenset()
-    items = [platforms] if isinstance(platforms, str) else platforms
-    if not isinstance(items, (list, tuple, set, frozenset)) or not all(
-        isinstance(p, str) for p in items
+    if not isinstance(platforms, (list, tuple, set, frozenset)) or not all(
+        isinstance(p, str) for p in platforms
     ):
         raise TypeError(f"`platforms` must be a sequence of platform names; got {platforms!r}.")
-    unknown = sorted(set(items) - set(PLATFORMS))
+    unknown = sorted(set(platforms) - set(PLATFORMS))
     if unknown:
         raise ValueError(f"`platforms`: unknown platforms {unknown}; expected some of {PLATFORMS}.")
-    return frozenset(items)
+    return frozenset(platforms)
 
 
 def _parts(op: OpUnderTest, settings: Settings) -> dict[str, Any]:
