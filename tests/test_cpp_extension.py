@@ -7,6 +7,7 @@ temporary: the user's cache is never touched.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import re
@@ -140,7 +141,7 @@ def test_changed_source_rebuilds_and_both_builds_stay_callable(scale_ext, build_
     new = cpp_extension.load_inline("scale_ext", changed, build_directory=build_dir)
     assert new.built and new.path != scale_ext.path
     assert new.scale.target_name != scale_ext.scale.target_name
-    assert len(list((build_dir / "scale_ext").glob("*/scale_ext.so"))) == 2
+    assert len(list((build_dir / "scale_ext").glob("*/scale_ext.*.so"))) == 2
     x = jnp.arange(3.0)
     np.testing.assert_array_equal(_scale(new, x, 2.0), 2.0 * np.arange(3.0) + 1)
     np.testing.assert_array_equal(_scale(scale_ext, x, 2.0), 2.0 * np.arange(3.0))
@@ -177,10 +178,11 @@ def test_concurrent_builds_of_one_extension_build_once(tmp_path):
     def build(output):
         calls.append(output)
         output.write_bytes(b"library")
+        return {"headers": []}
 
     def worker():
         start.wait()
-        results.append(_cache.build_once(tmp_path / "key", "ext.so", build))
+        results.append(_cache.build_once(tmp_path / "key", "ext", build, lambda record: True))
 
     threads = [threading.Thread(target=worker) for _ in range(4)]
     for t in threads:
@@ -188,9 +190,13 @@ def test_concurrent_builds_of_one_extension_build_once(tmp_path):
     for t in threads:
         t.join()
     assert len(calls) == 1
-    assert sorted(built for _, built in results) == [False, False, False, True]
-    assert {path for path, _ in results} == {tmp_path / "key" / "ext.so"}
-    assert sorted(p.name for p in (tmp_path / "key").iterdir()) == ["ext.so", "lock"]
+    assert sorted(built for *_, built in results) == [False, False, False, True]
+    # The library's file name carries the hash of its bytes.
+    library = tmp_path / "key" / f"ext.{hashlib.sha256(b'library').hexdigest()[:16]}.so"
+    assert {path for path, *_ in results} == {library}
+    assert sorted(p.name for p in (tmp_path / "key").iterdir()) == sorted(
+        [library.name, library.with_suffix(".json").name, "lock"]
+    )
 
 
 def test_build_directory_argument_beats_the_environment(monkeypatch, tmp_path):
@@ -779,7 +785,9 @@ def test_ops_pass_opcheck(op):
     statuses = {r.name: r.status for r in report.results}
     # jit_reuse leaves out subsets of two or more differentiable inputs: mul_constant has one.
     one_input = ("jit_reuse",) if len(args) < 2 else ()
-    assert report.skipped == (*one_input, "low_precision"), str(report)
+    # The kernels have CPU handlers only: CPU-only, a SKIP for the other platforms.
+    accelerators = ("platform_cuda", "platform_rocm", "platform_tpu")
+    assert report.skipped == (*one_input, "low_precision", *accelerators), str(report)
     detail = report["low_precision"].detail
     assert "float32 checked" in detail and "bfloat16: the op does not take it" in detail
     assert "must be float32 or float64; got bfloat16" in detail  # the op's own reason
@@ -787,6 +795,26 @@ def test_ops_pass_opcheck(op):
     for name in ("unwritten_outputs", "gradgradcheck", "export", "export_symbolic", "vmap"):
         assert statuses[name] == "PASS", str(report)
     assert "jaxext_linear" in report["unwritten_outputs"].detail or op == "mul_constant"
+    assert statuses["platform_cpu"] == "PASS"
+    kernel = "jaxext_mul_constant" if op == "mul_constant" else "jaxext_linear_forward"
+    for name in accelerators:
+        detail = report[name].detail
+        assert detail.startswith("CPU-only: its C++ kernels (") and kernel in detail, detail
+
+
+@pytest.mark.parametrize("op", CPP_OPS)
+def test_ops_are_cpu_only_and_fail_a_platform_asked_for(op):
+    f, args = OPS_BY_NAME[op].cpp(ops, np.random.default_rng(0))
+    rows = ["platform_cpu", "platform_cuda", "platform_rocm", "platform_tpu"]
+    report = jaxext.opcheck(f, args, checks=rows, platforms=["cpu", "tpu"], raise_exception=False)
+    assert report.statuses == {
+        "platform_cpu": "PASS",
+        "platform_cuda": "SKIP",
+        "platform_rocm": "SKIP",
+        "platform_tpu": "FAIL",
+    }, str(report)
+    assert "none for TPU (asked for with `platforms`)" in report["platform_tpu"].detail
+    assert "pass platforms=['cuda'] to require it" in report["platform_cuda"].detail
 
 
 # -- checking mode: kernels that leave results unwritten -------------------------------
@@ -939,12 +967,12 @@ def test_ahead_of_time_build_used_without_a_compiler(
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert sorted(p.name for p in package.iterdir()) == [
-        "aot_ext.json",
-        "aot_ext.so",
-        "factor.h",
-        "kernel.cc",
-    ]
+    (library,) = package.glob("aot_ext.*.so")
+    assert sorted(p.name for p in package.iterdir()) == sorted(
+        ["aot_ext.json", library.name, "factor.h", "kernel.cc"]
+    )
+    # The library's file name carries the hash of its bytes.
+    assert library.name == f"aot_ext.{hashlib.sha256(library.read_bytes()).hexdigest()[:16]}.so"
     x = jnp.arange(4.0)
 
     # No compiler at all: CXX points nowhere and the PATH holds none.
@@ -952,7 +980,7 @@ def test_ahead_of_time_build_used_without_a_compiler(
         m.setenv("CXX", str(tmp_path / "no-such-compiler"))
         m.setenv("PATH", str(tmp_path / "empty"))
         ext = cpp_extension.load("aot_ext", [source], build_directory=cache)
-        assert not ext.built and ext.path == package / "aot_ext.so"
+        assert not ext.built and ext.path == library
         np.testing.assert_array_equal(_times(ext, x), 2 * np.arange(4.0))
         assert not cache.exists()  # nothing compiled, nothing cached
         # The header is part of the key: edited, the prebuilt library no longer fits.
@@ -974,11 +1002,12 @@ def test_ahead_of_time_build_used_without_a_compiler(
     copy = tmp_path / "other"
     copy.mkdir()
     (package / "factor.h").write_text("#define FACTOR 2.0f\n")
-    data = (package / "aot_ext.so").read_bytes()
+    data = library.read_bytes()
     marker = f"jaxlib={jaxlib.__version__};".encode()
     assert data.count(marker) == 1
-    (copy / "aot_ext.so").write_bytes(data.replace(marker, f"jaxlib={other};".encode()))
+    (copy / library.name).write_bytes(data.replace(marker, f"jaxlib={other};".encode()))
     (copy / "aot_ext.json").write_text((package / "aot_ext.json").read_text())
+    (copy / "factor.h").write_text("#define FACTOR 2.0f\n")  # recorded relative to the library
     with pytest.raises(cpp_extension.ExtensionError) as info:
         cpp_extension.load("aot_ext", [source], prebuilt_directory=copy, build_directory=cache)
     message = str(info.value)
@@ -993,3 +1022,115 @@ def test_build_command_reports_bad_input(tmp_path, capsys):
     assert "nope.cc' does not exist" in capsys.readouterr().err
     assert main(["build", "bad-name", str(tmp_path / "nope.cc")]) == 1
     assert "`name` must be a C identifier" in capsys.readouterr().err
+
+
+# -- builds are never stale: a rebuilt library, an edited header, handlers from a macro --
+
+SCALED_SOURCE = """
+#include "xla/ffi/api/ffi.h"
+#include "factor.h"
+namespace ffi = xla::ffi;
+ffi::Error Times(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
+  if (y->element_count() != x.element_count())
+    return ffi::Error::InvalidArgument("times: result size differs from x");
+  for (size_t i = 0; i < x.element_count(); ++i) y->typed_data()[i] = FACTOR * x.typed_data()[i];
+  return ffi::Error::Success();
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(times, Times,
+    ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
+"""
+
+
+def test_a_rebuilt_prebuilt_library_runs_the_new_code_in_the_same_process(tmp_path):
+    """Rebuilt ahead of time and loaded again in one process: the new machine code runs
+    (the dynamic loader hands back the library it already has for a path it opened)."""
+    source = tmp_path / "kernel.cc"
+    source.write_text(SCALED_SOURCE.replace('#include "factor.h"', "#define FACTOR 2.0f"))
+    cache = tmp_path / "cache"
+    x = jnp.arange(4.0)
+    first_library = cpp_extension.build("rebuilt_ext", [source])
+    first = cpp_extension.load("rebuilt_ext", [source], build_directory=cache)
+    assert not first.built and first.path == first_library
+    np.testing.assert_array_equal(_times(first, x), 2 * np.arange(4.0))
+
+    source.write_text(SCALED_SOURCE.replace('#include "factor.h"', "#define FACTOR 3.0f"))
+    second_library = cpp_extension.build("rebuilt_ext", [source])
+    second = cpp_extension.load("rebuilt_ext", [source], build_directory=cache)
+    np.testing.assert_array_equal(_times(second, x), 3 * np.arange(4.0))
+    assert not second.built and second.path == second_library
+    assert second_library != first_library and not first_library.exists()  # replaced
+    np.testing.assert_array_equal(_times(first, x), 2 * np.arange(4.0))  # still loaded
+    assert not cache.exists()  # both came from the prebuilt libraries
+
+
+def test_a_header_found_through_extra_cflags_is_part_of_the_cache_key(tmp_path):
+    """A header the compiler finds through ``-I`` in ``extra_cflags`` (which no scan of
+    ``#include`` lines would follow): edited, the next load builds anew and runs it."""
+    include = tmp_path / "include"
+    include.mkdir()
+    header = include / "factor.h"
+    header.write_text("#define FACTOR 2.0f\n")
+    source = SCALED_SOURCE.replace('#include "xla/ffi/api/ffi.h"\n', "").replace(
+        "namespace ffi = xla::ffi;\n", ""
+    )
+    flags = [f"-I{include}"]
+    cache = tmp_path / "cache"
+    x = jnp.arange(4.0)
+
+    def load():
+        return cpp_extension.load_inline(
+            "header_ext", source, extra_cflags=flags, build_directory=cache
+        )
+
+    first = load()
+    assert first.built
+    np.testing.assert_array_equal(_times(first, x), 2 * np.arange(4.0))
+
+    header.write_text("#define FACTOR 3.0f\n")
+    second = load()
+    np.testing.assert_array_equal(_times(second, x), 3 * np.arange(4.0))
+    assert second.built and second.path != first.path
+    assert second.times.target_name != first.times.target_name
+    np.testing.assert_array_equal(_times(first, x), 2 * np.arange(4.0))
+
+    again = load()  # unchanged since: the cached build
+    assert not again.built and again.path == second.path
+    header.write_text("#define FACTOR 2.0f\n")  # back as it was: the first build fits again
+    back = load()
+    assert not back.built and back.path == first.path
+    assert back.times.target_name == first.times.target_name
+
+
+def test_handlers_stamped_out_by_a_macro_are_found_in_the_library(tmp_path):
+    source = """
+    #define DEFINE_SCALE(NAME, FACTOR)                                                  \\
+      ffi::Error NAME##_impl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {  \\
+        for (size_t i = 0; i < x.element_count(); ++i)                                  \\
+          y->typed_data()[i] = FACTOR * x.typed_data()[i];                              \\
+        return ffi::Error::Success();                                                   \\
+      }                                                                                 \\
+      XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, NAME##_impl,                                  \\
+          ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
+    DEFINE_SCALE(twice, 2.0f)
+    DEFINE_SCALE(thrice, 3.0f)
+    """
+    ext = cpp_extension.load_inline("macro_ext", source, build_directory=tmp_path)
+    assert ext.functions == ("twice", "thrice")
+    x = jnp.arange(4.0)
+    np.testing.assert_array_equal(ext.twice(x, result_shape_dtypes=x), 2 * np.arange(4.0))
+    np.testing.assert_array_equal(ext.thrice(x, result_shape_dtypes=x), 3 * np.arange(4.0))
+
+
+def test_depfile_names_with_spaces_and_continuations(tmp_path):
+    from jaxext.cpp_extension._deps import read_depfile
+
+    (tmp_path / "a dir").mkdir()
+    depfile = tmp_path / "x.d"
+    depfile.write_text(
+        f"{tmp_path}/x.o: {tmp_path}/x.cc \\\n {tmp_path}/a\\ dir/h.h /usr/include/stdio.h\n"
+    )
+    assert read_depfile(depfile) == [
+        tmp_path / "x.cc",
+        tmp_path / "a dir" / "h.h",
+        Path("/usr/include/stdio.h").resolve(),
+    ]

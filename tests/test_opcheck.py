@@ -600,3 +600,80 @@ def test_table_wraps_a_long_detail_and_keeps_its_remedy(width):
     detail = " ".join(line[len("export  SKIP    ") :].strip() for line in lines[2:-2])
     assert detail == reason
     assert lines[-2].startswith("jit     PASS") and lines[-1] == "1 PASS, 0 FAIL, 1 SKIP"
+
+
+# -- platforms: the op lowers for CPU, CUDA, ROCm and TPU -----------------------------------
+
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+PLATFORM_ROWS = [f"platform_{p}" for p in PLATFORMS]
+
+
+@pytest.mark.parametrize(
+    ("op", "args"),
+    [
+        (jaxext.linear, (f64(0, (4, 3)), f64(1, (2, 3)), f64(2, (2,)))),
+        (jaxext.mul_constant, (f64(0, (3,)), 2.5)),
+    ],
+    ids=["linear", "mul_constant"],
+)
+def test_shipped_ops_lower_for_every_platform(op, args):
+    report = jaxext.opcheck(op, args, checks=PLATFORM_ROWS, platforms=PLATFORMS)
+    assert report.statuses == dict.fromkeys(PLATFORM_ROWS, "PASS"), str(report)
+    for platform, name in zip(PLATFORMS, ("CPU", "CUDA", "ROCm", "TPU"), strict=True):
+        assert report[f"platform_{platform}"].detail == (
+            f"jitted forward, VJP and JVP lower for {name}"
+        )
+
+
+def test_an_op_that_does_not_lower_for_a_platform_fails_that_row():
+    """jnp.linalg.eigvals has no TPU lowering (XLA's eig is CPU and GPU only)."""
+    a = np.eye(3) + f64(0, (3, 3)) / 10
+    report = jaxext.opcheck(
+        lambda a: jnp.real(jnp.linalg.eigvals(a)), (a,), checks=PLATFORM_ROWS, raise_exception=False
+    )
+    assert report.failed == ("platform_tpu",), str(report)
+    detail = report["platform_tpu"].detail
+    assert "forward, VJP and JVP do not lower for TPU" in detail and "'eig'" in detail
+
+
+def test_platform_rows_of_an_op_without_forward_mode_skip_its_jvp_with_the_reason():
+    report = jaxext.opcheck(
+        plain_vjp_linear, (f64(0, (4, 3)), f64(1, (2, 3))), checks=["jvp", "platform_cuda"]
+    )
+    assert report.statuses == {"jvp": "SKIP", "platform_cuda": "PASS"}
+    detail = report["platform_cuda"].detail
+    assert detail.startswith("jitted forward and VJP lower for CUDA; JVP: SKIP, no forward mode")
+    assert "TypeError" in detail  # the reason, as the jvp row gives it
+
+
+def test_an_op_that_lowers_only_here_is_a_skip_elsewhere():
+    """A host callback lowers only for the backend of the machine that runs it."""
+
+    @jaxext.custom_vjp
+    def host_double(x):
+        return jax.pure_callback(
+            lambda a: 2 * np.asarray(a), jax.ShapeDtypeStruct(x.shape, x.dtype), x
+        )
+
+    host_double.defvjp(lambda x: (host_double(x), None), lambda _, g: (2 * g,))
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the platforms named below assume a CPU machine")
+    report = jaxext.opcheck(host_double, (f64(0, (3,)),), checks=["platform_cpu", "platform_tpu"])
+    assert report.statuses == {"platform_cpu": "PASS", "platform_tpu": "SKIP"}, str(report)
+    detail = report["platform_tpu"].detail
+    assert "only for this machine's backend (cpu)" in detail and "cannot be told here" in detail
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"platforms": ["gpu"]}, ValueError, r"`platforms`: unknown platforms \['gpu'\]"),
+        ({"platforms": [1]}, TypeError, "`platforms` must be a sequence"),
+        ({"platforms": "tpu"}, TypeError, "`platforms` must be a sequence"),
+        ({"platforms": ["tpu"], "skip": ["platform_tpu"]}, ValueError, "platform_tpu"),
+    ],
+)
+def test_invalid_platforms(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        jaxext.opcheck(jaxext.mul_constant, (f64(0, (3,)), 2.0), **kwargs)

@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["checking_mode", "disabled_safety_checks", "kernel_targets"]
+__all__ = ["checking_mode", "disabled_safety_checks", "kernel_targets", "target_platforms"]
 
 
 def _module(name: str) -> Any:
@@ -27,6 +27,13 @@ def registered_targets() -> set[str]:
     """The FFI targets of the extensions loaded in this process."""
     registry = _module("_registry")
     return set(registry.registered_targets()) if registry is not None else set()
+
+
+def target_platforms() -> dict[str, set[str]]:
+    """``{FFI target: the platforms it has handlers for}`` (``"cpu"``, ``"cuda"``) of the
+    loaded extensions."""
+    registry = _module("_registry")
+    return registry.target_platforms() if registry is not None else {}
 
 
 @contextlib.contextmanager

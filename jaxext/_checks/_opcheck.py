@@ -18,11 +18,13 @@ from ._gradcheck import Settings, _as_args
 from ._kernels import checking_mode
 from ._op import CheckFailed, OpUnderTest
 from ._opcheck_report import CheckResult, OpcheckError, OpcheckReport
+from ._platforms import PLATFORM_CHECKS, check_platforms
 from ._precision import float64_numerics
 
 __all__ = ["CHECK_NAMES", "opcheck"]
 
-CHECK_NAMES: tuple[str, ...] = tuple(CHECKS)
+_ALL_CHECKS = {**CHECKS, **PLATFORM_CHECKS}
+CHECK_NAMES: tuple[str, ...] = tuple(_ALL_CHECKS)
 
 
 def opcheck(
@@ -37,6 +39,7 @@ def opcheck(
     nondet_tol: float = 0.0,
     raise_exception: bool = True,
     seed: int = 0,
+    platforms: Sequence[str] | None = None,
 ) -> OpcheckReport:
     """Checks a custom op under JAX's transformations; returns a report.
 
@@ -137,6 +140,10 @@ def opcheck(
         raise_exception: raise ``OpcheckError`` if a check fails (else return
             the report with its FAIL rows).
         seed: seed of the random cotangents, tangents and batches.
+        platforms: the platforms the op must run on, some of ``"cpu"``, ``"cuda"``,
+            ``"rocm"``, ``"tpu"`` (default: none required). A platform named here
+            whose C++ kernels have no handler for it is a FAIL of its
+            ``platform_<name>`` row instead of a SKIP; its row must be selected.
 
     Returns:
         The ``OpcheckReport``; ``print(report)`` shows the table.
@@ -145,8 +152,9 @@ def opcheck(
         OpcheckError: if a check fails and ``raise_exception`` is true, naming
             each failed check with its diagnostic.
         TypeError: if ``func`` is not callable or an option has the wrong type.
-        ValueError: for an unknown check name, an option out of range, or
-            ``args`` without a floating-point array.
+        ValueError: for an unknown check name or platform, an option out of range,
+            a platform in ``platforms`` whose row is not run, or ``args`` without
+            a floating-point array.
 
     Example:
         >>> import numpy as np
@@ -165,9 +173,17 @@ def opcheck(
     )  # fmt: skip
     if not isinstance(raise_exception, bool):
         raise TypeError(f"`raise_exception` must be True or False; got {raise_exception!r}.")
+    required = check_platforms(platforms)
+    unrun = sorted(p for p in required if f"platform_{p}" not in selected)
+    if unrun:
+        raise ValueError(
+            f"`platforms` names {unrun}, but the check(s) "
+            f"{[f'platform_{p}' for p in unrun]} are not run (see `checks` and `skip`)."
+        )
     with float64_numerics():
         op = OpUnderTest.build(func, args)
         op.cache["selected"] = frozenset(selected)
+        op.cache["platforms"] = required
         results = tuple(_run(name, op, settings) for name in selected)
     report = OpcheckReport(_op_name(func), results)
     if report.failed and raise_exception:
@@ -196,7 +212,7 @@ def _run(name: str, op: OpUnderTest, settings: Settings) -> CheckResult:
         # C++ kernels run in checking mode: results they leave unwritten are NaN.
         with warnings.catch_warnings(), checking_mode():
             warnings.simplefilter("ignore", UserWarning)  # upcasts and the like: not findings
-            detail, status = CHECKS[name](op, settings), "PASS"
+            detail, status = _ALL_CHECKS[name](op, settings), "PASS"
     except Skip as reason:
         detail, status = str(reason), "SKIP"
     except CheckFailed as failure:

@@ -19,7 +19,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cmd = commands.add_parser(
         "build",
         help="compile NAME from SOURCE files into a directory (default: the first source's)",
-        description="Writes NAME.so and NAME.json; load(NAME, SOURCES, ...) with the same "
+        description="Writes NAME.<hash>.so and NAME.json; load(NAME, SOURCES, ...) with the same "
         "sources, headers and flags then uses it without a compiler.",
     )
     cmd.add_argument("name", help="the extension's name, as given to load")

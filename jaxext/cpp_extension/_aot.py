@@ -24,9 +24,12 @@ def build(
 ) -> Path:
     """Compiles an extension ahead of time, for :func:`~jaxext.cpp_extension.load` to use.
 
-    Writes ``<output_directory>/<name>.so`` and ``<name>.json`` beside it (what it
-    was built from: a hash of the sources, the headers they include and the flags;
-    the platform; the jaxlib it was built against). A later
+    Writes ``<output_directory>/<name>.<hash>.so`` (``<hash>``: of the library's
+    bytes, so a rebuilt library is a new file that a running process loads anew;
+    the library the previous build wrote is removed) and ``<name>.json`` beside it
+    (the library's file name and what it was built from: a hash of the sources and
+    flags, the extension's own headers the compiler read with their hashes, the
+    platform, the jaxlib it was built against). A later
     ``load(name, sources, ...)`` with the same sources, headers and flags, looking in
     that directory (the first source's directory, or its ``prebuilt_directory``),
     loads it without a compiler: build it into your package (next to its sources)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ._errors import CompileError, CompilerNotFoundError
 
-__all__ = ["Compiler", "compile_command", "compile_library", "find_compiler"]
+__all__ = ["Compiler", "compile_command", "compile_library", "find_compiler", "link_command"]
 
 _CXX_HINT = (
     "Install a C++17 compiler (Debian/Ubuntu: `apt-get install g++`; Fedora/RHEL: "
@@ -90,19 +90,23 @@ def _identity(argv: tuple[str, ...]) -> str:
 
 def compile_command(
     compiler: Compiler,
-    sources: Sequence[Path],
+    source: Path,
     output: Path,
+    depfile: Path,
     *,
     include_dirs: Sequence[Path],
     extra_cflags: Sequence[str],
-    extra_ldflags: Sequence[str],
     preinclude: Path | None,
 ) -> list[str]:
-    """The command line that compiles and links ``sources`` into the shared library ``output``."""
+    """The command line that compiles ``source`` into the object file ``output``.
+
+    The compiler also writes ``depfile``: every file it read (``-MD -MF``), which
+    the build records so that an edited header makes a new build.
+    """
     if compiler.cuda:
-        base = ["-std=c++17", "-O3", "-shared", "-Xcompiler", "-fPIC"]
+        base = ["-std=c++17", "-O3", "-c", "-Xcompiler", "-fPIC"]
     else:
-        base = ["-std=c++17", "-O3", "-fPIC", "-shared"]
+        base = ["-std=c++17", "-O3", "-fPIC", "-c"]
     # jaxlib's headers are -isystem: their warnings are not the user's to fix.
     includes = ["-isystem", str(include_dirs[0])]
     for path in include_dirs[1:]:
@@ -114,38 +118,70 @@ def compile_command(
         *includes,
         *pre,
         *extra_cflags,
-        *(str(s) for s in sources),
+        "-MD",
+        "-MF",
+        str(depfile),
+        str(source),
+        "-o",
+        str(output),
+    ]
+
+
+def link_command(
+    compiler: Compiler,
+    objects: Sequence[Path],
+    output: Path,
+    *,
+    extra_cflags: Sequence[str],
+    extra_ldflags: Sequence[str],
+) -> list[str]:
+    """The command line that links ``objects`` into the shared library ``output``.
+
+    The compiler flags come too: some act at link time (``-fopenmp``, ``-pthread``,
+    ``-fsanitize=...``), the others are ignored there.
+    """
+    base = ["-shared", "-Xcompiler", "-fPIC"] if compiler.cuda else ["-shared", "-fPIC"]
+    return [
+        *compiler.argv,
+        *base,
+        *extra_cflags,
+        *(str(o) for o in objects),
         "-o",
         str(output),
         *extra_ldflags,
     ]
 
 
-def compile_library(name: str, command: list[str], log_path: Path, verbose: bool) -> None:
-    """Runs ``command``; writes its output to ``log_path``.
+def compile_library(
+    name: str, commands: Sequence[list[str]], log_path: Path, verbose: bool
+) -> None:
+    """Runs ``commands`` in turn (compiling each source, then linking); logs to ``log_path``.
 
     Raises:
-        CompileError: if the compiler fails; the message lists the diagnostics
-            that name a file and line, and the error carries the whole output.
+        CompileError: if a command fails; the message lists the diagnostics that
+            name a file and line, and the error carries the whole output.
     """
-    if verbose:
-        print(f"[jaxext.cpp_extension] building {name!r}: {shlex.join(command)}", flush=True)
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-    except OSError as err:
-        raise CompilerNotFoundError(f"Cannot run the compiler {command[0]!r}: {err}.") from None
-    output = done.stdout + done.stderr
-    log_path.write_text(f"$ {shlex.join(command)}\n{output}")
-    if verbose and output:
-        print(output, flush=True)
-    if done.returncode != 0:
-        errors = [m.group(0) for m in _DIAGNOSTIC.finditer(output)][:10]
-        summary = "\n".join(errors) if errors else output.strip()[-4000:]
-        raise CompileError(
-            f"Building extension {name!r} failed (compiler exit code {done.returncode}):\n"
-            f"{summary}\n"
-            f"The full compiler output is in this error's `.output` and in {log_path}.",
-            command=command,
-            output=output,
-            log_path=str(log_path),
-        )
+    log = []
+    for command in commands:
+        if verbose:
+            print(f"[jaxext.cpp_extension] building {name!r}: {shlex.join(command)}", flush=True)
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+        except OSError as err:
+            raise CompilerNotFoundError(f"Cannot run the compiler {command[0]!r}: {err}.") from None
+        output = done.stdout + done.stderr
+        log.append(f"$ {shlex.join(command)}\n{output}")
+        log_path.write_text("".join(log))
+        if verbose and output:
+            print(output, flush=True)
+        if done.returncode != 0:
+            errors = [m.group(0) for m in _DIAGNOSTIC.finditer(output)][:10]
+            summary = "\n".join(errors) if errors else output.strip()[-4000:]
+            raise CompileError(
+                f"Building extension {name!r} failed (compiler exit code {done.returncode}):\n"
+                f"{summary}\n"
+                f"The full compiler output is in this error's `.output` and in {log_path}.",
+                command=command,
+                output=output,
+                log_path=str(log_path),
+            )

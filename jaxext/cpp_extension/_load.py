@@ -10,15 +10,17 @@ from pathlib import Path
 import jax
 import jaxlib
 
-from ._build import BuildPlan, compile_plan
-from ._cache import build_once, cache_key, cache_root, included_headers
+from ._build import PRELUDE, BuildPlan, compile_plan, target_key
+from ._cache import build_once, cache_key, cache_root
 from ._compiler import find_compiler
+from ._deps import record, still_current
 from ._errors import CompilerNotFoundError
 from ._module import Extension
 from ._native import CHECKING_SOURCE
 from ._partition import check_rule
 from ._prebuilt import find_prebuilt
 from ._registry import register_handlers
+from ._symbols import exported_c_functions
 
 __all__ = ["load", "load_inline"]
 
@@ -46,25 +48,32 @@ def load(
     """Compiles C++ (or CUDA) source files of XLA FFI handlers and registers them with JAX.
 
     The sources are compiled with ``$CXX`` (else ``c++``; ``nvcc`` when a source is
-    ``.cu``) as ``-std=c++17 -O3 -fPIC -shared`` against the XLA FFI headers that
-    ship with jaxlib (``jax.ffi.include_dir()``), once: the library is cached under
-    a hash of the sources, the headers they include (found by following their
-    ``#include`` lines in the sources' directories and ``extra_include_paths``),
-    flags, jaxlib version and compiler, and later calls, in this process or
-    another, load it from there.
+    ``.cu``) as ``-std=c++17 -O3 -fPIC`` and linked with ``-shared``, against the
+    XLA FFI headers that ship with jaxlib (``jax.ffi.include_dir()``), once: the
+    library is cached under a hash of the sources, flags, include paths, jaxlib
+    version and compiler, with a record of every header the compiler read (its
+    ``-MD`` output) and their contents' hashes, and later calls, in this process
+    or another, load it from there while those headers are unchanged. A library
+    built anew gets a new file name (the hash of its bytes), so loading it again in
+    a process that loaded an older build runs the new code.
 
     A library built ahead of time with ``python -m jaxext.cpp_extension build``
     (see :func:`jaxext.cpp_extension.build`) is used instead, without a compiler,
     when it is found, for the same name, sources, headers and flags, in
     ``prebuilt_directory`` or in the directory of the first source.
 
+    Without ``functions``, the handlers are the functions the built library exports
+    with C linkage (read from its ELF symbol table, leaving out jaxext's own), as
+    ``XLA_FFI_DEFINE_HANDLER_SYMBOL`` defines them, also when a macro stamps them out.
+
     Args:
         name: the extension's name, a C identifier; FFI targets are registered
             under it, so two extensions may define handlers of the same name.
         sources: source file paths (``.cc``, ``.cpp``, ``.cxx``, or ``.cu``).
         functions: the handler symbols to register, each defined in the sources
-            with ``XLA_FFI_DEFINE_HANDLER_SYMBOL``. ``None``: every such
-            definition found in the sources.
+            with ``XLA_FFI_DEFINE_HANDLER_SYMBOL``. ``None``: every function the
+            built library exports with C linkage (name them when the sources
+            export other ``extern "C"`` functions).
         extra_cflags: more compiler flags, e.g. ``["-march=native"]``.
         extra_ldflags: more linker flags, e.g. ``["-lm"]``.
         extra_include_paths: more ``-I`` directories.
@@ -92,7 +101,7 @@ def load(
         TypeError: if an argument has the wrong type (e.g. ``sources`` is not a list of
             paths).
         ValueError: if ``name``, ``sources``, ``functions`` or ``platform`` is malformed,
-            or no handler is found in the sources.
+            or the built library exports no handler.
         FileNotFoundError: if a source file does not exist.
         CompilerNotFoundError: if no compiler is installed (the message says what to
             install).
@@ -181,8 +190,8 @@ def load_inline(
         cpp_sources: C++ source text, or a list of texts joined with newlines.
         cuda_sources: CUDA source text(s); when given, everything is compiled with
             ``nvcc`` and the handlers register for ``"CUDA"`` by default.
-        functions: the handler symbols to register; ``None``: all that the
-            sources define with ``XLA_FFI_DEFINE_HANDLER_SYMBOL``.
+        functions: the handler symbols to register; ``None``: every function the
+            built library exports with C linkage (see :func:`jaxext.cpp_extension.load`).
         extra_cflags: see :func:`jaxext.cpp_extension.load`.
         extra_ldflags: see :func:`jaxext.cpp_extension.load`.
         extra_include_paths: see :func:`jaxext.cpp_extension.load`.
@@ -264,16 +273,18 @@ def _load(
         name, sources, texts, inline_files, extra_cflags, extra_ldflags, extra_include_paths,
         platform,
     )  # fmt: skip
-    symbols = _functions(functions, texts)
-    rules = _partition_rules(partition, symbols)
-    library, stale = find_prebuilt(plan, prebuilt)
+    wanted = None if functions is None else _functions(functions)
+    found, stale = find_prebuilt(plan, prebuilt)
     built = False
-    if library is not None:
+    if found is not None:
+        library, key = found
         if verbose:
             print(f"[jaxext.cpp_extension] {name!r}: using the prebuilt {library}", flush=True)
     else:
-        library, built = _build_cached(plan, build_directory, verbose, stale)
-    targets = register_handlers(name, library, plan.prefix, symbols, plan.platform)
+        library, key, built = _build_cached(plan, build_directory, verbose, stale)
+    symbols = wanted if wanted is not None else _discovered(library, texts)
+    rules = _partition_rules(partition, symbols)
+    targets = register_handlers(name, library, plan.prefix(key), symbols, plan.platform)
     return Extension(name, library, built, plan.platform, targets, rules)
 
 
@@ -293,8 +304,6 @@ def _plan(
     includes = [Path(p).expanduser().resolve() for p in _paths(extra_include_paths)]
     cuda = any(str(s).endswith(".cu") for s in sources)
     platform = _platform(platform, cuda)
-    own = [(None if inline_files else Path(s), t) for s, t in zip(sources, texts, strict=True)]
-    headers = included_headers(own, includes)
     key = cache_key(
         [
             name,
@@ -303,7 +312,7 @@ def _plan(
             repr(ldflags),
             repr(sorted(inline_files)),
             *(part for s, t in zip(sources, texts, strict=True) for part in (Path(s).name, t)),
-            *(part for header in headers for part in header),
+            PRELUDE if inline_files else "",
             CHECKING_SOURCE.read_bytes(),
         ]
     )
@@ -316,7 +325,12 @@ def _plan(
 
 def _build_cached(
     plan: BuildPlan, build_directory: PathLike | None, verbose: bool, stale: list[Path]
-) -> tuple[Path, bool]:
+) -> tuple[Path, str, bool]:
+    """A cached build of ``plan`` whose headers are unchanged, else a new one.
+
+    Returns:
+        ``(library, target key, whether it was built now)``.
+    """
     try:
         compiler = find_compiler(plan.cuda)
     except CompilerNotFoundError as err:
@@ -337,14 +351,18 @@ def _build_cached(
         ]
     )
     directory = cache_root(build_directory) / plan.name / key
-    library, built = build_once(
-        directory,
-        f"{plan.name}.so",
-        lambda output: compile_plan(plan, compiler, directory, output, verbose),
-    )
+
+    def build(output: Path) -> dict:
+        headers = compile_plan(plan, compiler, directory, output, verbose)
+        return {"target_key": target_key(plan, compiler, headers), "headers": record(headers)}
+
+    def current(found: dict) -> bool:
+        return isinstance(found.get("target_key"), str) and still_current(found.get("headers"))
+
+    library, found, built = build_once(directory, plan.name, build, current)
     if verbose and not built:
         print(f"[jaxext.cpp_extension] {plan.name!r}: using the cached build {library}", flush=True)
-    return library, built
+    return library, found["target_key"], built
 
 
 def _partition_rules(
@@ -424,15 +442,7 @@ def _platform(platform: str | None, cuda: bool) -> str:
     raise ValueError(f"`platform` must be 'cpu' or 'CUDA'; got {platform!r}.")
 
 
-def _functions(functions: str | Sequence[str] | None, texts: Sequence[str]) -> list[str]:
-    if functions is None:
-        found = [m.group(1) for t in texts for m in _HANDLER.finditer(_COMMENT.sub("", t))]
-        if not found:
-            raise ValueError(
-                "No handler found in the sources: define one with "
-                "XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl, binding), or pass `functions`."
-            )
-        return list(dict.fromkeys(found))
+def _functions(functions: str | Sequence[str]) -> list[str]:
     items = [functions] if isinstance(functions, str) else functions
     if not isinstance(items, Sequence) or not all(isinstance(i, str) for i in items):
         raise TypeError(f"`functions` must be a list of names; got {functions!r}.")
@@ -442,3 +452,29 @@ def _functions(functions: str | Sequence[str] | None, texts: Sequence[str]) -> l
         if not _NAME.fullmatch(item):
             raise ValueError(f"`functions` entries must be C identifiers; got {item!r}.")
     return list(dict.fromkeys(items))
+
+
+def _discovered(library: Path, texts: Sequence[str]) -> list[str]:
+    """The handlers of ``functions=None``: what the built library exports with C linkage.
+
+    In the order the sources first name them (handlers stamped out by a macro are
+    named where the macro is used; a name pasted together comes last). Where the
+    library is not an ELF file (macOS), the ``XLA_FFI_DEFINE_HANDLER_SYMBOL`` lines
+    of the sources are read instead.
+    """
+    found = exported_c_functions(library)
+    if found is None:
+        found = [m.group(1) for t in texts for m in _HANDLER.finditer(_COMMENT.sub("", t))]
+    if not found:
+        raise ValueError(
+            f"No handler found in the library {library}: it exports no function with C "
+            "linkage. Define handlers with XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl, "
+            "binding), or pass `functions`."
+        )
+    text = "\n".join(_COMMENT.sub("", t) for t in texts)
+
+    def first_use(name: str) -> int:
+        at = re.search(rf"\b{re.escape(name)}\b", text)
+        return at.start() if at else len(text)
+
+    return sorted(dict.fromkeys(found), key=first_use)

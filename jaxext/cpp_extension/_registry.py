@@ -1,11 +1,12 @@
 """Loading a built library and registering its handlers as XLA FFI targets.
 
-Each handler is registered as ``<extension name>_<source key>.<symbol>``: the
+Each handler is registered as ``<extension name>_<target key>.<symbol>``: the
 extension's name keeps two extensions with the same function names apart, and the
-source key (a hash of the sources, the headers they include, the flags and the
-platform, but not of the compiler or the build directory) keeps apart two builds of
-one extension in one process (a source edited and loaded again), which XLA would
-otherwise refuse as a duplicate registration. The same sources loaded again, from
+target key (a hash of the sources, the extension's own headers as the compiler read
+them, the flags and the platform, but not of the compiler, the system's headers or
+the build directory; see ``_build.target_key``) keeps apart two builds of one
+extension in one process (a source or header edited and loaded again), which XLA
+would otherwise refuse as a duplicate registration. The same sources loaded again, from
 the same or another build directory (or a prebuilt library), get the handlers
 already registered; and a program exported with ``jax.export`` names the same
 targets in every process that loads the same sources.
@@ -104,6 +105,16 @@ def registered_targets() -> list[str]:
     with _LOCK:
         names = [target for target, _ in _REGISTERED]
     return sorted({*names, *(f"{n}.raw" for n in names)})
+
+
+def target_platforms() -> dict[str, set[str]]:
+    """``{target name: platforms it has a handler for}``, JAX's platform names
+    (``"cpu"``, ``"cuda"``), for the targets registered by ``jaxext.cpp_extension``."""
+    found: dict[str, set[str]] = {}
+    with _LOCK:
+        for target, platform in _REGISTERED:
+            found.setdefault(target, set()).add(platform.lower())
+    return found
 
 
 def open_library(extension: str, library: Path) -> ctypes.CDLL:

@@ -1,0 +1,191 @@
+"""The platform checks of ``jaxext.opcheck``: the op lowers for CPU, CUDA, ROCm and TPU.
+
+Cross-platform lowering, as ``jax.export.export(jax.jit(f), platforms=[p])`` does it
+(``jax.jit(f).trace(...).lower(lowering_platforms=(p,))``), makes a program for
+platform ``p`` on any machine, without that platform's hardware or plugin: one row
+per platform lowers the op's jitted forward, VJP and (where the op has forward mode)
+JVP for it. Lowering only: nothing is compiled, run or serialized (so neither the
+``flatbuffers`` package that serialization needs nor its checks, which the
+``export`` check covers, come into it). To
+keep it cheap, each part is first lowered for every selected platform in one export
+(``platforms=[...]``, about a third of the cost of one export per platform); only
+where that fails is it lowered for each platform alone, to say which refuses it.
+
+A call of a C++ kernel of :mod:`jaxext.cpp_extension` lowers for every platform (it
+is a custom call by name), but runs only where its handler is registered: a kernel
+with CPU handlers only makes the op CPU-only. That row is a SKIP naming the kernels,
+or a FAIL where the caller asked for the platform (``opcheck(..., platforms=...)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._battery import Skip, _fresh, _vjp
+from ._gradcheck import Settings
+from ._kernels import kernel_targets, target_platforms
+from ._op import CheckFailed, OpUnderTest
+
+__all__ = ["PLATFORMS", "PLATFORM_CHECKS", "check_platforms"]
+
+PLATFORMS: tuple[str, ...] = ("cpu", "cuda", "rocm", "tpu")
+_NAMES = {"cpu": "CPU", "cuda": "CUDA", "rocm": "ROCm", "tpu": "TPU"}
+
+
+def check_platforms(platforms: Any) -> frozenset[str]:
+    """``opcheck``'s ``platforms`` argument, checked: the platforms the op must run on.
+
+    Raises:
+        TypeError: if it is not a sequence of strings.
+        ValueError: for a platform other than ``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``.
+    """
+    if platforms is None:
+        return frozenset()
+    if not isinstance(platforms, (list, tuple, set, frozenset)) or not all(
+        isinstance(p, str) for p in platforms
+    ):
+        raise TypeError(f"`platforms` must be a sequence of platform names; got {platforms!r}.")
+    unknown = sorted(set(platforms) - set(PLATFORMS))
+    if unknown:
+        raise ValueError(f"`platforms`: unknown platforms {unknown}; expected some of {PLATFORMS}.")
+    return frozenset(platforms)
+
+
+def _parts(op: OpUnderTest, settings: Settings) -> dict[str, Any]:
+    """What every platform row lowers, made once per op: ``{part: function}``, the
+    argument specs, the C++ kernels each part calls, and why the JVP is left out."""
+    cached = op.cache.get("platform_parts")
+    if cached is not None:
+        return cached
+    rng = np.random.default_rng(settings.seed + 12)
+    primals, u, v = op.primals, op.cotangent(rng), op.tangents(rng)
+    fresh = _fresh(op)
+    functions: dict[str, Callable] = {
+        "forward": fresh,
+        "VJP": lambda *p: _vjp(fresh, p, u),
+    }
+    jvp_skipped = None
+    if op.forward_error is None:
+        functions["JVP"] = lambda *p: jax.jvp(fresh, p, v)[1]
+    else:
+        jvp_skipped = f"no forward mode (jax.jvp raises {op.forward_error})"
+    kernels: dict[str, list[str]] = {}
+    for part, fn in functions.items():
+        try:
+            kernels[part] = kernel_targets(fn, *primals)
+        except Exception:  # noqa: BLE001 -- the lowering below reports it
+            kernels[part] = []
+    specs = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in primals]
+    selected = op.cache.get("selected", frozenset(f"platform_{p}" for p in PLATFORMS))
+    together = [p for p in PLATFORMS if f"platform_{p}" in selected]
+    lowered = set()  # the parts that lowered for every selected platform at once
+    for part, fn in functions.items():
+        try:
+            _lower(fn, specs, together)
+            lowered.add(part)
+        except Exception:  # noqa: BLE001 -- each platform alone below, to say which
+            pass
+    cached = {
+        "functions": functions,
+        "specs": specs,
+        "kernels": kernels,
+        "jvp_skipped": jvp_skipped,
+        "lowered": lowered,
+    }
+    op.cache["platform_parts"] = cached
+    return cached
+
+
+# What lowering raises for an op that lowers only for the backend of the machine it
+# runs on (a host callback): this machine cannot tell whether it lowers elsewhere.
+_LOCAL_ONLY = "the platform for the specified backend"
+
+
+def _lower(fn: Callable, specs: list, platforms: list[str]) -> None:
+    """Lowers ``jax.jit(fn)`` at ``specs`` for ``platforms``; raises what lowering raises.
+
+    This is the lowering of ``jax.export.export(jax.jit(fn), platforms=platforms)``
+    without its serialization checks (a host callback or a custom call of JAX's own
+    without a compatibility guarantee limits saved programs, not where the op runs;
+    the ``export`` check covers serialization).
+    """
+    jax.jit(fn).trace(*specs).lower(lowering_platforms=tuple(platforms))
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"[:300]
+
+
+def _listed(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _platform_check(platform: str) -> Callable[[OpUnderTest, Settings], str]:
+    name = _NAMES[platform]
+
+    def check(op: OpUnderTest, settings: Settings) -> str:
+        parts = _parts(op, settings)
+        required = platform in op.cache.get("platforms", frozenset())
+        # C++ kernels without a handler for this platform: the op cannot run there.
+        handlers = target_platforms()
+        missing: dict[str, set[str]] = {}
+        for targets in parts["kernels"].values():
+            for target in targets:
+                has = handlers.get(target, set())
+                if platform not in has:
+                    missing[target.rsplit(".", 1)[-1]] = has
+        if missing:
+            where = sorted({p for has in missing.values() for p in has})
+            only = "/".join(_NAMES.get(p, p) for p in where) or "no platform"
+            message = (
+                f"{only}-only: its C++ kernels ({', '.join(missing)}) have handlers for "
+                f"{only} only, none for {name}"
+            )
+            if required:
+                raise CheckFailed(f"{message} (asked for with `platforms`)")
+            raise Skip(f"{message} (pass platforms=[{platform!r}] to require it)")
+        errors: dict[str, list[str]] = {}  # error -> the parts that raise it
+        unknown = []
+        for part, fn in parts["functions"].items():
+            if part in parts["lowered"]:
+                continue
+            try:
+                _lower(fn, parts["specs"], [platform])
+            except Exception as err:  # noqa: BLE001 -- reported, not raised
+                if _LOCAL_ONLY in str(err):
+                    unknown.append(part)
+                else:
+                    errors.setdefault(_first_line(err), []).append(part)
+        if errors:
+            raise CheckFailed(
+                "; ".join(
+                    f"the {_listed(which)} {'does' if len(which) == 1 else 'do'} not lower "
+                    f"for {name}: {error}"
+                    for error, which in errors.items()
+                )
+            )
+        if unknown:
+            backend = jax.default_backend()
+            raise Skip(
+                f"the {_listed(unknown)} lower only for this machine's backend "
+                f"({backend}), as a host callback does: whether they lower for {name} "
+                f"cannot be told here"
+            )
+        detail = f"jitted {_listed(list(parts['functions']))} lower for {name}"
+        if parts["jvp_skipped"] is not None:
+            detail += f"; JVP: SKIP, {parts['jvp_skipped']}"
+        return detail
+
+    check.__name__ = f"platform_{platform}"
+    check.__doc__ = f"The op's jitted forward, VJP and JVP lower for {name} (jax.export)."
+    return check
+
+
+PLATFORM_CHECKS: dict[str, Callable[[OpUnderTest, Settings], str]] = {
+    f"platform_{p}": _platform_check(p) for p in PLATFORMS
+}
