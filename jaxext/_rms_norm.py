@@ -86,7 +86,8 @@ def rms_norm(
         TypeError: if ``x`` or ``weight`` is not a floating array of one of the
             dtypes above, ``eps`` is not a real number (an array, say), or
             ``interpret``/``block_rows`` has the wrong type.
-        ValueError: if ``x`` is a scalar or has no features, ``weight`` is not
+        ValueError: if ``x`` is a scalar, has no features or a symbolic
+            dimension (``jax.export`` shape polymorphism), ``weight`` is not
             ``(features,)``, ``eps`` is negative or not finite, or
             ``block_rows`` is not a positive power of two.
 
@@ -104,6 +105,11 @@ def rms_norm(
     weight = _check_floating(weight, "weight")
     if x.ndim == 0:
         raise ValueError("`x` must have shape (..., features); got a scalar.")
+    if not all(isinstance(d, (int, np.integer)) for d in x.shape):
+        raise ValueError(
+            f"`x` must have a static shape (the Pallas grid is fixed when traced); got shape "
+            f"{x.shape} with a symbolic dimension."
+        )
     if x.shape[-1] == 0:
         raise ValueError(f"`x` must have at least one feature; got shape {x.shape}.")
     if weight.shape != (x.shape[-1],):
@@ -210,17 +216,22 @@ def _compute_dtype(*dtypes: Any) -> Any:
 # -- the kernels ----------------------------------------------------------------------
 
 
-def _forward_kernel(x_ref, w_ref, y_ref, inv_ref, *, features, eps):
-    """One block of rows: ``y = x * inv * w`` and ``inv = rsqrt(mean(x**2) + eps)``."""
+def _forward_kernel(x_ref, w_ref, scale_ref, eps_ref, y_ref, inv_ref):
+    """One block of rows: ``y = x * inv * w`` and ``inv = rsqrt(mean(x**2) + eps)``.
+
+    ``scale_ref`` holds ``1 / features`` (the true count, not the padded one) and
+    ``eps_ref`` eps, as (1, 1) operands rather than Python constants: interpret mode
+    inside ``shard_map`` refuses a constant beside values that vary over mesh axes.
+    """
     x = x_ref[...].astype(inv_ref.dtype)
     w = w_ref[...].astype(inv_ref.dtype)
-    mean_square = jnp.sum(x * x, axis=1, keepdims=True) / features  # true count, not padded
-    inv = lax.rsqrt(mean_square + eps)
+    mean_square = jnp.sum(x * x, axis=1, keepdims=True) * scale_ref[...]
+    inv = lax.rsqrt(mean_square + eps_ref[...])
     y_ref[...] = (x * inv * w).astype(y_ref.dtype)
     inv_ref[...] = inv
 
 
-def _backward_kernel(x_ref, w_ref, inv_ref, g_ref, dx_ref, dw_ref, *, features):
+def _backward_kernel(x_ref, w_ref, inv_ref, g_ref, scale_ref, dx_ref, dw_ref):
     """One block of rows: ``grad_x`` and this block's partial sum of ``grad_weight``.
 
     With ``n = x * inv`` and ``gw = g * w``:
@@ -233,9 +244,29 @@ def _backward_kernel(x_ref, w_ref, inv_ref, g_ref, dx_ref, dw_ref, *, features):
     g = g_ref[...].astype(cdt)
     n = x * inv
     gw = g * w
-    dot = jnp.sum(gw * n, axis=1, keepdims=True) / features
+    dot = jnp.sum(gw * n, axis=1, keepdims=True) * scale_ref[...]
     dx_ref[...] = (inv * (gw - n * dot)).astype(dx_ref.dtype)
     dw_ref[...] = jnp.sum(g * n, axis=0, keepdims=True)
+
+
+def _vary_alike(args: tuple) -> tuple[tuple, dict]:
+    """``args`` made to vary over the same ``shard_map`` axes, and the kernel outputs' type.
+
+    Inside ``shard_map`` (with ``check_vma``) a kernel's operands and results carry the
+    mesh axes they vary over: the replicated weight is cast to vary like the rows, and the
+    results vary over all of them.
+    """
+    types = [getattr(jax.typeof(a), "manual_axis_type", None) for a in args]
+    if any(t is None for t in types):
+        return args, {}  # a JAX without manual axis types on arrays
+    varying = frozenset().union(*(t.varying for t in types))
+    if not varying:
+        return args, {}
+    args = tuple(
+        a if t.varying == varying else lax.pcast(a, tuple(varying - t.varying), to="varying")
+        for a, t in zip(args, types, strict=True)
+    )
+    return args, {"manual_axis_type": jax.typeof(args[0]).manual_axis_type}
 
 
 def _run(call, args: tuple, interpret: bool | None):
@@ -263,6 +294,9 @@ def _run(call, args: tuple, interpret: bool | None):
     return lax.platform_dependent(*args, **branches)
 
 
+# Each kernel call is jitted: an eager call under a transformation (jax.jvp, jax.vjp outside
+# jit) then reuses one compiled program per shape instead of re-lowering the kernel.
+@functools.partial(jax.jit, static_argnums=2)
 def _forward_pallas(x: jax.Array, weight: jax.Array, config: _Config):
     """``(y, inv)``: the forward kernel on ``x``'s rows; ``inv`` has shape ``x.shape[:-1]``."""
     lay = _layout(x.shape, config.block_rows)
@@ -271,30 +305,41 @@ def _forward_pallas(x: jax.Array, weight: jax.Array, config: _Config):
     if lay.rows == 0:
         return jnp.zeros(x.shape, out_dtype), jnp.zeros(x.shape[:-1], cdt)
     br, dp = lay.block_rows, lay.padded_features
+    args, typed = _vary_alike(
+        (
+            _pad(x, lay.padded_rows, dp, 1.0),
+            _pad(weight[None], 1, dp),
+            jnp.full((1, 1), 1.0 / lay.features, cdt),
+            jnp.full((1, 1), config.eps, cdt),
+        )
+    )
+    scalar = pl.BlockSpec((1, 1), lambda i: (0, 0))
     call = functools.partial(
         pl.pallas_call,
-        functools.partial(_forward_kernel, features=lay.features, eps=config.eps),
+        _forward_kernel,
         grid=(lay.padded_rows // br,),
         in_specs=[
             pl.BlockSpec((br, dp), lambda i: (i, 0)),
             pl.BlockSpec((1, dp), lambda i: (0, 0)),
+            scalar,
+            scalar,
         ],
         out_specs=[
             pl.BlockSpec((br, dp), lambda i: (i, 0)),
             pl.BlockSpec((br, 1), lambda i: (i, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((lay.padded_rows, dp), out_dtype),
-            jax.ShapeDtypeStruct((lay.padded_rows, 1), cdt),
+            jax.ShapeDtypeStruct((lay.padded_rows, dp), out_dtype, **typed),
+            jax.ShapeDtypeStruct((lay.padded_rows, 1), cdt, **typed),
         ],
         name="rms_norm_forward",
     )
-    args = (_pad(x, lay.padded_rows, dp, 1.0), _pad(weight[None], 1, dp))
     y, inv = _run(call, args, config.interpret)
     y = y[: lay.rows, : lay.features].reshape(x.shape)
     return y, inv[: lay.rows, 0].reshape(x.shape[:-1])
 
 
+@functools.partial(jax.jit, static_argnums=4)
 def _backward_pallas(x, weight, inv, g, config: _Config):
     """``(grad_x, grad_weight)`` from the backward kernel."""
     lay = _layout(x.shape, config.block_rows)
@@ -303,29 +348,33 @@ def _backward_pallas(x, weight, inv, g, config: _Config):
     br, dp = lay.block_rows, lay.padded_features
     blocks = lay.padded_rows // br
     row_block = pl.BlockSpec((br, dp), lambda i: (i, 0))
+    args, typed = _vary_alike(
+        (
+            _pad(x, lay.padded_rows, dp, 1.0),
+            _pad(weight[None], 1, dp),
+            _pad(inv[..., None], lay.padded_rows, 1, 1.0),
+            _pad(g, lay.padded_rows, dp),
+            jnp.full((1, 1), 1.0 / lay.features, inv.dtype),
+        )
+    )
     call = functools.partial(
         pl.pallas_call,
-        functools.partial(_backward_kernel, features=lay.features),
+        _backward_kernel,
         grid=(blocks,),
         in_specs=[
             row_block,
             pl.BlockSpec((1, dp), lambda i: (0, 0)),
             pl.BlockSpec((br, 1), lambda i: (i, 0)),
             row_block,
+            pl.BlockSpec((1, 1), lambda i: (0, 0)),
         ],
         # One partial grad_weight per block: (blocks, 1, features), the leading axis squeezed.
         out_specs=[row_block, pl.BlockSpec((None, 1, dp), lambda i: (i, 0, 0))],
         out_shape=[
-            jax.ShapeDtypeStruct((lay.padded_rows, dp), x.dtype),
-            jax.ShapeDtypeStruct((blocks, 1, dp), inv.dtype),
+            jax.ShapeDtypeStruct((lay.padded_rows, dp), x.dtype, **typed),
+            jax.ShapeDtypeStruct((blocks, 1, dp), inv.dtype, **typed),
         ],
         name="rms_norm_backward",
-    )
-    args = (
-        _pad(x, lay.padded_rows, dp, 1.0),
-        _pad(weight[None], 1, dp),
-        _pad(inv[..., None], lay.padded_rows, 1, 1.0),
-        _pad(g, lay.padded_rows, dp),
     )
     dx, dw_parts = _run(call, args, config.interpret)
     dx = dx[: lay.rows, : lay.features].reshape(x.shape)
