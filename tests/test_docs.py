@@ -54,6 +54,7 @@ PAGES_WITH_CODE = [
     "guides/scaling_out.md",
     "guides/writing_ops.md",
     "guides/cpp_extension.md",
+    "guides/pallas_kernels.md",
 ]
 _BLOCK = re.compile(r"(<!-- not-run:[^>]*-->\n)?```python\n(.*?)```", flags=re.DOTALL)
 
