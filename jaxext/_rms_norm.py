@@ -60,7 +60,23 @@ def rms_norm(
     Normalises over the last axis; any leading shape. The forward and the
     backward are each one ``jax.experimental.pallas`` kernel over blocks of rows,
     tied together with :func:`jaxext.custom_vjp`. Statistics are computed in
-    float32 (float64 for float64 inputs), whatever the input dtype.
+    float32 (float64 for float64 inputs), whatever the input dtype. The
+    residuals are ``x``, ``weight`` and the per-row ``rsqrt``.
+
+    Forward mode (``jvp``, ``jacfwd``) uses a ``jvp`` rule in plain JAX (a
+    ``pallas_call`` cannot be transposed), and second derivatives (grad of
+    grad, ``hessian``) differentiate each kernel call through a plain-JAX rule
+    of the same math: the first-order forward and backward run the kernels,
+    higher orders run XLA. Under ``vmap`` Pallas adds a grid axis. With rows
+    split over devices, call it inside ``jax.shard_map`` (on CPU with
+    ``check_vma=False``: Pallas's interpret mode in JAX 0.10 refuses
+    ``check_vma=True``); ``pallas_call`` refuses explicit mesh axes outside a
+    ``shard_map``. Export for one platform at a time (``jax.export`` with
+    ``platforms=["cuda"]`` or ``["tpu"]``; Triton's custom call needs
+    ``DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")`` and, on a
+    machine without a GPU, a target GPU named with ``jax.sharding.AbstractDevice``
+    on an abstract mesh); a multi-platform export fails, and shape
+    polymorphism is not supported.
 
     Args:
         x: input of shape ``(..., features)``, floating (bfloat16, float16,
