@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close_to_float64, coarsest, in_float64, rand
+from helpers import assert_close_to_float64, coarsest, in_float64, rand, vjp_kept
 
 import jaxext
 
@@ -325,3 +325,12 @@ def test_layers_refuse_what_the_kernel_cannot_do(option, value):
     with pytest.raises(ValueError, match="`mask`"):
         jaxext.nnx.RMSNorm(4, rngs=nnx.Rngs(0))(jnp.ones((2, 4)), mask=jnp.ones((2, 4), bool))
     del nn
+
+
+def test_backward_keeps_x_weight_and_the_per_row_factor_only():
+    x, w = jnp.asarray(rand(0, (6, 5))), jnp.asarray(rand(1, (5,)))
+    kept = vjp_kept(jaxext.rms_norm, x, w)
+    shapes = sorted(tuple(np.shape(a)) for a in kept)
+    assert shapes == [(5,), (6,), (6, 5)], shapes  # weight, rsqrt per row, x: not y
+    (inv,) = [a for a in kept if np.shape(a) == (6,)]
+    assert_close_to_float64(inv, in_float64(lambda x: jax.lax.rsqrt(jnp.mean(x * x, -1) + 1e-6), x))
