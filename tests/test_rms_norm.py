@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_close_to_float64, coarsest, in_float64, rand, vjp_kept
+from jax.sharding import PartitionSpec as P
 
 import jaxext
 
@@ -331,3 +332,27 @@ def test_backward_keeps_x_weight_and_the_per_row_factor_only():
     assert shapes == [(5,), (6,), (6, 5)], shapes  # weight, rsqrt per row, x: not y
     (inv,) = [a for a in kept if np.shape(a) == (6,)]
     assert_close_to_float64(inv, in_float64(lambda x: jax.lax.rsqrt(jnp.mean(x * x, -1) + 1e-6), x))
+
+
+def test_shard_map_with_rows_split_on_one_device():
+    # The multi-device cases are in tests/test_sharding.py (slow tier). Here, one device:
+    # run in interpret mode (check_vma=False, see the guide) and lowered for TPU with
+    # check_vma=True (the kernel results carry the mesh axes their operands vary over).
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    x, w = jnp.asarray(rand(0, (8, 5))), jnp.asarray(rand(1, (5,)) + 1.0)
+
+    def grad_of(norm, check_vma):
+        def local(x, w):
+            return jax.lax.psum(jnp.sum(jnp.tanh(norm(x, w))), "data")
+
+        mapped = jax.shard_map(
+            local, mesh=mesh, in_specs=(P("data"), P()), out_specs=P(), check_vma=check_vma
+        )
+        return jax.jit(jax.grad(mapped, (0, 1)))
+
+    got = grad_of(jaxext.rms_norm, False)(x, w)
+    want = in_float64(grad_of(reference, False), x, w)
+    for a, b in zip(got, want, strict=True):
+        assert_close_to_float64(a, b, n=40)
+    exported = jax.export.export(grad_of(jaxext.rms_norm, True), platforms=["tpu"])(x, w)
+    assert exported.mlir_module().count("tpu_custom_call") == 2
