@@ -69,7 +69,7 @@ def rms_norm(
     of the same math: the first-order forward and backward run the kernels,
     higher orders run XLA. Under ``vmap`` Pallas adds a grid axis. With rows
     split over devices, call it inside ``jax.shard_map`` (on CPU with
-    ``check_vma=False``: Pallas's interpret mode in JAX 0.10 refuses
+    ``check_vma=False``: Pallas's interpret mode in JAX 0.10 and 0.12 refuses
     ``check_vma=True``); ``pallas_call`` refuses explicit mesh axes outside a
     ``shard_map``. Export for one platform at a time (``jax.export`` with
     ``platforms=["cuda"]`` or ``["tpu"]``; Triton's custom call needs

@@ -558,7 +558,7 @@ def check_rms_norm(mode):
 
     ``shard_map``: each device runs the kernels on its 4 rows; the weight is replicated, so
     its gradient is psum-ed over `data` by the backward. ``check_vma=False``: Pallas's
-    interpret mode (JAX 0.10) loops from buffers typed as not varying over mesh axes, which
+    interpret mode (JAX 0.10, 0.12) loops from buffers typed as not varying over mesh axes, which
     ``check_vma=True`` refuses. ``jit``: x placed with its rows sharded over `data` on a
     mesh of auto axes, no shard_map (``pallas_call`` refuses explicit mesh axes outside a
     shard_map; XLA partitions the interpreted kernel as it sees fit).
