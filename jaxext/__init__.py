@@ -26,6 +26,7 @@ from ._function import VmapInfo as VmapInfo
 from ._function import once_differentiable as once_differentiable
 from ._linear import linear as linear
 from ._mul_constant import mul_constant as mul_constant
+from ._rms_norm import rms_norm as rms_norm
 from ._torch_interop import export_torch_linear as export_torch_linear
 from ._torch_interop import load_torch_linear as load_torch_linear
 from ._torch_interop import torch_linear_to_params as torch_linear_to_params

@@ -120,3 +120,34 @@ def learnable_scale(constant: Any, param_dtype: DTypeLike) -> jax.Array:
     if isinstance(constant, (complex, np.complexfloating)):
         param_dtype = jnp.promote_types(param_dtype, jnp.complex64)
     return jnp.asarray(constant, dtype=param_dtype)
+
+
+def check_rms_norm_options(
+    layer: str,
+    *,
+    reduction_axes: Any,
+    feature_axes: Any,
+    axis_name: Any,
+    axis_index_groups: Any,
+) -> None:
+    """Refuses the Flax ``RMSNorm`` options :func:`jaxext.rms_norm` cannot honour.
+
+    The kernel normalises and scales over the last axis of one device's rows.
+    """
+    for name, value in (("reduction_axes", reduction_axes), ("feature_axes", feature_axes)):
+        if value not in (-1, (-1,), [-1]):
+            raise ValueError(
+                f"{layer}: `{name}` must be -1 (the last axis, the only one the Pallas kernel "
+                f"normalises over); got {value!r}."
+            )
+    for name, value in (("axis_name", axis_name), ("axis_index_groups", axis_index_groups)):
+        if value is not None:
+            raise ValueError(
+                f"{layer}: `{name}` must be None (statistics across devices are not "
+                f"supported; split rows, not features); got {value!r}."
+            )
+
+
+def refuse_mask(mask: Any, layer: str) -> None:
+    if mask is not None:
+        raise ValueError(f"{layer}: `mask` is not supported (it must be None); got an array.")

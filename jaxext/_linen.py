@@ -20,13 +20,16 @@ from jax.typing import ArrayLike
 from ._layers import (
     apply_kernel,
     check_mul_constant,
+    check_rms_norm_options,
     learnable_scale,
     refuse_dot_general,
+    refuse_mask,
     refuse_missing_inputs,
 )
 from ._mul_constant import mul_constant
+from ._rms_norm import rms_norm
 
-__all__ = ["Dense", "MulConstant"]
+__all__ = ["Dense", "MulConstant", "RMSNorm"]
 
 
 class Dense(nn.Module):
@@ -147,3 +150,87 @@ class MulConstant(nn.Module):
             )
             return mul_constant(inputs, scale)
         return mul_constant(inputs, self.constant)
+
+
+class RMSNorm(nn.Module):
+    """Drop-in for ``flax.linen.RMSNorm`` whose forward and backward are Pallas kernels.
+
+    Same attributes and parameter tree (``scale`` of shape ``(features,)`` from
+    ``scale_init``, created at the first call) as ``flax.linen.RMSNorm``; the call
+    runs :func:`jaxext.rms_norm`. Outputs and gradients equal Flax's up to
+    rounding (both reduce in float32 at least).
+
+    Attributes:
+        epsilon: added to the mean square (default ``1e-6``).
+        dtype: result dtype (default: promoted from the input and ``scale``).
+        param_dtype: dtype of ``scale`` (default ``float32``).
+        use_scale: whether to learn ``scale``.
+        scale_init: initializer of ``scale`` (default ones).
+        reduction_axes: must be ``-1``.
+        feature_axes: must be ``-1``.
+        axis_name: must be ``None``.
+        axis_index_groups: must be ``None``.
+        use_fast_variance: accepted for compatibility (no effect on RMSNorm).
+        force_float32_reductions: must be ``True`` (the kernel always reduces in
+            float32 at least).
+        interpret: passed to :func:`jaxext.rms_norm` (``None``: per platform).
+        block_rows: passed to :func:`jaxext.rms_norm`.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> import jaxext.linen
+        >>> layer = jaxext.linen.RMSNorm()
+        >>> params = layer.init(jax.random.key(0), jnp.ones((2, 3)))
+        >>> layer.apply(params, jnp.ones((2, 3))).shape
+        (2, 3)
+    """
+
+    epsilon: float = 1e-6
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    use_scale: bool = True
+    scale_init: Initializer = nn.initializers.ones
+    reduction_axes: Any = -1
+    feature_axes: Any = -1
+    axis_name: str | None = None
+    axis_index_groups: Any = None
+    use_fast_variance: bool = True
+    force_float32_reductions: bool = True
+    interpret: bool | None = None
+    block_rows: int | None = None
+
+    @nn.compact
+    def __call__(self, x: ArrayLike, *, mask: jax.Array | None = None) -> jax.Array:
+        """Normalises ``x`` over its last axis and multiplies by ``scale``.
+
+        Raises:
+            ValueError: if an unsupported attribute is set or ``mask`` is given.
+        """
+        check_rms_norm_options(
+            "linen.RMSNorm",
+            reduction_axes=self.reduction_axes,
+            feature_axes=self.feature_axes,
+            axis_name=self.axis_name,
+            axis_index_groups=self.axis_index_groups,
+        )
+        if not self.force_float32_reductions:
+            raise ValueError(
+                "linen.RMSNorm: `force_float32_reductions` must be True (the kernel "
+                "reduces in float32 at least); got False."
+            )
+        refuse_missing_inputs(x)
+        refuse_mask(mask, "linen.RMSNorm")
+        x = jnp.asarray(x)
+        features = x.shape[-1]
+        args = [x]
+        if self.use_scale:
+            scale = self.param("scale", self.scale_init, (features,), self.param_dtype)
+            args.append(scale)
+        # Flax's result dtype: `dtype`, else the inputs' and scale's, made floating.
+        out_dtype = nn.dtypes.canonicalize_dtype(*args, dtype=self.dtype)
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            x = x.astype(out_dtype)
+        if not self.use_scale:
+            scale = jnp.ones((features,), x.dtype)
+        y = rms_norm(x, scale, self.epsilon, interpret=self.interpret, block_rows=self.block_rows)
+        return y.astype(out_dtype)

@@ -26,13 +26,16 @@ from jax.typing import ArrayLike
 from ._layers import (
     apply_kernel,
     check_mul_constant,
+    check_rms_norm_options,
     learnable_scale,
     refuse_dot_general,
+    refuse_mask,
     refuse_missing_inputs,
 )
 from ._mul_constant import mul_constant
+from ._rms_norm import rms_norm
 
-__all__ = ["Linear", "MulConstant"]
+__all__ = ["Linear", "MulConstant", "RMSNorm"]
 
 default_kernel_init = nnx.initializers.lecun_normal()
 default_bias_init = nnx.initializers.zeros_init()
@@ -209,3 +212,121 @@ class MulConstant(nnx.Module):
         if self.scale is not None:
             return mul_constant(inputs, self.scale[...])
         return mul_constant(inputs, self.constant)
+
+
+class RMSNorm(nnx.Module):
+    """Drop-in for ``flax.nnx.RMSNorm`` whose forward and backward are Pallas kernels.
+
+    Same constructor and parameter (``scale`` of shape ``(num_features,)``, from
+    ``scale_init``) as ``flax.nnx.RMSNorm``; the call runs :func:`jaxext.rms_norm`
+    (interpret mode on CPU, a compiled kernel on GPU and TPU). Outputs and
+    gradients equal Flax's up to rounding (both reduce in float32 at least).
+
+    Args:
+        num_features: size of the last axis of the input.
+        epsilon: added to the mean square (default ``1e-6``).
+        dtype: result dtype (default: promoted from the input and ``scale``).
+        param_dtype: dtype of ``scale`` (default ``float32``).
+        use_scale: whether to learn ``scale``; without it the output is not scaled.
+        scale_init: initializer of ``scale`` (default ones).
+        reduction_axes: must be ``-1`` (the kernel normalises over the last axis).
+        feature_axes: must be ``-1``.
+        axis_name: must be ``None`` (no cross-device statistics).
+        axis_index_groups: must be ``None``.
+        use_fast_variance: accepted for compatibility; RMSNorm's statistic is the
+            mean square either way.
+        promote_dtype: function ``((x, scale), dtype=...) -> tuple`` casting the
+            operands first, as in Flax.
+        rngs: the ``nnx.Rngs`` whose ``params`` stream ``scale_init`` receives.
+        scale_metadata: extra metadata for the ``scale`` ``nnx.Param``.
+        interpret: passed to :func:`jaxext.rms_norm` (``None``: per platform).
+        block_rows: passed to :func:`jaxext.rms_norm`.
+
+    Raises:
+        ValueError: if an option above is not one the kernel supports, or
+            ``num_features`` is not a positive integer.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import jaxext.nnx
+        >>> layer = jaxext.nnx.RMSNorm(3, rngs=nnx.Rngs(0))
+        >>> layer(jnp.ones((2, 3))).shape
+        (2, 3)
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        *,
+        epsilon: float = 1e-6,
+        dtype: Dtype | None = None,
+        param_dtype: Dtype = jnp.float32,
+        use_scale: bool = True,
+        scale_init: Initializer = nnx.initializers.ones,
+        reduction_axes: Any = -1,
+        feature_axes: Any = -1,
+        axis_name: str | None = None,
+        axis_index_groups: Any = None,
+        use_fast_variance: bool = True,
+        promote_dtype: PromoteDtypeFn = dtypes.promote_dtype,
+        rngs: nnx.Rngs,
+        scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+        interpret: bool | None = None,
+        block_rows: int | None = None,
+    ):
+        num_features = _feature_count(num_features, "num_features")
+        check_rms_norm_options(
+            "nnx.RMSNorm",
+            reduction_axes=reduction_axes,
+            feature_axes=feature_axes,
+            axis_name=axis_name,
+            axis_index_groups=axis_index_groups,
+        )
+        self.scale: nnx.Param | None
+        if use_scale:
+            self.scale = nnx.Param(
+                scale_init(rngs.params(), (num_features,), param_dtype), **scale_metadata
+            )
+        else:
+            self.scale = nnx.data(None)
+        self.num_features = num_features
+        self.epsilon = epsilon
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.use_scale = use_scale
+        self.reduction_axes = reduction_axes
+        self.feature_axes = feature_axes
+        self.axis_name = axis_name
+        self.axis_index_groups = axis_index_groups
+        self.use_fast_variance = use_fast_variance
+        self.promote_dtype = promote_dtype
+        self.interpret = interpret
+        self.block_rows = block_rows
+
+    def __call__(self, x: ArrayLike, mask: jax.Array | None = None) -> jax.Array:
+        """Normalises ``x`` over its last axis and multiplies by ``scale``.
+
+        Args:
+            x: array of shape ``(..., num_features)``.
+            mask: must be ``None`` (masked statistics are not supported).
+
+        Returns:
+            Array of ``x``'s shape.
+
+        Raises:
+            ValueError: if ``mask`` is given or ``x``'s last axis is not
+                ``num_features``.
+        """
+        refuse_missing_inputs(x)
+        refuse_mask(mask, "nnx.RMSNorm")
+        scale = self.scale[...] if self.scale is not None else None
+        x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
+        x = jnp.asarray(x)
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            x = x.astype(jnp.float32)
+        if scale is None:
+            scale = jnp.ones((x.shape[-1],), x.dtype)
+        return rms_norm(
+            x, scale, self.epsilon, interpret=self.interpret, block_rows=self.block_rows
+        )

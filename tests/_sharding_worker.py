@@ -550,5 +550,68 @@ CHECKS.update(
 )
 
 
+# --------------------------------------------------------------------------- rms_norm
+
+
+def check_rms_norm(mode):
+    """jaxext.rms_norm (Pallas kernels, interpret mode here) with its rows split.
+
+    ``shard_map``: each device runs the kernels on its 4 rows; the weight is replicated, so
+    its gradient is psum-ed over `data` by the backward. ``check_vma=False``: Pallas's
+    interpret mode (JAX 0.10, 0.12) loops from buffers typed as not varying over mesh axes, which
+    ``check_vma=True`` refuses. ``jit``: x placed with its rows sharded over `data` on a
+    mesh of auto axes, no shard_map (``pallas_call`` refuses explicit mesh axes outside a
+    shard_map; XLA partitions the interpreted kernel as it sees fit).
+    """
+    mesh = make_mesh(AxisType.Explicit if mode == "shard_map" else AxisType.Auto)
+    x, w = rand(60, (16, 12)), rand(61, (12,)) + 1.0
+    t = rand(62, (16, 12))
+
+    def reference(x, w):
+        y = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * w
+        return jnp.sum(jnp.tanh(y) * t)
+
+    in_specs = (P("data", None), P())
+    if mode == "shard_map":
+
+        def local(x, w, t):
+            return jax.lax.psum(jnp.sum(jnp.tanh(jaxext.rms_norm(x, w)) * t), "data")
+
+        with jax.set_mesh(mesh):
+            mapped_3 = shard_map(local, mesh, (*in_specs, P("data", None)), P(), False)
+        t_sharded = jax.device_put(t, NamedSharding(mesh, P("data", None)))
+
+        def mapped(x, w):
+            return mapped_3(x, w, t_sharded)
+
+    else:
+
+        def mapped(x, w):
+            return jnp.sum(jnp.tanh(jaxext.rms_norm(x, w)) * t)
+
+    with jax.set_mesh(mesh):
+        args = [
+            jax.device_put(a, NamedSharding(mesh, spec))
+            for a, spec in zip((x, w), in_specs, strict=True)
+        ]
+        loss, grads = jax.jit(jax.value_and_grad(mapped, argnums=(0, 1)))(*args)
+        forward = forward_mode(mapped, reference, (x, w), args, 2)
+    loss_1, grads_1 = in_float64(jax.value_and_grad(reference, argnums=(0, 1)), x, w)
+    return {
+        "loss": [float(loss), float(loss_1)],
+        "grad_diff": max_abs_diff(grads, grads_1),
+        "grad_scale": max_abs(grads_1),
+        "x_grad_spec": specs(grads[0]),
+        **forward,
+    }
+
+
+CHECKS.update(
+    {
+        "rms_norm_shard_map": lambda: check_rms_norm("shard_map"),
+        "rms_norm_rows_sharded_jit": lambda: check_rms_norm("jit"),
+    }
+)
+
 if __name__ == "__main__":
     run_checks(CHECKS, sys.argv[1])

@@ -293,6 +293,36 @@ MUL_CONSTANT = Op(
 )
 
 
-OPS = [LINEAR, MUL_CONSTANT]
+# -- rms_norm (Pallas kernels: interpret mode on CPU, so few and small cases; its layers are
+# compared with Flax's in tests/test_rms_norm.py) -------------------------------------------
+
+
+def _rms_norm_reference(x, weight, eps=1e-6):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def _rms_norm_arrays(rng):
+    return rng.standard_normal((4, 3)), rng.standard_normal((3,)) + 1.0
+
+
+def _rms_scale_init(key, shape, dtype):
+    return jax.random.normal(key, shape, dtype) + 1.0  # not all ones: a real weight gradient
+
+
+RMS_NORM = Op(
+    name="rms_norm",
+    fn=jaxext.rms_norm,
+    reference=_rms_norm_reference,
+    arrays=_rms_norm_arrays,
+    float64_cases={
+        "rms_norm-2d": lambda: (jaxext.rms_norm, (f64(0, (5, 3)), f64(1, (3,)))),
+    },
+    opcheck_cases={
+        "jaxext.rms_norm": lambda: (jaxext.rms_norm, (f64(0, (4, 3)), f64(1, (3,)))),
+    },
+)
+
+
+OPS = [LINEAR, MUL_CONSTANT, RMS_NORM]
 OPS_BY_NAME = {op.name: op for op in OPS}
 CPP_OPS = [op.name for op in OPS if op.cpp is not None]

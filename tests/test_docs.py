@@ -62,6 +62,7 @@ PAGES_WITH_CODE = [
             "while_loop backward) branches of issue #34",
         ),
     ),
+    "guides/pallas_kernels.md",
 ]
 # Pages whose examples need optional packages (the `libs` extra): skipped without them.
 PAGE_NEEDS = {"guides/libraries.md": ("equinox", "diffrax", "optax")}

@@ -50,6 +50,9 @@ PLACEMENT_CASES = [
     for layer in ("linear", "nnx", "linen")
     for placement in placements
 ]
+# jaxext.rms_norm (Pallas kernels) with its rows split: in a shard_map, and jitted on rows
+# sharded over a mesh of auto axes.
+RMS_NORM_CASES = ["rms_norm_shard_map", "rms_norm_rows_sharded_jit"]
 FORWARD_CASES = [  # forward mode of jaxext.linear on sharded arrays, no shard_map
     "forward_explicit_eager",
     "forward_explicit_jit",
@@ -90,7 +93,12 @@ def _assert_grads_close(result):
 def test_worker_sees_eight_devices(worker_results):
     assert worker_results["device_count"] == 8
     assert set(worker_results["checks"]) == set(
-        LINEAR_CASES + NNX_CASES + SHARD_MAP_CASES + FORWARD_CASES + PLACEMENT_CASES
+        LINEAR_CASES
+        + NNX_CASES
+        + SHARD_MAP_CASES
+        + FORWARD_CASES
+        + PLACEMENT_CASES
+        + RMS_NORM_CASES
     )
 
 
@@ -178,6 +186,18 @@ def test_linear_in_shard_map_matches_unsharded(worker_results, name):
 @pytest.mark.parametrize("name", SHARD_MAP_CASES + FORWARD_CASES)
 def test_forward_mode_matches_unsharded(worker_results, name):
     result = _check(worker_results, name)
+    _assert_loss_close(result["jvp"])
+    for measure in ("jacfwd", "hvp"):
+        assert result[f"{measure}_scale"] > 1e-2
+        assert result[f"{measure}_diff"] <= TOL * result[f"{measure}_scale"], measure
+
+
+@pytest.mark.parametrize("name", RMS_NORM_CASES)
+def test_rms_norm_with_rows_split_matches_unsharded(worker_results, name):
+    result = _check(worker_results, name)
+    _assert_loss_close(result["loss"])
+    _assert_grads_close(result)
+    assert result["x_grad_spec"] == ["('data', None)"]  # x's gradient keeps x's row split
     _assert_loss_close(result["jvp"])
     for measure in ("jacfwd", "hvp"):
         assert result[f"{measure}_scale"] > 1e-2

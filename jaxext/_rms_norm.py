@@ -1,0 +1,477 @@
+"""`rms_norm`: a fused RMSNorm whose forward and backward are Pallas kernels.
+
+This module is a template for an op written in ``jax.experimental.pallas``: its
+checks, the two kernels, the primal, ``fwd``, ``bwd`` and a ``jvp`` rule, written
+with the public ``jaxext.custom_vjp`` and JAX's public API only.
+
+* ``fwd`` runs the forward kernel, which returns the output and the per-row
+  ``rsqrt(mean(x**2) + eps)``; the residuals are ``x``, ``weight`` and that
+  per-row factor, nothing else.
+* ``bwd`` runs the backward kernel: per row block it writes ``grad_x`` and a
+  partial sum of ``grad_weight``; the partial sums are added up outside it.
+* A ``pallas_call`` cannot be transposed, so forward mode (``jvp``, ``jacfwd``)
+  cannot be derived from ``bwd``: the op gives ``defvjp(..., jvp=...)`` a rule
+  in plain JAX (no kernel).
+* Each kernel call is a ``jax.custom_jvp`` whose derivative is the same math in
+  plain JAX, so the backward is itself differentiable: grad-of-grad and
+  ``hessian`` work, their second-order part computed by XLA, not by a kernel.
+
+Where each kernel runs is decided when the program is lowered, with
+``lax.platform_dependent``: interpret mode on CPU, Triton on ``cuda`` and
+``rocm``, Mosaic on ``tpu``. Rows are padded to a whole number of row blocks and
+features to a power of two (Triton's block shapes must be powers of two); the
+padding never reaches the results.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.typing import ArrayLike
+
+from jaxext import check_array, custom_vjp
+
+__all__ = ["rms_norm"]
+
+_FLOATS = ("bfloat16", "float16", "float32", "float64")
+# Default rows per block: as many as keep a block near 2**15 elements, within [16, 256]
+# (16 rows: a whole number of TPU sublane tiles for 32- and 16-bit types).
+_BLOCK_ELEMENTS = 2**15
+_MIN_BLOCK_ROWS, _MAX_BLOCK_ROWS = 16, 256
+
+
+def rms_norm(
+    x: ArrayLike,
+    weight: ArrayLike,
+    eps: float = 1e-6,
+    *,
+    interpret: bool | None = None,
+    block_rows: int | None = None,
+) -> jax.Array:
+    """Applies RMSNorm ``x * rsqrt(mean(x**2, -1) + eps) * weight`` with Pallas kernels.
+
+    Normalises over the last axis; any leading shape. The forward and the
+    backward are each one ``jax.experimental.pallas`` kernel over blocks of rows,
+    tied together with :func:`jaxext.custom_vjp`. Statistics are computed in
+    float32 (float64 for float64 inputs), whatever the input dtype. The
+    residuals are ``x``, ``weight`` and the per-row ``rsqrt``.
+
+    Forward mode (``jvp``, ``jacfwd``) uses a ``jvp`` rule in plain JAX (a
+    ``pallas_call`` cannot be transposed), and second derivatives (grad of
+    grad, ``hessian``) differentiate each kernel call through a plain-JAX rule
+    of the same math: the first-order forward and backward run the kernels,
+    higher orders run XLA. Under ``vmap`` Pallas adds a grid axis. With rows
+    split over devices, call it inside ``jax.shard_map`` (on CPU with
+    ``check_vma=False``: Pallas's interpret mode in JAX 0.10 and 0.12 refuses
+    ``check_vma=True``); ``pallas_call`` refuses explicit mesh axes outside a
+    ``shard_map``. Export for one platform at a time (``jax.export`` with
+    ``platforms=["cuda"]`` or ``["tpu"]``; Triton's custom call needs
+    ``DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")`` and, on a
+    machine without a GPU, a target GPU named with ``jax.sharding.AbstractDevice``
+    on an abstract mesh); a multi-platform export fails, and shape
+    polymorphism is not supported.
+
+    Args:
+        x: input of shape ``(..., features)``, floating (bfloat16, float16,
+            float32, or float64 with ``jax_enable_x64``).
+        weight: scale of shape ``(features,)``, floating; it may have another
+            floating dtype than ``x`` (e.g. float32 parameters, bfloat16 input).
+        eps: a Python or NumPy real number, at least 0, added to the mean square
+            (static: a new value compiles a new program).
+        interpret: ``None`` (default) picks per platform when the program is
+            lowered: Pallas interpret mode on CPU, the compiled kernel (Triton on
+            ``cuda``/``rocm``, Mosaic on ``tpu``) elsewhere. ``True`` runs
+            interpret mode everywhere (slow; for debugging), ``False`` the
+            compiled kernel only (on CPU, lowering then fails).
+        block_rows: rows per kernel block, a power of two. ``None`` picks one
+            from the feature count (16 to 256). On TPU, several blocks need a
+            multiple of 16.
+
+    Returns:
+        Array of ``x``'s shape in the ``jnp`` promotion of ``x``'s and
+        ``weight``'s dtypes. Gradients come back in each input's own dtype.
+
+    Raises:
+        TypeError: if ``x`` or ``weight`` is not a floating array of one of the
+            dtypes above, ``eps`` is not a real number (an array, say), or
+            ``interpret``/``block_rows`` has the wrong type.
+        ValueError: if ``x`` is a scalar, has no features or a symbolic
+            dimension (``jax.export`` shape polymorphism), ``weight`` is not
+            ``(features,)``, ``eps`` is negative or not finite, or
+            ``block_rows`` is not a positive power of two.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> import jaxext
+        >>> x, w = jnp.arange(6.0).reshape(2, 3), jnp.ones(3)
+        >>> y = jaxext.rms_norm(x, w)
+        >>> bool(jnp.allclose(y, x / jnp.sqrt(jnp.mean(x**2, -1, keepdims=True) + 1e-6)))
+        True
+        >>> jax.grad(lambda w: jaxext.rms_norm(x, w).sum())(w).shape
+        (3,)
+    """
+    x = _check_floating(x, "x")
+    weight = _check_floating(weight, "weight")
+    if x.ndim == 0:
+        raise ValueError("`x` must have shape (..., features); got a scalar.")
+    if not all(isinstance(d, (int, np.integer)) for d in x.shape):
+        raise ValueError(
+            f"`x` must have a static shape (the Pallas grid is fixed when traced); got shape "
+            f"{x.shape} with a symbolic dimension."
+        )
+    if x.shape[-1] == 0:
+        raise ValueError(f"`x` must have at least one feature; got shape {x.shape}.")
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(
+            f"`weight` must have shape (features,) = ({x.shape[-1]},) for `x` of shape "
+            f"{x.shape}; got shape {weight.shape}."
+        )
+    config = _Config(_check_eps(eps), _check_interpret(interpret), _check_block_rows(block_rows))
+    if isinstance(x, jax.core.Tracer) or isinstance(weight, jax.core.Tracer):
+        return _rms_norm(x, weight, config)
+    # An eager call runs as one compiled program, as jax.numpy's functions do.
+    return _rms_norm_compiled(x, weight, config)
+
+
+# -- checks ---------------------------------------------------------------------------
+
+
+def _check_floating(value: Any, name: str) -> jax.Array:
+    array = check_array(value, name)
+    if array.dtype.name not in _FLOATS:
+        raise TypeError(
+            f"`{name}` must have a floating dtype ({', '.join(_FLOATS)}); got dtype {array.dtype}."
+        )
+    return array
+
+
+def _check_eps(eps: Any) -> float:
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(
+        eps, (int, float, np.integer, np.floating)
+    ):
+        raise TypeError(
+            f"`eps` must be a Python or NumPy real number (static); got {type(eps).__name__}."
+        )
+    eps = float(eps)
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"`eps` must be a finite number >= 0; got {eps}.")
+    return eps
+
+
+def _check_interpret(interpret: Any) -> bool | None:
+    if interpret is not None and not isinstance(interpret, (bool, np.bool_)):
+        raise TypeError(f"`interpret` must be None, True or False; got {type(interpret).__name__}.")
+    return None if interpret is None else bool(interpret)
+
+
+def _check_block_rows(block_rows: Any) -> int | None:
+    if block_rows is None:
+        return None
+    if isinstance(block_rows, (bool, np.bool_)) or not isinstance(block_rows, (int, np.integer)):
+        raise TypeError(f"`block_rows` must be an int or None; got {type(block_rows).__name__}.")
+    block_rows = int(block_rows)
+    if block_rows < 1 or block_rows & (block_rows - 1):
+        raise ValueError(f"`block_rows` must be a positive power of two; got {block_rows}.")
+    return block_rows
+
+
+class _Config(NamedTuple):
+    """The static (hashable, non-differentiable) arguments."""
+
+    eps: float
+    interpret: bool | None
+    block_rows: int | None
+
+
+# -- layout: rows padded to whole blocks, features to a power of two -------------------
+
+
+class _Layout(NamedTuple):
+    rows: int  # rows of the 2-D view (product of x's leading dims)
+    features: int
+    padded_rows: int
+    padded_features: int
+    block_rows: int
+
+
+def _layout(shape: tuple[int, ...], block_rows: int | None) -> _Layout:
+    rows, features = math.prod(shape[:-1]), shape[-1]
+    padded_features = 1 << (features - 1).bit_length()
+    if block_rows is None:
+        block_rows = _BLOCK_ELEMENTS // padded_features
+        block_rows = min(max(block_rows, _MIN_BLOCK_ROWS), _MAX_BLOCK_ROWS)
+        block_rows = 1 << (block_rows.bit_length() - 1)  # a power of two
+        block_rows = min(block_rows, 1 << (max(rows, 1) - 1).bit_length())  # no bigger than needed
+    padded_rows = -(-rows // block_rows) * block_rows
+    return _Layout(rows, features, padded_rows, padded_features, block_rows)
+
+
+def _pad(a: jax.Array, rows: int, cols: int, row_value: float = 0.0) -> jax.Array:
+    """The 2-D view of ``a`` (last axis kept), padded to ``(rows, cols)``.
+
+    Padded columns are 0 (they add nothing to a row's sum of squares); padded rows
+    are ``row_value`` (1 for ``x``, so their ``rsqrt`` stays finite even for eps=0,
+    and 0 for the cotangent, so they add nothing to ``grad_weight``).
+    """
+    a = a.reshape(-1, a.shape[-1])
+    a = jnp.pad(a, ((0, 0), (0, cols - a.shape[1])))
+    return jnp.pad(a, ((0, rows - a.shape[0]), (0, 0)), constant_values=row_value)
+
+
+def _compute_dtype(*dtypes: Any) -> Any:
+    return jnp.float64 if jnp.dtype(jnp.result_type(*dtypes)) == jnp.float64 else jnp.float32
+
+
+# -- the kernels ----------------------------------------------------------------------
+
+
+def _forward_kernel(x_ref, w_ref, scale_ref, eps_ref, y_ref, inv_ref):
+    """One block of rows: ``y = x * inv * w`` and ``inv = rsqrt(mean(x**2) + eps)``.
+
+    ``scale_ref`` holds ``1 / features`` (the true count, not the padded one) and
+    ``eps_ref`` eps, as (1, 1) operands rather than Python constants: interpret mode
+    inside ``shard_map`` refuses a constant beside values that vary over mesh axes.
+    """
+    x = x_ref[...].astype(inv_ref.dtype)
+    w = w_ref[...].astype(inv_ref.dtype)
+    mean_square = jnp.sum(x * x, axis=1, keepdims=True) * scale_ref[...]
+    inv = lax.rsqrt(mean_square + eps_ref[...])
+    y_ref[...] = (x * inv * w).astype(y_ref.dtype)
+    inv_ref[...] = inv
+
+
+def _backward_kernel(x_ref, w_ref, inv_ref, g_ref, scale_ref, dx_ref, dw_ref):
+    """One block of rows: ``grad_x`` and this block's partial sum of ``grad_weight``.
+
+    With ``n = x * inv`` and ``gw = g * w``:
+    ``grad_x = inv * (gw - n * mean(gw * n))`` and ``grad_weight = sum_rows(g * n)``.
+    """
+    cdt = inv_ref.dtype
+    x = x_ref[...].astype(cdt)
+    w = w_ref[...].astype(cdt)
+    inv = inv_ref[...]
+    g = g_ref[...].astype(cdt)
+    n = x * inv
+    gw = g * w
+    dot = jnp.sum(gw * n, axis=1, keepdims=True) * scale_ref[...]
+    dx_ref[...] = (inv * (gw - n * dot)).astype(dx_ref.dtype)
+    dw_ref[...] = jnp.sum(g * n, axis=0, keepdims=True)
+
+
+def _vary_alike(args: tuple) -> tuple[tuple, dict]:
+    """``args`` made to vary over the same ``shard_map`` axes, and the kernel outputs' type.
+
+    Inside ``shard_map`` (with ``check_vma``) a kernel's operands and results carry the
+    mesh axes they vary over: the replicated weight is cast to vary like the rows, and the
+    results vary over all of them.
+    """
+    types = [getattr(jax.typeof(a), "manual_axis_type", None) for a in args]
+    if any(t is None for t in types):
+        return args, {}  # a JAX without manual axis types on arrays
+    varying = frozenset().union(*(t.varying for t in types))
+    if not varying:
+        return args, {}
+    args = tuple(
+        a if t.varying == varying else lax.pcast(a, tuple(varying - t.varying), to="varying")
+        for a, t in zip(args, types, strict=True)
+    )
+    return args, {"manual_axis_type": jax.typeof(args[0]).manual_axis_type}
+
+
+def _run(call, args: tuple, interpret: bool | None):
+    """Runs ``call(**pallas_options)(*args)`` compiled for the platform being lowered for.
+
+    ``lax.platform_dependent`` lowers only the branch of the platform the program is
+    lowered for (one platform at a time: a multi-platform ``jax.export`` would lower
+    each branch for every platform, and Triton's options are refused on TPU).
+    """
+    if interpret:
+        return call(interpret=True)(*args)
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas import triton as pltriton
+
+    def triton(*a):  # Pallas's default GPU backend (Mosaic GPU) cannot lower the reductions
+        return call(compiler_params=pltriton.CompilerParams())(*a)
+
+    branches = {
+        "cuda": triton,
+        "rocm": triton,
+        "tpu": lambda *a: call(compiler_params=pltpu.CompilerParams())(*a),
+        # interpret=False on CPU: Pallas's own lowering error says interpret mode is needed.
+        "cpu": lambda *a: call(interpret=interpret is None)(*a),
+    }
+    return lax.platform_dependent(*args, **branches)
+
+
+# Each kernel call is jitted: an eager call under a transformation (jax.jvp, jax.vjp outside
+# jit) then reuses one compiled program per shape instead of re-lowering the kernel.
+@functools.partial(jax.jit, static_argnums=2)
+def _forward_pallas(x: jax.Array, weight: jax.Array, config: _Config):
+    """``(y, inv)``: the forward kernel on ``x``'s rows; ``inv`` has shape ``x.shape[:-1]``."""
+    lay = _layout(x.shape, config.block_rows)
+    out_dtype = jnp.result_type(x, weight)
+    cdt = _compute_dtype(x.dtype, weight.dtype)
+    if lay.rows == 0:
+        return jnp.zeros(x.shape, out_dtype), jnp.zeros(x.shape[:-1], cdt)
+    br, dp = lay.block_rows, lay.padded_features
+    args, typed = _vary_alike(
+        (
+            _pad(x, lay.padded_rows, dp, 1.0),
+            _pad(weight[None], 1, dp),
+            jnp.full((1, 1), 1.0 / lay.features, cdt),
+            jnp.full((1, 1), config.eps, cdt),
+        )
+    )
+    scalar = pl.BlockSpec((1, 1), lambda i: (0, 0))
+    call = functools.partial(
+        pl.pallas_call,
+        _forward_kernel,
+        grid=(lay.padded_rows // br,),
+        in_specs=[
+            pl.BlockSpec((br, dp), lambda i: (i, 0)),
+            pl.BlockSpec((1, dp), lambda i: (0, 0)),
+            scalar,
+            scalar,
+        ],
+        out_specs=[
+            pl.BlockSpec((br, dp), lambda i: (i, 0)),
+            pl.BlockSpec((br, 1), lambda i: (i, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((lay.padded_rows, dp), out_dtype, **typed),
+            jax.ShapeDtypeStruct((lay.padded_rows, 1), cdt, **typed),
+        ],
+        name="rms_norm_forward",
+    )
+    y, inv = _run(call, args, config.interpret)
+    y = y[: lay.rows, : lay.features].reshape(x.shape)
+    return y, inv[: lay.rows, 0].reshape(x.shape[:-1])
+
+
+@functools.partial(jax.jit, static_argnums=4)
+def _backward_pallas(x, weight, inv, g, config: _Config):
+    """``(grad_x, grad_weight)`` from the backward kernel."""
+    lay = _layout(x.shape, config.block_rows)
+    if lay.rows == 0:
+        return jnp.zeros(x.shape, x.dtype), jnp.zeros(weight.shape, weight.dtype)
+    br, dp = lay.block_rows, lay.padded_features
+    blocks = lay.padded_rows // br
+    row_block = pl.BlockSpec((br, dp), lambda i: (i, 0))
+    args, typed = _vary_alike(
+        (
+            _pad(x, lay.padded_rows, dp, 1.0),
+            _pad(weight[None], 1, dp),
+            _pad(inv[..., None], lay.padded_rows, 1, 1.0),
+            _pad(g, lay.padded_rows, dp),
+            jnp.full((1, 1), 1.0 / lay.features, inv.dtype),
+        )
+    )
+    call = functools.partial(
+        pl.pallas_call,
+        _backward_kernel,
+        grid=(blocks,),
+        in_specs=[
+            row_block,
+            pl.BlockSpec((1, dp), lambda i: (0, 0)),
+            pl.BlockSpec((br, 1), lambda i: (i, 0)),
+            row_block,
+            pl.BlockSpec((1, 1), lambda i: (0, 0)),
+        ],
+        # One partial grad_weight per block: (blocks, 1, features), the leading axis squeezed.
+        out_specs=[row_block, pl.BlockSpec((None, 1, dp), lambda i: (i, 0, 0))],
+        out_shape=[
+            jax.ShapeDtypeStruct((lay.padded_rows, dp), x.dtype, **typed),
+            jax.ShapeDtypeStruct((blocks, 1, dp), inv.dtype, **typed),
+        ],
+        name="rms_norm_backward",
+    )
+    dx, dw_parts = _run(call, args, config.interpret)
+    dx = dx[: lay.rows, : lay.features].reshape(x.shape)
+    dw = jnp.sum(dw_parts[:, 0, : lay.features], axis=0)
+    return dx, dw.astype(weight.dtype)
+
+
+# -- the same math in plain JAX: the kernels' derivatives (second order, forward mode) --
+
+
+def _forward_math(x, weight, eps):
+    cdt = _compute_dtype(x.dtype, weight.dtype)
+    xc = x.astype(cdt)
+    inv = lax.rsqrt(jnp.mean(xc * xc, axis=-1) + eps)
+    y = xc * inv[..., None] * weight.astype(cdt)
+    return y.astype(jnp.result_type(x, weight)), inv
+
+
+def _backward_math(x, weight, inv, g):
+    cdt = inv.dtype
+    n = x.astype(cdt) * inv[..., None]
+    gw = g.astype(cdt) * weight.astype(cdt)
+    dot = jnp.mean(gw * n, axis=-1, keepdims=True)
+    dx = inv[..., None] * (gw - n * dot)
+    dw = jnp.sum((g.astype(cdt) * n).reshape(-1, x.shape[-1]), axis=0)
+    return dx.astype(x.dtype), dw.astype(weight.dtype)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _forward(x, weight, config):
+    return _forward_pallas(x, weight, config)
+
+
+@_forward.defjvp
+def _forward_jvp(config, primals, tangents):
+    out = _forward(*primals, config)
+    _, out_dot = jax.jvp(lambda x, w: _forward_math(x, w, config.eps), primals, tangents)
+    return out, out_dot
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
+def _backward(x, weight, inv, g, config):
+    return _backward_pallas(x, weight, inv, g, config)
+
+
+@_backward.defjvp
+def _backward_jvp(config, primals, tangents):
+    out = _backward(*primals, config)
+    _, out_dot = jax.jvp(_backward_math, primals, tangents)
+    return out, out_dot
+
+
+# -- the op: primal, fwd, bwd and jvp on jaxext.custom_vjp ----------------------------
+
+
+@functools.partial(custom_vjp, nondiff_argnums=(2,))
+def _rms_norm(x, weight, config):
+    return _forward(x, weight, config)[0]
+
+
+def _rms_norm_fwd(x, weight, config):
+    y, inv = _forward(x, weight, config)
+    return y, (x, weight, inv)  # what the backward kernel reads, nothing more
+
+
+def _rms_norm_bwd(config, res, g):
+    x, weight, inv = res
+    return _backward(x, weight, inv, g, config)
+
+
+def _rms_norm_jvp(config, res, tangents):
+    # Plain JAX: the derivative of y = x * inv * w, with d(inv) = -inv**3 * mean(x * dx).
+    x, weight, inv = res
+    dx, dw = tangents
+    cdt = inv.dtype
+    xc, wc, inv_ = x.astype(cdt), weight.astype(cdt), inv[..., None]
+    dxc, dwc = dx.astype(cdt), dw.astype(cdt)
+    d_inv = -(inv_**3) * jnp.mean(xc * dxc, axis=-1, keepdims=True)
+    dy = (dxc * inv_ + xc * d_inv) * wc + xc * inv_ * dwc
+    return dy.astype(jnp.result_type(x, weight))
+
+
+_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd, jvp=_rms_norm_jvp)
+_rms_norm_compiled = jax.jit(_rms_norm, static_argnums=2)
