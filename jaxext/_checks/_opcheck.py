@@ -18,6 +18,7 @@ from ._gradcheck import Settings, _as_args
 from ._kernels import checking_mode
 from ._op import CheckFailed, OpUnderTest
 from ._opcheck_report import CheckResult, OpcheckError, OpcheckReport
+from ._plain import jax_limit, underlying_error
 from ._precision import float64_numerics
 
 __all__ = ["CHECK_NAMES", "opcheck"]
@@ -199,12 +200,30 @@ def _run(name: str, op: OpUnderTest, settings: Settings) -> CheckResult:
             detail, status = CHECKS[name](op, settings), "PASS"
     except Skip as reason:
         detail, status = str(reason), "SKIP"
-    except CheckFailed as failure:
-        detail, status = str(failure), "FAIL"
     except Exception as err:  # noqa: BLE001 -- an op raising inside a check fails that check
-        message = str(err).strip()
-        detail, status = f"raised {type(err).__name__}: {message}", "FAIL"
+        if isinstance(err, CheckFailed):
+            detail, status = str(err), "FAIL"
+        else:
+            detail, status = f"raised {type(err).__name__}: {str(err).strip()}", "FAIL"
+        limit = _jax_limit(name, op, settings, err)
+        if limit is not None:
+            detail, status = limit, "SKIP"
     return CheckResult(name, status, detail, time.perf_counter() - start)
+
+
+def _jax_limit(name: str, op: OpUnderTest, settings: Settings, err: Exception) -> str | None:
+    """Why the exception ``err`` of check ``name`` is JAX's limit (the same check on the
+    op's plain twin raises it too, ``_plain.jax_limit``), or ``None``: the op's FAIL."""
+    raised = underlying_error(err)
+    if raised is None:
+        return None
+
+    def rerun(twin: OpUnderTest) -> None:
+        with warnings.catch_warnings(), checking_mode():
+            warnings.simplefilter("ignore", UserWarning)
+            CHECKS[name](twin, settings)
+
+    return jax_limit(op, raised, rerun)
 
 
 def _op_name(func: Callable[..., Any]) -> str:
