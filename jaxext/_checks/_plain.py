@@ -135,7 +135,9 @@ def jax_limit(op: OpUnderTest, err: Exception, rerun: Callable[[OpUnderTest], An
     if isinstance(err, _OPS_OWN):
         return None
     try:
-        twin = plain_twin(op)
+        if "plain_twin" not in op.cache:  # one twin for all checks: its programs are shared
+            op.cache["plain_twin"] = plain_twin(op)
+        twin = op.cache["plain_twin"]
     except Exception:  # noqa: BLE001 -- no twin to compare with: no evidence
         return None
     try:
