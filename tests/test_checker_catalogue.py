@@ -344,6 +344,8 @@ FOCUSED = {
     "complex_square_parts": ("checkpoint",),
     "complex_residual_for_real_math": ("checkpoint",),
     "polar": ("checkpoint",),
+    # A backward that raises when differentiated, but not by JAX's limit: a FAIL.
+    "second_order_rule_raises": ("gradgradcheck",),
 }
 FULL_BATTERY_EXHAUSTIVE = {
     *FOCUSED,
@@ -457,6 +459,27 @@ def second_order_stop_gradient():
         return jnp.sin(x)
 
     op.defvjp(lambda x: (op(x), x), lambda x, g: (g * jnp.cos(jax.lax.stop_gradient(x)),))
+    return op, (f64(0, (3,)),)
+
+
+@jax.custom_jvp
+def _cos_broken_rule(x):
+    return jnp.cos(x)
+
+
+# The rule's tangent has the wrong shape: JAX raises, only when the bwd is differentiated.
+_cos_broken_rule.defjvp(lambda p, t: (jnp.cos(p[0]), jnp.sum(t[0])))
+
+
+def second_order_rule_raises():
+    """bwd built on a custom_jvp whose rule raises: first order right, the backward runs,
+    and differentiating it raises because of that rule (plain JAX differentiates cos)."""
+
+    @jax.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    op.defvjp(lambda x: (op(x), x), lambda x, g: (g * _cos_broken_rule(x),))
     return op, (f64(0, (3,)),)
 
 
@@ -708,6 +731,11 @@ BUGGY = {
         {"gradgradcheck", "fwd_over_rev"},
         True,
     ),
+    "second_order_rule_raises": (
+        second_order_rule_raises,
+        {"gradgradcheck", "fwd_over_rev"},
+        True,
+    ),
     "jvp_rule_wrong_at_second_order": (
         jvp_rule_wrong_at_second_order,
         {"rev_over_fwd", "fwd_over_fwd"},
@@ -758,6 +786,7 @@ FAIL_DETAILS = {
     ("bfloat16_backward_raises", "grad_dtypes"): "no backward kernel for bfloat16",
     ("bfloat16_backward_raises", "low_precision"): "no backward kernel for bfloat16",
     ("complex_residual_for_real_math", "checkpoint"): "reduce_precision",
+    ("second_order_rule_raises", "gradgradcheck"): "raised",
 }
 
 

@@ -44,7 +44,7 @@ from ._op import (
     float_output_leaves,
     mismatch_text,
 )
-from ._plain import jax_limit
+from ._plain import jax_limit, same_failure, strip_custom_rules
 
 __all__ = ["CHECKS", "TIGHT", "Skip"]
 
@@ -246,20 +246,39 @@ def _first_line(err: Exception) -> str:
 
 def _skip_if_not_differentiable(op: OpUnderTest, settings: Settings, err: Exception) -> None:
     """Raises ``Skip`` if ``err``, raised while differentiating the backward, means the
-    backward cannot be differentiated (``once_differentiable``, a ``while_loop``, ...):
-    decided by running the backward itself, which must work."""
+    backward cannot be differentiated, by declaration (``once_differentiable``) or by
+    JAX's own limit: the backward itself runs, and JAX refuses to differentiate it the
+    same way with every custom rule inside it stripped (a ``while_loop`` with a dynamic
+    trip count, which reverse mode cannot differentiate). A backward that raises only
+    because a custom rule inside it does stays the op's FAIL."""
     if isinstance(err, CheckFailed):
         return
     if isinstance(err, RuntimeError) and "once_differentiable" in str(err):
         raise Skip(f"the backward is once_differentiable ({_first_line(err)})") from err
     u = op.cotangent(np.random.default_rng(settings.seed))
+
+    def backward(*p):
+        return _vjp(op.call, p, u)
+
     try:
-        jax.jit(lambda *p: _vjp(op.call, p, u))(*op.primals)
+        grads = jax.jit(backward)(*op.primals)
     except Exception:  # noqa: BLE001 -- the backward itself fails: that is the finding
         return
-    raise Skip(
-        f"the backward runs but cannot be differentiated ({type(err).__name__}: {_first_line(err)})"
-    ) from err
+    plain = strip_custom_rules(backward)
+    compositions = {
+        "reverse": lambda *p: jax.vjp(plain, *p)[1](grads),
+        "forward": lambda *p: jax.jvp(plain, p, p)[1],
+    }
+    for how, composition in compositions.items():
+        try:
+            jax.jit(composition)(*op.primals)
+        except Exception as plain_err:  # noqa: BLE001 -- the evidence itself
+            if same_failure(err, plain_err):
+                raise Skip(
+                    "the backward runs but cannot be differentiated, JAX's own limit (plain "
+                    f"JAX, custom rules inside it stripped, refuses it the same way in {how} "
+                    f"mode): {type(err).__name__}: {_first_line(err)}"
+                ) from err
 
 
 def gradgradcheck(op: OpUnderTest, settings: Settings) -> str:

@@ -25,7 +25,7 @@ import numpy as np
 
 from ._op import CheckFailed, OpUnderTest, _forward_mode_error
 
-__all__ = ["jax_limit", "plain_twin", "strip_custom_rules", "underlying_error"]
+__all__ = ["jax_limit", "plain_twin", "same_failure", "strip_custom_rules", "underlying_error"]
 
 
 def strip_custom_rules(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -144,7 +144,7 @@ def jax_limit(op: OpUnderTest, err: Exception, rerun: Callable[[OpUnderTest], An
         rerun(twin)
     except Exception as plain_err:  # noqa: BLE001 -- the evidence itself
         plain_err = underlying_error(plain_err)
-        if plain_err is not None and _same_failure(err, plain_err):
+        if plain_err is not None and same_failure(err, plain_err):
             return (
                 "JAX's own limit, not the op's: the same computation on the op's math in "
                 "plain JAX (custom rules stripped, JAX's own autodiff) raises it too: "
@@ -167,7 +167,7 @@ def _gist(err: Exception, *, exact: bool = False) -> str:
     return line if exact else _mask(line)
 
 
-def _same_failure(err: Exception, plain_err: Exception) -> bool:
+def same_failure(err: Exception, plain_err: Exception) -> bool:
     """The same exception class (one a subclass of the other) and the same message class
     (the op's message may wrap JAX's, as jaxext's errors do)."""
     if not (isinstance(err, type(plain_err)) or isinstance(plain_err, type(err))):
