@@ -134,6 +134,20 @@ def jax_limit(op: OpUnderTest, err: Exception, rerun: Callable[[OpUnderTest], An
     """
     if isinstance(err, _OPS_OWN):
         return None
+    # An error the twin did not raise in one check is the op's in the others too: a
+    # backward of the wrong shape raises the same in a dozen checks, judged once.
+    key = (type(err).__name__, _gist(err))
+    judged = op.cache.setdefault("ops_own_errors", set())
+    if key in judged:
+        return None
+    limit = _judge(op, err, rerun)
+    if limit is None:
+        judged.add(key)
+    return limit
+
+
+def _judge(op: OpUnderTest, err: Exception, rerun: Callable[[OpUnderTest], Any]) -> str | None:
+    """``jax_limit``'s verdict on one error, from a run of ``rerun`` on the twin."""
     try:
         if "plain_twin" not in op.cache:  # one twin for all checks: its programs are shared
             op.cache["plain_twin"] = plain_twin(op)
