@@ -38,8 +38,8 @@ class Kind(enum.IntEnum):
 
 
 # Linear in every operand together (f(a t) = a f(t)), with no constant operands allowed
-# beyond zeros: sums of linear terms.
-_ADDITIVE = {"add", "sub", "add_any", "concatenate"}
+# beyond zeros: sums of linear terms (``complex(a, b) = a + i b`` too).
+_ADDITIVE = {"add", "sub", "add_any", "concatenate", "complex"}
 # Linear in their first operand; every other operand must not depend on the inputs.
 _LINEAR_IN_FIRST = {
     "neg",
@@ -78,7 +78,7 @@ _LINEAR_IN_FIRST = {
     "reduce_window_sum",
 }
 # Bilinear: linear when exactly one operand depends on the inputs.
-_BILINEAR = {"mul", "dot_general", "conv_general_dilated", "complex"}
+_BILINEAR = {"mul", "dot_general", "conv_general_dilated"}
 # Nonlinear in every operand that depends on the inputs.
 _NONLINEAR = {
     "abs",

@@ -201,6 +201,68 @@ def once_differentiable():
     return OnceCube.apply, (f64(0, (3,)),)
 
 
+# -- correct ops written the way users write them (issue #35) --------------------------------
+
+
+def _layer_norm(x, params):
+    mean = jnp.mean(x, -1, keepdims=True)
+    var = jnp.mean((x - mean) ** 2, -1, keepdims=True)
+    return (x - mean) / jnp.sqrt(var + params["eps"]) * params["scale"]
+
+
+def layer_norm_scalar_eps():
+    """A Python float beside an array in a pytree argument: vmap maps the array only."""
+    return _layer_norm, (f64(0, (2, 3)), {"scale": f64(1, (3,)), "eps": 1e-5})
+
+
+def _noisy(x, key):
+    return x * (1 + 0.1 * jax.random.normal(key, x.shape))
+
+
+def noise_from_typed_key():
+    """A typed PRNG key argument (jax.random.key): vmap batches it as keys (split)."""
+    return _noisy, (f64(0, (2, 3)), jax.random.key(0))
+
+
+def rfft_refuses_bfloat16():
+    """JAX refuses a bfloat16 FFT with a ValueError naming the dtype, while tracing."""
+    return jnp.fft.rfft, (f64(0, (4,)),)
+
+
+def _complex_square(bug: bool = False):
+    """``z * z`` of ``z = re + i im`` through jaxext.custom_vjp, real and imaginary parts
+    in and out; complex intermediates and a complex residual. ``bug``: the backward
+    forgets the conjugate of ``f'(z) = 2 z``."""
+
+    @jaxext.custom_vjp
+    def square(re, im):
+        z = jax.lax.complex(re, im)
+        w = z * z
+        return jnp.real(w), jnp.imag(w)
+
+    def fwd(re, im):
+        z = jax.lax.complex(re, im)
+        w = z * z
+        return (jnp.real(w), jnp.imag(w)), z
+
+    def bwd(z, g):
+        derivative = 2 * z if bug else jnp.conj(2 * z)
+        gz = jax.lax.complex(*g) * derivative
+        return jnp.real(gz).astype(g[0].dtype), jnp.imag(gz).astype(g[1].dtype)
+
+    square.defvjp(fwd, bwd)
+    return square, (f64(0, (3,)), f64(1, (3,)))
+
+
+def complex_square_parts():
+    return _complex_square()
+
+
+def polar():
+    """``amp * exp(1j * theta)`` in plain JAX: a complex output from real inputs."""
+    return (lambda amp, theta: amp * jnp.exp(1j * theta)), (f64(0, (3,)), f64(1, (3,)))
+
+
 # The checks an op truly cannot run, each SKIP with its reason:
 # export_symbolic needs a first float input of two or more dimensions whose leading
 # dimension the op can trace symbolically, alone or shared with the inputs of the same
@@ -239,6 +301,18 @@ CORRECT = {
     "sort_cumsum_where_max": (sort_cumsum_where_max, NO_SYMBOLIC, True),
     "plain_custom_jvp": (plain_custom_jvp, (), True),
     "function_linear": (function_linear, (), True),
+    # Issue #35: a Python float in a pytree argument, a typed PRNG key argument.
+    "layer_norm_scalar_eps": (layer_norm_scalar_eps, (), True),
+    "noise_from_typed_key": (noise_from_typed_key, (), True),
+    # JAX's bfloat16 FFT refusal (a ValueError); jax.checkpoint(everything_saveable)
+    # refuses complex intermediates in plain JAX too (reduce_precision of complex128).
+    "rfft_refuses_bfloat16": (rfft_refuses_bfloat16, ("low_precision", *NO_SYMBOLIC), True),
+    "complex_square_parts": (
+        complex_square_parts,
+        ("checkpoint", "low_precision", *NO_SYMBOLIC),
+        True,
+    ),
+    "polar": (polar, ("checkpoint", *NO_SYMBOLIC), True),
     # once_differentiable: the backward refuses to be differentiated (reverse over
     # reverse, and forward over reverse); forward mode itself works.
     "once_differentiable": (
@@ -258,10 +332,32 @@ class KnownCheckerDefect(Exception):
 WRONG_VERDICTS: dict[str, tuple[set[str], str]] = {}
 
 
+# Issue #35's ops: the full battery on each is the exhaustive tier's (about 10 s each);
+# the default tier runs each in the checks it concerns (``FOCUSED``).
+FOCUSED = {
+    "layer_norm_scalar_eps": ("vmap",),
+    "layer_norm_scalar_eps_wrong_vmap_rule": ("vmap",),
+    "noise_from_typed_key": ("vmap",),
+    "noise_from_typed_key_first_key_only": ("vmap",),
+    "rfft_refuses_bfloat16": ("grad_dtypes", "low_precision"),
+    "bfloat16_backward_raises": ("grad_dtypes", "low_precision"),
+    "complex_square_parts": ("checkpoint",),
+    "complex_residual_for_real_math": ("checkpoint",),
+    "polar": ("checkpoint",),
+    # A backward that raises when differentiated, but not by JAX's limit: a FAIL.
+    "second_order_rule_raises": ("gradgradcheck",),
+}
+FULL_BATTERY_EXHAUSTIVE = {
+    *FOCUSED,
+    "complex_square_parts_no_conjugate",
+    "polar_theta_gradient_sign",
+}
+
+
 def _params(table):
     params = []
     for name in sorted(table):
-        marks = []
+        marks = [pytest.mark.exhaustive] if name in FULL_BATTERY_EXHAUSTIVE else []
         if name in WRONG_VERDICTS:
             reason = WRONG_VERDICTS[name][1]
             marks.append(pytest.mark.xfail(strict=True, raises=KnownCheckerDefect, reason=reason))
@@ -306,6 +402,14 @@ SKIP_REASONS = {
     ("fixed_point_backward", "gradgradcheck"): ("the backward runs but cannot be differentiated",),
     ("nondiff_argnums", "jvp"): ("no forward mode",),
     ("once_differentiable", "gradgradcheck"): ("once_differentiable",),
+    ("rfft_refuses_bfloat16", "low_precision"): ("float32 checked", "bfloat16", "ValueError"),
+    ("complex_square_parts", "checkpoint"): (
+        "4 of 5 policies",
+        "everything_saveable: JAX's own limit",
+        "reduce_precision does not accept dtype complex128",
+    ),
+    ("complex_square_parts", "low_precision"): ("float32 checked", "bfloat16"),
+    ("polar", "checkpoint"): ("everything_saveable: JAX's own limit",),
 }
 
 
@@ -355,6 +459,27 @@ def second_order_stop_gradient():
         return jnp.sin(x)
 
     op.defvjp(lambda x: (op(x), x), lambda x, g: (g * jnp.cos(jax.lax.stop_gradient(x)),))
+    return op, (f64(0, (3,)),)
+
+
+@jax.custom_jvp
+def _cos_broken_rule(x):
+    return jnp.cos(x)
+
+
+# The rule's tangent has the wrong shape: JAX raises, only when the bwd is differentiated.
+_cos_broken_rule.defjvp(lambda p, t: (jnp.cos(p[0]), jnp.sum(t[0])))
+
+
+def second_order_rule_raises():
+    """bwd built on a custom_jvp whose rule raises: first order right, the backward runs,
+    and differentiating it raises because of that rule (plain JAX differentiates cos)."""
+
+    @jax.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    op.defvjp(lambda x: (op(x), x), lambda x, g: (g * _cos_broken_rule(x),))
     return op, (f64(0, (3,)),)
 
 
@@ -481,6 +606,112 @@ def residual_in_python_cache():
     return op, (f64(0, (3, 2)), f64(1, (3, 2)))
 
 
+# -- buggy twins of the ops of issue #35: the same arguments, one bug each ------------------
+
+
+def _mean_over_everything(x):
+    """``x - mean(x, -1)`` with a vmap rule that takes the mean over the batch axis too."""
+
+    @jax.custom_batching.custom_vmap
+    def center(x):
+        return x - jnp.mean(x, -1, keepdims=True)
+
+    @center.def_vmap
+    def _rule(axis_size, in_batched, x):
+        return x - jnp.mean(x), in_batched[0]  # the bug: over every axis
+
+    return center(x)
+
+
+def layer_norm_scalar_eps_wrong_vmap_rule():
+    """The layer norm of ``layer_norm_scalar_eps`` centred by a wrong vmap rule (inside a
+    custom_vjp, so only batching sees it)."""
+
+    @jax.custom_vjp
+    def centered(x):
+        return _mean_over_everything(x)
+
+    centered.defvjp(
+        lambda x: (centered(x), None), lambda _, g: (g - jnp.mean(g, -1, keepdims=True),)
+    )
+
+    def op(x, params):
+        c = centered(x)
+        return c / jnp.sqrt(jnp.mean(c**2, -1, keepdims=True) + params["eps"]) * params["scale"]
+
+    return op, layer_norm_scalar_eps()[1]
+
+
+def noise_from_typed_key_first_key_only():
+    """``_noisy`` with a vmap rule for the noise that uses the first key of a batch of
+    keys for every batch entry."""
+
+    @jax.custom_batching.custom_vmap
+    def noise(key):
+        return jax.random.normal(key, (2, 3))
+
+    @noise.def_vmap
+    def _rule(axis_size, in_batched, key):
+        if not in_batched[0]:
+            return noise(key), False
+        return jnp.broadcast_to(noise(key[0]), (axis_size, 2, 3)), True  # the bug
+
+    return (lambda x, key: x * (1 + 0.1 * noise(key))), noise_from_typed_key()[1]
+
+
+def bfloat16_backward_raises():
+    """The op takes bfloat16 (its forward runs), but its backward raises for it."""
+
+    @jax.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    def bwd(x, g):
+        if g.dtype == jnp.bfloat16:
+            raise ValueError(f"no backward kernel for {jnp.dtype(g.dtype).name}")
+        return (g * jnp.cos(x),)
+
+    op.defvjp(lambda x: (op(x), x), bwd)
+    return op, (f64(0, (4,)),)
+
+
+def complex_square_parts_no_conjugate():
+    return _complex_square(bug=True)
+
+
+def complex_residual_for_real_math():
+    """``x * x``, real math, whose fwd saves a complex residual: jax.checkpoint with
+    everything_saveable cannot save it, though it can the op's own math."""
+
+    @jaxext.custom_vjp
+    def square(x):
+        return x * x
+
+    def fwd(x):
+        z = x + 0j
+        return jnp.real(z * z).astype(x.dtype), z
+
+    square.defvjp(fwd, lambda z, g: (jnp.real(2 * z * g).astype(g.dtype),))
+    return square, (f64(0, (3,)),)
+
+
+def polar_theta_gradient_sign():
+    """``amp * exp(1j * theta)`` through jax.custom_vjp, the theta gradient's sign flipped."""
+
+    @jax.custom_vjp
+    def op(amp, theta):
+        return amp * jnp.exp(1j * theta)
+
+    def bwd(res, g):
+        amp, theta = res
+        e = jnp.exp(1j * theta)
+        # d out / d theta = i amp e; JAX's cotangent pairing: Re(g * derivative)
+        return jnp.real(g * e), -jnp.real(g * 1j * amp * e)  # the bug: the minus sign
+
+    op.defvjp(lambda amp, theta: (op(amp, theta), (amp, theta)), bwd)
+    return op, polar()[1]
+
+
 RAISES = jax.errors.UnexpectedTracerError
 
 # name -> (builder, checks that must be among the FAILs, what jaxext.gradcheck does:
@@ -497,6 +728,11 @@ BUGGY = {
     ),
     "second_order_stop_gradient": (
         second_order_stop_gradient,
+        {"gradgradcheck", "fwd_over_rev"},
+        True,
+    ),
+    "second_order_rule_raises": (
+        second_order_rule_raises,
         {"gradgradcheck", "fwd_over_rev"},
         True,
     ),
@@ -522,6 +758,17 @@ BUGGY = {
     "fwd_differs_from_primal": (fwd_differs_from_primal, {"forward_rule"}, True),
     "wrong_vmap_rule": (wrong_vmap_rule, {"vmap"}, True),
     "non_reentrant": (non_reentrant, {"reentrancy"}, False),
+    # Issue #35's correct ops, each with one bug: the bug still FAILs where it shows.
+    "layer_norm_scalar_eps_wrong_vmap_rule": (
+        layer_norm_scalar_eps_wrong_vmap_rule,
+        {"vmap"},
+        True,
+    ),
+    "noise_from_typed_key_first_key_only": (noise_from_typed_key_first_key_only, {"vmap"}, True),
+    "bfloat16_backward_raises": (bfloat16_backward_raises, {"grad_dtypes", "low_precision"}, True),
+    "complex_square_parts_no_conjugate": (complex_square_parts_no_conjugate, {"gradcheck"}, False),
+    "complex_residual_for_real_math": (complex_residual_for_real_math, {"checkpoint"}, True),
+    "polar_theta_gradient_sign": (polar_theta_gradient_sign, {"gradcheck"}, False),
 }
 
 # Words the FAIL's diagnostic must hold: it points at the bug.
@@ -534,6 +781,12 @@ FAIL_DETAILS = {
     ("fwd_differs_from_primal", "forward_rule"): "primal output",
     ("wrong_vmap_rule", "vmap"): "vmap over input 0",
     ("second_order_via_custom_jvp", "gradgradcheck"): "order 2",
+    ("layer_norm_scalar_eps_wrong_vmap_rule", "vmap"): "vmap over input 0",
+    ("noise_from_typed_key_first_key_only", "vmap"): "vmap over input 1",
+    ("bfloat16_backward_raises", "grad_dtypes"): "no backward kernel for bfloat16",
+    ("bfloat16_backward_raises", "low_precision"): "no backward kernel for bfloat16",
+    ("complex_residual_for_real_math", "checkpoint"): "reduce_precision",
+    ("second_order_rule_raises", "gradgradcheck"): "raised",
 }
 
 
@@ -555,6 +808,28 @@ def test_buggy_op_fails_in_the_checks_that_name_its_bug(name):
     else:
         with pytest.raises(gradcheck_verdict):
             jaxext.gradcheck(op, args, raise_exception=False)
+
+
+@pytest.mark.parametrize("name", sorted(FOCUSED))
+def test_issue_35_op_in_the_checks_it_concerns(name):
+    """Each op of issue #35 in the checks its case is about: a correct op gets no FAIL and
+    exactly its expected SKIPs among them, its buggy twin FAILs them, naming the bug."""
+    checks = FOCUSED[name]
+    if name in CORRECT:
+        build, expected_skips, _ = CORRECT[name]
+        report = jaxext.opcheck(build()[0], build()[1], checks=checks, raise_exception=False)
+        assert report.failed == (), str(report)
+        assert set(report.skipped) == set(expected_skips) & set(checks), str(report)
+        for check in report.skipped:
+            for words in SKIP_REASONS.get((name, check), ()):
+                assert words in report[check].detail, report[check].detail
+        return
+    build, expected_fails, _ = BUGGY[name]
+    op, args = build()
+    report = jaxext.opcheck(op, args, checks=checks, raise_exception=False)
+    assert set(report.failed) == set(checks) & expected_fails, str(report)
+    for check in report.failed:
+        assert FAIL_DETAILS[name, check] in report[check].detail, report[check].detail
 
 
 def test_log_outside_its_domain():

@@ -822,6 +822,10 @@ NONLINEAR_BACKWARDS = {  # gradient of x, in forms seen in user code
     "branch_on_cotangent": lambda x, y, g: jnp.where(g > 0, g, 0.0) * 3 * x**2 * y,
     "divide_by_cotangent": lambda x, y, g: 3 * x**2 * y / g,
     "affine_under_jit": lambda x, y, g: jax.jit(lambda a, b: a + b)(g * 3 * x**2 * y, x),
+    # real((g + i) (a + i)) = g a - 1: a constant imaginary part makes it affine.
+    "complex_with_constant": lambda x, y, g: jnp.real(
+        jax.lax.complex(g, jnp.ones_like(g)) * jax.lax.complex(3 * x**2 * y, jnp.ones_like(x))
+    ),
 }
 
 
@@ -856,6 +860,8 @@ LINEAR_BACKWARDS = {  # gradient of x, linear in g however written
     "under_jit": lambda x, y, g: jax.jit(lambda a, b: a * b)(g, 3 * x**2 * y),
     "slices": lambda x, y, g: jnp.concatenate([(g * 3 * x**2 * y)[:1], (3 * x**2 * y * g)[1:]]),
     "matrix": lambda x, y, g: jnp.diag(3 * x**2 * y) @ g,
+    # complex(a, b) = a + i b is linear in (a, b) together, both from the cotangent.
+    "complex_parts": lambda x, y, g: jnp.real(jax.lax.complex(g, 2 * g) * (3 * x**2 * y)),
 }
 
 

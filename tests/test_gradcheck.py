@@ -1264,9 +1264,32 @@ def test_nan_outside_the_domain_is_reported_as_a_nan_not_a_primal_mismatch():
     err = info.value
     assert err.kind == "jacobian", str(err)  # the forward rule is not blamed
     assert "output element (1,)" in str(err) and "numerical:  nan" in str(err)
-    assert "the function is NaN" in str(err)
+    assert "output 0 element (1,) is NaN at the given inputs themselves" in str(err)
     assert "NaN on one side only" in str(err) and "allowed: nan" not in str(err)
     assert jaxext.gradcheck(jnp.log, (np.array([2.0, 1.0, 3.0]),))
+
+
+def _nan_report(func, x) -> str:
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(func, (x,))
+    return str(info.value)
+
+
+def test_a_nan_says_whether_the_output_is_nan_at_the_inputs_or_a_step_away():
+    """The numerical value is NaN either because the output is NaN at the inputs, whatever
+    the input element the column perturbs, or because one step of it leaves the domain;
+    the report says which, and prints no "allowed" bound where nothing was compared."""
+    # log(x[0]) is NaN at x[0] = -1: the whole output row is NaN, for every column.
+    report = _nan_report(lambda x: jnp.log(x[0]) + x[1] * x, np.array([-1.0, 2.0]))
+    assert "is NaN at the given inputs themselves, whatever input 0 element" in report
+    assert "allowed" not in report, report
+    # log at 1e-7 is finite, but a step of 1e-6 below it is not.
+    report = _nan_report(jnp.log, np.array([1e-7, 2.0]))
+    assert "output 0 element (0,) is finite at the given inputs but NaN when input 0 " in report
+    assert "allowed" not in report, report
+    # NaN on both sides (the rule NaN too): no bound printed.
+    report = _nan_report(lambda x: jnp.where(x > 0, jnp.sqrt(x), jnp.nan), np.array([-1.0, 2.0]))
+    assert "NaN on both sides" in report and "allowed" not in report, report
 
 
 def test_a_backward_not_linear_in_its_cotangent_fails():

@@ -193,15 +193,18 @@ class DtypeMismatch:
 
 def refusal(fn: Callable, values: list, dtype: Any) -> str | None:
     """Why ``fn`` refuses ``values`` of ``dtype`` when traced, or ``None``: a dtype an op
-    does not accept is not a bug. A refusal is a ``TypeError`` (or ``NotImplementedError``)
-    whose message names the dtype, as an op whose kernels have no handler for it should
-    raise; any other error is left for the check to report as a failure."""
+    does not accept is not a bug. A refusal is raised while tracing, before any
+    computation, and its message names the dtype, whatever the exception's class (an op
+    whose kernels have no handler for it raises a ``TypeError``; JAX refuses a bfloat16
+    FFT with a ``ValueError``); any other error is left for the check to report."""
     name = jnp.dtype(dtype).name
     try:
         jax.eval_shape(fn, *values)
-    except (TypeError, NotImplementedError) as err:
+    except Exception as err:  # noqa: BLE001 -- a refusal if it names the dtype, else the check's
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        if name in first:
+        if name in first and not isinstance(
+            err, (jax.errors.JAXTypeError, jax.errors.JAXIndexError)
+        ):
             return f"{name}: the op does not take it ({type(err).__name__}: {first})"
     return None
 

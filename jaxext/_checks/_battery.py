@@ -44,6 +44,7 @@ from ._op import (
     float_output_leaves,
     mismatch_text,
 )
+from ._plain import jax_limit, same_failure, strip_custom_rules
 
 __all__ = ["CHECKS", "TIGHT", "Skip"]
 
@@ -245,20 +246,39 @@ def _first_line(err: Exception) -> str:
 
 def _skip_if_not_differentiable(op: OpUnderTest, settings: Settings, err: Exception) -> None:
     """Raises ``Skip`` if ``err``, raised while differentiating the backward, means the
-    backward cannot be differentiated (``once_differentiable``, a ``while_loop``, ...):
-    decided by running the backward itself, which must work."""
+    backward cannot be differentiated, by declaration (``once_differentiable``) or by
+    JAX's own limit: the backward itself runs, and JAX refuses to differentiate it the
+    same way with every custom rule inside it stripped (a ``while_loop`` with a dynamic
+    trip count, which reverse mode cannot differentiate). A backward that raises only
+    because a custom rule inside it does stays the op's FAIL."""
     if isinstance(err, CheckFailed):
         return
     if isinstance(err, RuntimeError) and "once_differentiable" in str(err):
         raise Skip(f"the backward is once_differentiable ({_first_line(err)})") from err
     u = op.cotangent(np.random.default_rng(settings.seed))
+
+    def backward(*p):
+        return _vjp(op.call, p, u)
+
     try:
-        jax.jit(lambda *p: _vjp(op.call, p, u))(*op.primals)
+        grads = jax.jit(backward)(*op.primals)
     except Exception:  # noqa: BLE001 -- the backward itself fails: that is the finding
         return
-    raise Skip(
-        f"the backward runs but cannot be differentiated ({type(err).__name__}: {_first_line(err)})"
-    ) from err
+    plain = strip_custom_rules(backward)
+    compositions = {
+        "reverse": lambda *p: jax.vjp(plain, *p)[1](grads),
+        "forward": lambda *p: jax.jvp(plain, p, p)[1],
+    }
+    for how, composition in compositions.items():
+        try:
+            jax.jit(composition)(*op.primals)
+        except Exception as plain_err:  # noqa: BLE001 -- the evidence itself
+            if same_failure(err, plain_err):
+                raise Skip(
+                    "the backward runs but cannot be differentiated, JAX's own limit (plain "
+                    f"JAX, custom rules inside it stripped, refuses it the same way in {how} "
+                    f"mode): {type(err).__name__}: {_first_line(err)}"
+                ) from err
 
 
 def gradgradcheck(op: OpUnderTest, settings: Settings) -> str:
@@ -527,31 +547,36 @@ def _check_uses(op, uses, jitted, first, second, how, expected_uses) -> None:
 # -- 5. vmap -------------------------------------------------------------------------------
 
 
-def _batched_argument(arg: Any, rng: np.random.Generator) -> Any:
-    def stack(leaf):
-        if not isinstance(leaf, (jax.Array, np.ndarray)):
-            return leaf
-        # A JAX array stays a JAX array (the op sees what a user's code passes).
-        xp = jnp if isinstance(leaf, jax.Array) else np
-        if jnp.issubdtype(leaf.dtype, jnp.inexact):
-            return xp.stack(
-                [leaf * (1 + 0.1 * rng.standard_normal(leaf.shape)) for _ in range(_BATCH)]
-            )
-        return xp.stack([leaf] * _BATCH)
-
-    return jax.tree_util.tree_map(stack, arg)
+def _is_key(leaf: Any) -> bool:
+    """A typed PRNG key array (``jax.random.key``)."""
+    return isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
 
 
-def _has_arrays(arg: Any) -> bool:
-    return any(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in jax.tree_util.tree_leaves(arg))
+def _batched_leaf(leaf: Any, rng: np.random.Generator) -> Any:
+    """``_BATCH`` versions of an array leaf, stacked: float ones perturbed, typed PRNG
+    keys split (``jax.random.split``: a batch of independent keys), others repeated."""
+    if _is_key(leaf):
+        keys = jax.vmap(lambda k: jax.random.split(k, _BATCH))(leaf.reshape(-1))
+        return keys.T.reshape((_BATCH, *leaf.shape))
+    # A JAX array stays a JAX array (the op sees what a user's code passes).
+    xp = jnp if isinstance(leaf, jax.Array) else np
+    if jnp.issubdtype(leaf.dtype, jnp.inexact):
+        return xp.stack([leaf * (1 + 0.1 * rng.standard_normal(leaf.shape)) for _ in range(_BATCH)])
+    return xp.stack([leaf] * _BATCH)
+
+
+def _is_batchable(leaf: Any) -> bool:
+    """An array leaf: what vmap maps over. Python scalars, strings, ``None`` and other
+    leaves stay static (``in_axes=None``), closed over rather than passed."""
+    return isinstance(leaf, (jax.Array, np.ndarray))
 
 
 def _on_host(leaf: Any) -> Any:
     """A JAX array of a plain dtype as a NumPy array of the same abstract value."""
-    if not isinstance(leaf, jax.Array) or leaf.weak_type:
+    if not isinstance(leaf, jax.Array) or jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
+        return leaf  # PRNG keys stay JAX arrays
+    if leaf.weak_type:
         return leaf
-    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
-        return leaf  # PRNG keys
     return np.asarray(leaf)
 
 
@@ -560,14 +585,27 @@ def vmap(op: OpUnderTest, settings: Settings) -> str:
     forward = op.forward_error is None
     parts = {}
     for index, arg in enumerate(op.args):
-        if not _has_arrays(arg):
+        leaves, treedef = jax.tree_util.tree_flatten(arg)
+        mapped = [i for i, leaf in enumerate(leaves) if _is_batchable(leaf)]
+        if not mapped:
             continue  # a static argument cannot be batched
         # Every call of the op below is traced (under jit or vmap): a host copy of the
         # batch gives it the same abstract values, and picking an element of it compiles
-        # nothing (of a JAX array, eagerly, two small programs per shape).
-        batch = jax.tree_util.tree_map(_on_host, _batched_argument(arg, rng))
+        # nothing (of a JAX array, eagerly, two small programs per shape). Only the array
+        # leaves are batched (and passed); the others are closed over, as given.
+        try:
+            batch = [_on_host(_batched_leaf(leaves[i], rng)) for i in mapped]
+        except Exception as err:  # noqa: BLE001 -- a leaf that cannot be batched: said why
+            raise Skip(
+                f"input {index} cannot be batched for vmap ({type(err).__name__}: "
+                f"{_first_line(err)})"
+            ) from err
 
-        def full_args(value, index=index):
+        def full_args(values, index=index, leaves=leaves, treedef=treedef, mapped=mapped):
+            new = list(leaves)
+            for i, value in zip(mapped, values, strict=True):
+                new[i] = value
+            value = jax.tree_util.tree_unflatten(treedef, new)
             return op.args[:index] + (value,) + op.args[index + 1 :]
 
         def apply(value, full_args=full_args):
@@ -710,19 +748,52 @@ def reentrancy(op: OpUnderTest, settings: Settings) -> str:
 # -- 9. checkpoint --------------------------------------------------------------------------
 
 
-def checkpoint(op: OpUnderTest, settings: Settings) -> str:
-    rng = np.random.default_rng(settings.seed + 8)
-    primals, u = op.primals, op.cotangent(rng)
+def _checkpointed_gradients(op: OpUnderTest, u: Any) -> dict[str, Callable]:
+    """``{policy name: primals -> gradients under jax.checkpoint with it}``, and the
+    gradients without it under ``"reference"``."""
     gradients = {"reference": lambda *p: _vjp(op.call, p, u)}
     for name, policy in _POLICIES.items():
         remat = jax.checkpoint(_fresh(op), policy=policy)
         gradients[name] = lambda *p, remat=remat: _vjp(remat, p, u)
-    got = _jitted_together(op, gradients, *primals)
+    return gradients
+
+
+def checkpoint(op: OpUnderTest, settings: Settings) -> str:
+    rng = np.random.default_rng(settings.seed + 8)
+    primals, u = op.primals, op.cotangent(rng)
+    gradients = _checkpointed_gradients(op, u)
+    not_run = {}
+    try:
+        got = op.quick_jit(lambda *p: {name: fn(*p) for name, fn in gradients.items()})(*primals)
+    except Exception:  # noqa: BLE001 -- each policy alone below, to attribute the error
+        got = {"reference": op.quick_jit(gradients.pop("reference"))(*primals)}
+        for name, fn in gradients.items():
+            try:
+                got[name] = op.quick_jit(fn)(*primals)
+            except Exception as err:
+                # A policy JAX itself cannot apply to this math (everything_saveable over
+                # complex intermediates) is not run; any other error is the op's.
+                limit = jax_limit(
+                    op,
+                    err,
+                    lambda twin, name=name: jax.jit(_checkpointed_gradients(twin, u)[name])(
+                        *twin.primals
+                    ),
+                )
+                if limit is None:
+                    raise
+                not_run[name] = limit
     reference = got.pop("reference")
     for name, grads in got.items():
         for label, a, e in zip(op.labels, grads, reference, strict=True):
             what = f"gradient of {label} under jax.checkpoint(policy={name})"
             assert_trees_close(a, e, what=what, rtol=TIGHT)
+    if not_run:
+        reasons = "; ".join(f"{name}: {why}" for name, why in not_run.items())
+        raise Skip(
+            f"same gradients under jax.checkpoint with {len(got)} of {len(_POLICIES)} "
+            f"policies; not run: {reasons}"
+        )
     return f"same gradients under jax.checkpoint with {len(_POLICIES)} policies"
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from ._compare import Mismatch, unravel
 from ._problem import Problem, Segment
 
@@ -171,12 +173,9 @@ def gradcheck_error(
             )
             unit = "directions"
         lines += [f"  numerical:  {num:.10g}", f"  analytical: {auto:.10g}"]
-        if math.isnan(num) and not math.isnan(auto):
-            lines.append(
-                "  (the numerical value is NaN: the function is NaN at or within eps of this "
-                "input element, outside its domain; check inside it)"
-            )
-        elif math.isnan(auto):
+        if math.isnan(num):
+            lines.append(_numerical_nan(problem, worst, out, inp, out_element, in_element))
+        if math.isnan(auto):
             lines.append("  (the analytical value is NaN: the derivative rule gives NaN here)")
         reference = "numerical"
     else:
@@ -196,6 +195,9 @@ def gradcheck_error(
         unit, reference = "gradient elements", names[0]
     if math.isnan(num) != math.isnan(auto):  # no tolerance covers it: not "allowed: nan"
         error = "  abs error: nan (NaN on one side only: no tolerance covers it)"
+    elif math.isnan(num) or not math.isfinite(worst.allowed):
+        # NaN on both sides (or no finite bound): there is no difference to hold to a bound.
+        error = "  abs error: nan (NaN on both sides: no value to compare, never a match)"
     else:
         error = (
             f"  abs error: {abs_error:.3e}, rel error: {rel_error:.3e}; "
@@ -253,6 +255,36 @@ def gradcheck_error(
         mismatched_pairs=tuple(
             (None if o is None else o.index, None if i is None else i.index) for o, i in pairs
         ),
+    )
+
+
+def _numerical_nan(problem, worst, out, inp, out_element, in_element) -> str:
+    """Why a numerical Jacobian entry is NaN, from the function's value at the inputs
+    themselves: NaN there whatever the input element is, or finite there and NaN a step
+    away (the step crosses the edge of the domain)."""
+    at_input = None
+    if worst.out_element is not None:
+        try:
+            value = np.asarray(problem.f(problem.x0)).ravel()[out.offset + worst.out_element]
+            at_input = bool(np.isnan(value))
+        except Exception:  # noqa: BLE001 -- only the wording depends on it
+            at_input = None
+    if at_input:
+        return (
+            f"  (the numerical value is NaN: {out.label} element {out_element} is NaN at the "
+            f"given inputs themselves, whatever {inp.label} element {in_element} is: the "
+            "function is outside its domain there; check inside it)"
+        )
+    if at_input is False:
+        return (
+            f"  (the numerical value is NaN: {out.label} element {out_element} is finite at the "
+            f"given inputs but NaN when {inp.label} element {in_element} moves by the "
+            "finite-difference step: the input is within a step of the edge of the function's "
+            "domain, and the step goes outside its domain; check further inside it)"
+        )
+    return (
+        "  (the numerical value is NaN: the function is NaN at the given inputs or a "
+        "finite-difference step away along this direction, outside its domain; check inside it)"
     )
 
 

@@ -18,6 +18,7 @@ from ._gradcheck import Settings, _as_args
 from ._kernels import checking_mode
 from ._op import CheckFailed, OpUnderTest
 from ._opcheck_report import CheckResult, OpcheckError, OpcheckReport
+from ._plain import jax_limit, underlying_error
 from ._platforms import PLATFORM_CHECKS, check_platforms
 from ._precision import float64_numerics
 
@@ -66,8 +67,9 @@ def opcheck(
     * ``reentrancy``: the backward run twice agrees within ``nondet_tol``.
     * ``gradcheck`` / ``gradgradcheck``: first and second derivatives against
       finite differences, entry by entry (``jaxext.gradcheck``). A backward
-      that runs but cannot be differentiated (``once_differentiable``, a
-      ``while_loop`` with a dynamic trip count ...) is a SKIP of
+      declared ``once_differentiable``, or one that runs but that plain JAX
+      refuses to differentiate the same way with the custom rules inside it
+      stripped (a ``while_loop`` with a dynamic trip count ...), is a SKIP of
       ``gradgradcheck`` with the error.
     * ``fwd_over_rev``, ``rev_over_fwd``, ``fwd_over_fwd``: the other three
       compositions of second derivatives. ``fwd_over_rev``
@@ -89,9 +91,12 @@ def opcheck(
       gives the gradients of fresh traces; also with a freshly jitted op called
       once before (as in an evaluation pass before training).
     * ``vmap``: output, gradient and JVP under ``vmap`` over each argument in
-      turn equal a Python loop.
+      turn equal a Python loop. Only array leaves are batched (Python scalars,
+      strings, ``None`` stay as given, as with ``in_axes=None``); typed PRNG
+      keys are batched as keys (``jax.random.split``).
     * ``checkpoint``: the same gradients under ``jax.checkpoint`` with the
-      standard policies.
+      standard policies (a policy plain JAX cannot apply to the op's math
+      either is not run: a SKIP naming it).
     * ``export``: a ``jax.export`` round trip (serialize, deserialize, call)
       gives the same values and gradients; ``export_symbolic`` exports with a
       symbolic leading dimension on the first input of two or more dimensions,
@@ -109,17 +114,23 @@ def opcheck(
       of the size of its terms, estimated in float64 with random-sign cotangents,
       and a gradient may be off by 8 times what residuals off by ``eps`` change in
       its float64 value (the rounding of the values the backward computes from).
-      A dtype the op refuses while tracing, with a
-      ``TypeError`` naming it (as an op whose kernels have no handler for that
-      dtype should), or has no kernel for (``NotImplementedError``), is a SKIP
-      with the op's message. Complex inputs run as complex64 (there is no
-      complex bfloat16: an op whose inputs are all complex runs float32 only).
+      A dtype the op refuses while tracing, with an error naming it whatever its
+      class (a ``TypeError`` from an op whose kernels have no handler for that
+      dtype, JAX's ``ValueError`` for a bfloat16 FFT), or has no kernel for
+      (``NotImplementedError``), is a SKIP with the op's message. Complex inputs
+      run as complex64 (there is no complex bfloat16: an op whose inputs are
+      all complex runs float32 only).
 
     Complex inputs and outputs are checked in JAX's convention (a cotangent
     ``c`` pairs with a tangent ``t`` as ``Re(c t)``; the VJP of a holomorphic
     ``f`` is ``c * f'(z)``): the gradient checks see each complex element as
     its real and imaginary part, cotangents and tangents are complex, and
     complex results are compared whole.
+
+    An exception raised inside a check is a SKIP naming JAX's limit when the
+    same check on the op's math with every custom rule stripped (JAX's own
+    autodiff and batching of the primal) raises the same way; otherwise it is
+    that check's FAIL.
 
     Comparisons of two programs computing the same math in float64 (jit and
     eager, vmap and a loop ...) allow a normwise relative error of 1e-9; NaN in
@@ -215,12 +226,30 @@ def _run(name: str, op: OpUnderTest, settings: Settings) -> CheckResult:
             detail, status = _ALL_CHECKS[name](op, settings), "PASS"
     except Skip as reason:
         detail, status = str(reason), "SKIP"
-    except CheckFailed as failure:
-        detail, status = str(failure), "FAIL"
     except Exception as err:  # noqa: BLE001 -- an op raising inside a check fails that check
-        message = str(err).strip()
-        detail, status = f"raised {type(err).__name__}: {message}", "FAIL"
+        if isinstance(err, CheckFailed):
+            detail, status = str(err), "FAIL"
+        else:
+            detail, status = f"raised {type(err).__name__}: {str(err).strip()}", "FAIL"
+        limit = _jax_limit(name, op, settings, err)
+        if limit is not None:
+            detail, status = limit, "SKIP"
     return CheckResult(name, status, detail, time.perf_counter() - start)
+
+
+def _jax_limit(name: str, op: OpUnderTest, settings: Settings, err: Exception) -> str | None:
+    """Why the exception ``err`` of check ``name`` is JAX's limit (the same check on the
+    op's plain twin raises it too, ``_plain.jax_limit``), or ``None``: the op's FAIL."""
+    raised = underlying_error(err)
+    if raised is None:
+        return None
+
+    def rerun(twin: OpUnderTest) -> None:
+        with warnings.catch_warnings(), checking_mode():
+            warnings.simplefilter("ignore", UserWarning)
+            CHECKS[name](twin, settings)
+
+    return jax_limit(op, raised, rerun)
 
 
 def _op_name(func: Callable[..., Any]) -> str:
