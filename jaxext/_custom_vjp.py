@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import custom_batching
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
-from jax.extend.core import Primitive
+from jax.extend.core import Primitive, primal_dtype_to_tangent_dtype
 from jax.interpreters import ad, batching, mlir
 
 from . import _eager_cache
@@ -647,7 +647,30 @@ def _dtype(value: Any) -> Any:
 
 
 def _is_float(dtype: Any) -> bool:
-    return jnp.issubdtype(dtype, jnp.inexact)
+    """Whether values of ``dtype`` are differentiated, as JAX decides: their tangent dtype
+    is not ``float0`` (floats, complex numbers, and extended dtypes with a tangent dtype,
+    such as Flax's FP8 ``fp32_max_grad``, whose tangent dtype is itself)."""
+    return primal_dtype_to_tangent_dtype(dtype) != jax.dtypes.float0
+
+
+def _as_dtype(dtype: Any) -> Any:
+    """``jnp.dtype(dtype)``; an extended dtype (which NumPy cannot interpret) as it is."""
+    return dtype if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) else jnp.dtype(dtype)
+
+
+def _zeros_like(value: Any) -> jax.Array:
+    """A zero tangent for ``value`` (see :func:`_zeros`)."""
+    aval = jax.typeof(value)
+    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):
+        return _zeros(aval.to_tangent_aval())
+    return jnp.zeros_like(value)
+
+
+def _zeros(aval: Any) -> jax.Array:
+    """Zeros of type ``aval``; for an extended dtype, the zero of its own rules (as JAX's)."""
+    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):
+        return ad.instantiate_zeros(ad.Zero(aval))
+    return jnp.zeros(aval.shape, aval.dtype)
 
 
 class _Op:
@@ -777,7 +800,7 @@ class _Op:
             elif t_in:
                 out_tangents.append(next(float_tangents))
             else:
-                out_tangents.append(jnp.zeros_like(o))
+                out_tangents.append(_zeros_like(o))
         return out, jax.tree_util.tree_unflatten(out_tree, out_tangents)
 
     def call_fwd(self, fwd_args: Sequence[Any]) -> Any:
@@ -852,7 +875,7 @@ class _Op:
             )
         exp_leaves = jax.tree_util.tree_flatten_with_path(expected)[0]
         for (path, e), g in zip(exp_leaves, jax.tree_util.tree_leaves(got), strict=True):
-            if e.shape != g.shape or jnp.dtype(e.dtype) != jnp.dtype(g.dtype):
+            if e.shape != g.shape or _as_dtype(e.dtype) != _as_dtype(g.dtype):
                 # JAX's sentence, then its newer custom_vjp's wording of the same mismatch.
                 raise TypeError(
                     f"`{self.name}`: fwd's output must have the primal's shapes and dtypes "
@@ -1013,10 +1036,7 @@ class _Linear:
             ct = next(ct_iter) if is_float else None
             if ct is None:
                 tangent_aval = aval.to_tangent_aval()
-                if spec.symbolic_zeros:
-                    ct = SymbolicZero(tangent_aval)
-                else:
-                    ct = jnp.zeros(tangent_aval.shape, tangent_aval.dtype)
+                ct = SymbolicZero(tangent_aval) if spec.symbolic_zeros else _zeros(tangent_aval)
             leaves.append(ct)
         g = jax.tree_util.tree_unflatten(self.out_tree, leaves)
         grads = spec.bwd(*self.op.nondiff(), self.residuals(res_arrays), g)
@@ -1112,17 +1132,17 @@ class _Linear:
             )
 
         if isinstance(grad, SymbolicZero) and (
-            tuple(grad.shape) != tuple(aval.shape) or jnp.dtype(grad.dtype) != jnp.dtype(aval.dtype)
+            tuple(grad.shape) != tuple(aval.shape) or _as_dtype(grad.dtype) != _as_dtype(aval.dtype)
         ):
             label, _ = where()
             raise RuleValueError(
                 f"`{name}`: {rule} returned a SymbolicZero for {label} of shape/dtype "
-                f"{jnp.dtype(grad.dtype)}{list(grad.shape)}; the {side} has "
-                f"{jnp.dtype(aval.dtype)}{list(aval.shape)}. Consider just returning a None here "
+                f"{_as_dtype(grad.dtype)}{list(grad.shape)}; the {side} has "
+                f"{_as_dtype(aval.dtype)}{list(aval.shape)}. Consider just returning a None here "
                 "instead of a SymbolicZero object."
             )
         if grad is None or isinstance(grad, SymbolicZero):
-            return jnp.zeros(aval.shape, aval.dtype)
+            return _zeros(aval)
         if _bwd_checks_disabled() and _is_array_leaf(grad):
             # As jax.custom_vjp with jax_disable_bwd_checks: the gradient as bwd made it.
             grad = jnp.asarray(grad)
@@ -1147,11 +1167,11 @@ class _Linear:
                 f"`{name}`: {rule}'s {value} for {label} must have the {side}'s shape "
                 f"{tuple(aval.shape)}; got shape {tuple(grad.shape)}.{jax_phrase(grad, jax_path)}"
             )
-        if jnp.dtype(grad.dtype) != jnp.dtype(aval.dtype):
+        if _as_dtype(grad.dtype) != _as_dtype(aval.dtype):
             label, jax_path = where()
             raise RuleTypeError(
                 f"`{name}`: {rule}'s {value} for {label} must have the {side}'s dtype "
-                f"{jnp.dtype(aval.dtype)}; got {jnp.dtype(grad.dtype)} (cast it with .astype)."
+                f"{_as_dtype(aval.dtype)}; got {_as_dtype(grad.dtype)} (cast it with .astype)."
                 f"{jax_phrase(grad, jax_path)}"
             )
         return _match_type(_as_array(grad), aval)
@@ -1269,7 +1289,7 @@ def _PY_FLOAT() -> Any:  # noqa: N802 -- reads like the constant it stands for
 
 def _short(value: Any) -> str:
     """``float32[3]``: a value's dtype and shape, as JAX's messages write them."""
-    return f"{jnp.dtype(value.dtype).name}[{','.join(str(d) for d in value.shape)}]"
+    return f"{_as_dtype(value.dtype).name}[{','.join(str(d) for d in value.shape)}]"
 
 
 def _match_type(grad: jax.Array, aval: Any) -> jax.Array:

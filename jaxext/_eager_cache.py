@@ -52,7 +52,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import jaxpr_as_fun
+from jax.extend.core import jaxpr_as_fun, primal_dtype_to_tangent_dtype
 
 __all__ = ["CACHE_SIZE", "ENABLED", "Cached", "lookup"]
 
@@ -282,7 +282,8 @@ def _key(op: Any, kind: str, diff_values: Any) -> Any:
 
 
 def _is_float(dtype: Any) -> bool:
-    return jnp.issubdtype(dtype, jnp.inexact)
+    """Whether values of ``dtype`` are differentiated (as ``_custom_vjp._is_float``)."""
+    return primal_dtype_to_tangent_dtype(dtype) != jax.dtypes.float0
 
 
 # -- the eager tangent -----------------------------------------------------------------
