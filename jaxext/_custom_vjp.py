@@ -678,6 +678,8 @@ class _Op:
 
     def __init__(self, spec: custom_vjp, name: str, args: tuple, diff: tuple[int, ...]):
         self.spec, self.name, self.args, self.diff = spec, name, args, diff
+        # The primal's output type, recorded when JAX traces the primal (see output_type).
+        self.traced_output: Any = None
 
     def merge(self, diff_values: Sequence[Any]) -> list[Any]:
         full = list(self.args)
@@ -693,10 +695,12 @@ class _Op:
 
     def primal(self, *diff_values: Any) -> Any:
         try:
-            return self.spec.fun(*self.merge(diff_values))
+            out = self.spec.fun(*self.merge(diff_values))
         except jax.errors.ConcretizationTypeError as err:
             name_user_function(err, self.spec.fun, self.diff)
             raise
+        self.traced_output = _output_type(out)
+        return out
 
     def named_primal(self) -> Callable[..., Any]:
         """The primal, named after the user's function (for jaxprs and profiles)."""
@@ -769,7 +773,7 @@ class _Op:
                 f"{type(result).__name__}. {self.jax_fwd_phrase()}"
             )
         out, res = result
-        self.check_fwd_output(out, eager.expected_output(self, primals))
+        self.check_fwd_output(out, self.output_type(primals, eager))
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
         res_leaves, res_tree = jax.tree_util.tree_flatten(res)
         res_is_array = tuple(_is_array_leaf(leaf) for leaf in res_leaves)
@@ -840,10 +844,36 @@ class _Op:
             f"output {kind}\n    {exp_s}{end}"
         )
 
+    def output_type(self, primals: tuple, eager: Any) -> Any:
+        """The primal's output type, to check ``fwd``'s against (``None``: not known).
+
+        Where JAX traced the primal (under ``jit``, ``scan`` and the like, before it
+        linearizes the traced program), the type it found: the JVP rule may run later,
+        outside the context the primal was called in (Flax NNX's update context), where
+        the primal cannot be traced again. Otherwise (eager ``grad``, ``jvp``) the primal
+        is traced abstractly here, as ``eager`` does it.
+        """
+        if self.traced_output is not None:
+            return self.traced_output
+        return eager.expected_output(self, primals)
+
     def abstract_output(self, primals: tuple) -> Any:
-        """The primal's output type for ``primals`` (``None``: it cannot be traced abstractly)."""
+        """The primal's output type for ``primals`` (``None``: it cannot be traced abstractly).
+
+        Python numbers among ``primals`` (an eager ``grad`` hands a Python float input to
+        the rules as one) stay Python numbers, as ``fwd`` sees them: a library may treat
+        them apart from arrays (Equinox keeps them as static data, out of the pytree).
+        """
+        leaves, tree = jax.tree_util.tree_flatten(primals)
+        is_array = [_is_array_leaf(leaf) for leaf in leaves]
+
+        def primal(*arrays: Any) -> Any:
+            it = iter(arrays)
+            merged = [next(it) if a else leaf for leaf, a in zip(leaves, is_array, strict=True)]
+            return self.primal(*jax.tree_util.tree_unflatten(tree, merged))
+
         try:
-            return jax.eval_shape(self.primal, *primals)
+            return jax.eval_shape(primal, *[x for x, a in zip(leaves, is_array, strict=True) if a])
         except jax.errors.ConcretizationTypeError:
             # The primal branches in Python on its inputs' values: it cannot be traced
             # abstractly, and JAX itself never traces it when differentiating eagerly. Trust
@@ -884,6 +914,11 @@ class _Op:
                     f"{jax.tree_util.keystr(path)}, got fwd output type {_short(g)} which "
                     f"doesn't match primal output type {_short(e)}.)"
                 )
+
+
+def _output_type(out: Any) -> Any:
+    """``out`` with each leaf replaced by its shape and dtype (a ``jax.ShapeDtypeStruct``)."""
+    return jax.tree_util.tree_map(lambda o: jax.ShapeDtypeStruct(np.shape(o), _dtype(o)), out)
 
 
 def _primal_template(*diff_values: Any) -> Any:

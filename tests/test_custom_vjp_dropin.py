@@ -38,8 +38,7 @@ def _f32(x):
     return jax.lax.convert_element_type(x, jnp.float32)
 
 
-@pytest.mark.parametrize("jit", [False, True])
-def test_fp8_amax_history_is_the_gradient_of_an_extended_dtype_input(jit):
+def test_fp8_amax_history_is_the_gradient_of_an_extended_dtype_input():
     # Flax's FP8 meta-dtype test: in_qdq in a scan, the history and scale read three
     # times; their "gradients" (max-accumulated) are the updated history and scale.
     e4m3_max = float(jnp.finfo(jnp.float8_e4m3fn).max)
@@ -54,8 +53,7 @@ def test_fp8_amax_history_is_the_gradient_of_an_extended_dtype_input(jit):
             out, _ = jax.lax.scan(body, jnp.array([x], jnp.float32), None, length=3)
             return out[0]
 
-        fn = jax.grad(outer, (0, 1, 2))
-        return jax.jit(fn) if jit else fn
+        return jax.jit(jax.grad(outer, (0, 1, 2)))
 
     results = {}
     for name, op in (("jax", fp8_ops.in_qdq), ("jaxext", _as_jaxext(fp8_ops.in_qdq))):
@@ -112,3 +110,189 @@ def test_extended_dtype_input_and_output_gradients_match_jax_custom_vjp(jit):
             assert a.dtype == b.dtype
             assert_close(_f32(a), _f32(b), rtol=0, atol=0)
     assert_close(_f32(want[1]), -np.inf, rtol=0, atol=0)
+
+
+# -- the primal traced once, in the caller's context (Flax NNX) -------------------------
+# nnx.custom_vjp's primal reads an update context that only exists while the caller's
+# function runs; `nnx.value_and_grad(nnx.jit(f))` linearizes the jitted program after
+# that. The check of fwd's output must use the type JAX found when it traced the primal.
+
+_CONTEXT: list[str] = []
+
+
+def _context_bound_op(custom_vjp):
+    @custom_vjp
+    def op(x):
+        if not _CONTEXT:
+            raise RuntimeError("the primal was traced outside its caller's context")
+        return jnp.sin(x) * 2
+
+    op.defvjp(lambda x: (jnp.sin(x) * 2, jnp.cos(x)), lambda cos_x, g: (2 * g * cos_x,))
+    return op
+
+
+def _in_context(op):
+    def f(x):
+        _CONTEXT.append("inside")
+        try:
+            return op(x).sum()
+        finally:
+            _CONTEXT.pop()
+
+    return f
+
+
+@pytest.mark.parametrize("transform", ["grad_of_jit", "value_and_grad_of_jit", "grad"])
+def test_primal_is_not_traced_again_outside_the_callers_context(transform, x64):
+    x = jnp.array([0.5, -1.0, 2.0])
+    wrap = {
+        "grad_of_jit": lambda f: jax.grad(jax.jit(f)),
+        "value_and_grad_of_jit": lambda f: jax.value_and_grad(jax.jit(f)),
+        "grad": jax.grad,
+    }[transform]
+    got = wrap(_in_context(_context_bound_op(jaxext.custom_vjp)))(x)
+    want = wrap(_in_context(_context_bound_op(jax.custom_vjp)))(x)
+    assert_close(jax.tree.leaves(got)[-1], 2 * np.cos([0.5, -1.0, 2.0]))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert_close(a, b)
+
+
+def test_wrong_fwd_output_is_still_caught_under_jit():
+    @jaxext.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    op.defvjp(lambda x: (jnp.sin(x)[:1], None), lambda _, g: (g,))
+    with pytest.raises(TypeError, match="fwd's output must have the primal's shapes"):
+        jax.grad(jax.jit(lambda x: op(x).sum()))(jnp.ones(3))
+
+
+# -- Python numbers through fwd (Equinox) ----------------------------------------------
+# An eager `grad` hands a Python float input to the rules as a Python float. Equinox's
+# filter_custom_vjp keeps outputs that are not arrays as static data, out of the pytree's
+# leaves: fwd's output then has a different structure than the primal traced on arrays.
+
+
+@jax.tree_util.register_pytree_node_class
+class _Static:
+    """A value kept in the pytree's structure, not its leaves (as Equinox keeps non-arrays)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def tree_flatten(self):
+        return (), self.value
+
+    @classmethod
+    def tree_unflatten(cls, value, children):
+        del children
+        return cls(value)
+
+
+def _filtered(value):
+    """``(array, _Static(None))`` for an array, ``(None, _Static(value))`` otherwise."""
+    return (value, _Static(None)) if isinstance(value, jax.Array) else (None, _Static(value))
+
+
+def _filtering_op(custom_vjp):
+    def primal(x, y):
+        return _filtered(x * y), _filtered(x)
+
+    op = custom_vjp(primal)
+    op.defvjp(
+        lambda x, y: (primal(x, y), (x, y)),
+        lambda res, g: (jnp.sum(g[0][0] * res[1]), g[0][0] * res[0]),
+    )
+    return op
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_python_float_input_through_fwd_matches_jax_custom_vjp(jit):
+    y = jnp.array([1.0, 2.0])
+
+    def grads(custom_vjp):
+        op = _filtering_op(custom_vjp)
+        fn = jax.grad(lambda x, y: op(x, y)[0][0].sum(), (0, 1))
+        return jax.jit(fn) if jit else fn
+
+    want = grads(jax.custom_vjp)(1.5, y)
+    fn = grads(jaxext.custom_vjp)
+    for x in (1.5, 1.5, -0.5):  # again: the eager cache's path must not mix up the values
+        got = fn(x, y)
+        assert_close(got[0], 3.0)  # d/dx sum(x * y) = sum(y)
+        assert_close(got[1], [x, x])
+    for a, b in zip(fn(1.5, y), want, strict=True):
+        assert_close(a, b)
+
+
+# -- the same, with the libraries' own wrappers built on jaxext.custom_vjp --------------
+# Flax NNX and Equinox call `jax.custom_vjp` when a function is decorated: swapped here
+# while the test's functions are defined.
+
+
+@pytest.fixture
+def swapped(monkeypatch):
+    """``jax.custom_vjp`` is ``jaxext.custom_vjp`` while the test runs."""
+    monkeypatch.setattr(jax, "custom_vjp", jaxext.custom_vjp)
+
+
+def test_flax_nnx_custom_vjp_under_value_and_grad_of_jit(swapped):
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Scale(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.array([1.5, -2.0]))
+            self.calls = nnx.BatchStat(jnp.array(0, jnp.uint32))
+
+    def scaled(m, x):
+        m.calls[...] += 1  # needs NNX's update context
+        return jnp.sin(x) * m.w
+
+    def scaled_fwd(m, x):
+        return scaled(m, x), (m, x)
+
+    def scaled_bwd(res, g):
+        m, x = res
+        (m_g, _), out_g = g
+        m_g["w"][...] = jnp.sin(x) * out_g
+        return m_g, jnp.cos(x) * m.w * out_g
+
+    op = nnx.custom_vjp(scaled)
+    op.defvjp(scaled_fwd, scaled_bwd)
+
+    @nnx.jit
+    def loss(x, m):
+        return op(m, x).sum()
+
+    m, x = Scale(), jnp.array([0.3, -0.7])
+    value, grad = nnx.value_and_grad(loss)(x, m)
+    w = np.array([1.5, -2.0])
+    assert_close(value, np.sum(np.sin([0.3, -0.7]) * w))
+    assert_close(grad, np.cos([0.3, -0.7]) * w)
+    assert int(m.calls[...]) == 1
+
+
+def test_equinox_filter_custom_vjp_with_python_float_inputs(swapped):
+    eqx = pytest.importorskip("equinox")
+
+    @eqx.filter_custom_vjp
+    def f(vjp_arg, y):
+        x, a = vjp_arg
+        return x * a * y
+
+    @f.def_fwd
+    def f_fwd(perturbed, vjp_arg, y):
+        del perturbed
+        x, a = vjp_arg
+        return x * a * y, None
+
+    @f.def_bwd
+    def f_bwd(residuals, g, perturbed, vjp_arg, y):
+        del residuals, perturbed
+        x, a = vjp_arg
+        return g * a * y, g * x * y
+
+    # x a Python float: Equinox sees a non-array, so the output is static (JAX: 0).
+    assert_close(jax.grad(lambda x: f((x, 2.0), 3.0))(1.5), 0.0)
+    assert_close(jax.grad(lambda a: f((jnp.float32(1.5), a), 3.0))(2.0), 4.5)
+    assert_close(jax.jit(jax.grad(lambda x: f((x, 2.0), 3.0)))(1.5), 6.0)
