@@ -1431,19 +1431,70 @@ def _tangent_batch(args: Sequence[Any], dims: Sequence[Any], *, lin: _Linear):
         for x, d in zip(t, t_dims, strict=True)
     ]
     res_axes = [None if d is None else 0 for d in res_dims]
-    outs = tangent_p.bind(*res, *t, lin=_Batched(lin, size, res_axes))
+    # On an explicit mesh, every operand mapped by the batched rules carries the batch
+    # axis sharded alike (vmap requires it): as the batched residuals have it.
+    entry = _batch_entry([r for r, d in zip(res, res_dims, strict=True) if d is not None] + t)
+    t = [_with_batch_entry(x, entry) for x in t]
+    outs = tangent_p.bind(*res, *t, lin=_Batched(lin, size, res_axes, entry))
     return outs, [0] * len(outs)
+
+
+def _explicit_spec(value: Any) -> Any:
+    """The ``PartitionSpec`` of ``value`` on an explicit mesh (``None`` elsewhere)."""
+    sharding = getattr(jax.typeof(value), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return None
+    if jax.sharding.AxisType.Explicit not in getattr(mesh, "axis_types", ()):
+        return None
+    return sharding.spec
+
+
+def _batch_entry(values: Sequence[Any]) -> Any:
+    """How the batch axis (axis 0) of ``values`` is sharded over an explicit mesh.
+
+    The entry of the batched residuals' specs (the batch the user sharded, say over
+    ``"data"``) when they all agree, else ``None`` (unsharded): the operands are then all
+    resharded to it.
+    """
+    entries = set()
+    for value in values:
+        spec = _explicit_spec(value)
+        if spec is None:
+            continue
+        entries.add(spec[0] if len(spec) else None)
+    return entries.pop() if len(entries) == 1 else None
+
+
+def _with_batch_entry(value: Any, entry: Any) -> Any:
+    """``value`` with its axis 0 sharded as ``entry`` (on an explicit mesh; else as it is)."""
+    spec = _explicit_spec(value)
+    if spec is None or np.ndim(value) == 0:
+        return value
+    rest = tuple(spec[1:]) + (None,) * (np.ndim(value) - max(len(spec), 1))
+    if (spec[0] if len(spec) else None) == entry:
+        return value
+    return jax.sharding.reshard(value, jax.sharding.PartitionSpec(entry, *rest))
 
 
 class _Batched:
     """``lin`` under ``vmap``: the same map, with batched residuals and tangents."""
 
-    def __init__(self, inner: Any, size: int, res_axes: list[Any]):
+    def __init__(self, inner: Any, size: int, res_axes: list[Any], entry: Any = None):
         self.inner, self.size, self.res_axes = inner, size, res_axes
         self.op, self.n_res = inner.op, inner.n_res
-        self.t_avals = tuple(_batched_aval(a, size) for a in inner.t_avals)
-        self.ct_avals = tuple(_batched_aval(a, size) for a in inner.ct_avals)
+        self.entry = entry  # the batch axis's sharding on an explicit mesh (_batch_entry)
+        self.t_avals = tuple(_batched_aval(a, size, entry) for a in inner.t_avals)
+        self.ct_avals = tuple(_batched_aval(a, size, entry) for a in inner.ct_avals)
         self.eager = _PLAIN  # a batched tangent is evaluated as written
+
+    def mapped(self, res_arrays: Sequence[Any], other: Sequence[Any]) -> tuple[list, list]:
+        """The operands of the batched rules, their batch axes sharded alike (``entry``)."""
+        res = [
+            r if axis is None else _with_batch_entry(r, self.entry)
+            for r, axis in zip(res_arrays, self.res_axes, strict=True)
+        ]
+        return res, [_with_batch_entry(x, self.entry) for x in other]
 
     def apply(self, args: Sequence[Any]) -> list[jax.Array]:
         """``J t`` for the primitive's operands ``args`` (residuals, then tangents)."""
@@ -1454,23 +1505,25 @@ class _Batched:
         return f"<jaxext.custom_vjp {self.op.name} batched {self.size}>"
 
     def backward(self, res_arrays: Sequence[Any], cts: Sequence[Any]) -> list[jax.Array]:
-        return jax.vmap(self.inner.backward, in_axes=(self.res_axes, 0))(
-            list(res_arrays), list(cts)
-        )
+        res_arrays, _ = self.mapped(res_arrays, [])
+        cts = [None if c is None else _with_batch_entry(c, self.entry) for c in cts]
+        return jax.vmap(self.inner.backward, in_axes=(self.res_axes, 0))(list(res_arrays), cts)
 
     def tangent(self, res_arrays: Sequence[Any], t_in: Sequence[Any]) -> list[jax.Array]:
+        res_arrays, t_in = self.mapped(res_arrays, t_in)
         return jax.vmap(self.inner.tangent, in_axes=(self.res_axes, 0))(
             list(res_arrays), list(t_in)
         )
 
 
-def _batched_aval(aval: Any, size: int) -> Any:
-    """``aval`` with a leading unsharded batch axis of ``size``, keeping its variance."""
+def _batched_aval(aval: Any, size: int, entry: Any = None) -> Any:
+    """``aval`` with a leading batch axis of ``size`` sharded as ``entry`` (``None``:
+    unsharded), keeping its variance."""
     shape = (size, *aval.shape)
     sharding = getattr(aval, "sharding", None)
     if not isinstance(sharding, jax.sharding.NamedSharding):
         return jax.core.ShapedArray(shape, aval.dtype, weak_type=aval.weak_type)
-    spec = jax.sharding.PartitionSpec(None, *sharding.spec)
+    spec = jax.sharding.PartitionSpec(entry, *sharding.spec)
     return aval.update(shape=shape, sharding=jax.sharding.NamedSharding(sharding.mesh, spec))
 
 

@@ -56,6 +56,8 @@ FORWARD_CASES = [  # forward mode of jaxext.linear on sharded arrays, no shard_m
     "forward_auto_eager",
     "forward_auto_jit",
 ]
+# per-example vmap of jaxext.linear over a batch sharded on an explicit mesh
+PER_EXAMPLE_CASES = ["per_example_vmap_eager", "per_example_vmap_jit"]
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +92,12 @@ def _assert_grads_close(result):
 def test_worker_sees_eight_devices(worker_results):
     assert worker_results["device_count"] == 8
     assert set(worker_results["checks"]) == set(
-        LINEAR_CASES + NNX_CASES + SHARD_MAP_CASES + FORWARD_CASES + PLACEMENT_CASES
+        LINEAR_CASES
+        + NNX_CASES
+        + SHARD_MAP_CASES
+        + FORWARD_CASES
+        + PLACEMENT_CASES
+        + PER_EXAMPLE_CASES
     )
 
 
@@ -178,6 +185,16 @@ def test_linear_in_shard_map_matches_unsharded(worker_results, name):
 @pytest.mark.parametrize("name", SHARD_MAP_CASES + FORWARD_CASES)
 def test_forward_mode_matches_unsharded(worker_results, name):
     result = _check(worker_results, name)
+    _assert_loss_close(result["jvp"])
+    for measure in ("jacfwd", "hvp"):
+        assert result[f"{measure}_scale"] > 1e-2
+        assert result[f"{measure}_diff"] <= TOL * result[f"{measure}_scale"], measure
+
+
+@pytest.mark.parametrize("name", PER_EXAMPLE_CASES)
+def test_per_example_vmap_over_a_sharded_batch_matches_unsharded(worker_results, name):
+    result = _check(worker_results, name)
+    _assert_grads_close(result)
     _assert_loss_close(result["jvp"])
     for measure in ("jacfwd", "hvp"):
         assert result[f"{measure}_scale"] > 1e-2
