@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import custom_batching
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
-from jax.extend.core import Primitive, primal_dtype_to_tangent_dtype
+from jax.extend.core import Primitive, primal_dtype_to_tangent_dtype, take_current_trace
 from jax.interpreters import ad, batching, mlir
 
 from . import _eager_cache
@@ -773,6 +773,8 @@ class _Op:
                 f"{type(result).__name__}. {self.jax_fwd_phrase()}"
             )
         out, res = result
+        if self.traced_output is not None:  # the JVP rule runs after the primal's trace
+            self.check_no_stale_closure()
         self.check_fwd_output(out, self.output_type(primals, eager))
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
         res_leaves, res_tree = jax.tree_util.tree_flatten(res)
@@ -842,6 +844,32 @@ class _Op:
         return self.jax_fwd_phrase(
             f"{kind}\n    {got_s}\nwhile the custom_vjp-decorated function {self.name} had "
             f"output {kind}\n    {exp_s}{end}"
+        )
+
+    def check_no_stale_closure(self) -> None:
+        """Raises where ``fwd`` read a value traced by a transformation that has ended.
+
+        JAX traces the JVP rule of a primal it traced earlier (under ``jit``, ``scan``
+        ...) when it differentiates that traced program, after the trace the primal ran
+        in. A value of that trace the rules close over (a model a diffrax vector field
+        closes over, under ``jit``) is stale there; JAX would fail later, when it lowers
+        the program, with "No constant handler for type: ...Tracer".
+        """
+        if not _stale_tracers():
+            return
+        name = self.name
+        raise RuleTypeError(
+            f"`{name}`: its rules close over a traced value (a value computed inside a "
+            f"`jit`, `scan` or other traced function around the call of `{name}`), and "
+            "JAX differentiates that traced function after tracing it, where the "
+            "closed-over value no longer exists. The rules only give derivatives with "
+            "respect to explicit arguments, so a closed-over value can be neither "
+            f"differentiated nor read then. Pass it to `{name}` as an argument, and return "
+            "its gradient from bwd (None where it needs none). (JAX: Detected "
+            "differentiation of a custom_vjp function with respect to a closed-over value. "
+            "That isn't supported because the custom VJP rule only specifies how to "
+            "differentiate the custom_vjp function with respect to explicit input "
+            "parameters.)"
         )
 
     def output_type(self, primals: tuple, eager: Any) -> Any:
@@ -916,6 +944,28 @@ class _Op:
                 )
 
 
+def _stale_tracers() -> list[Any]:
+    """Tracers among the constants of the jaxpr being traced that belong to no enclosing trace.
+
+    Reads JAX's tracing state through attributes it does not document (``frame``,
+    ``parent_trace``, ``_trace``): where they are missing, it finds nothing.
+    """
+    with take_current_trace() as trace:
+        pass
+    values = getattr(getattr(trace, "frame", None), "constvar_to_val", None)
+    if not values:
+        return []
+    enclosing = set()
+    while trace is not None:
+        enclosing.add(id(trace))
+        trace = getattr(trace, "parent_trace", None)
+    return [
+        v
+        for v in list(values.values())
+        if isinstance(v, jax.core.Tracer) and hasattr(v, "_trace") and id(v._trace) not in enclosing
+    ]
+
+
 def _output_type(out: Any) -> Any:
     """``out`` with each leaf replaced by its shape and dtype (a ``jax.ShapeDtypeStruct``)."""
     return jax.tree_util.tree_map(lambda o: jax.ShapeDtypeStruct(np.shape(o), _dtype(o)), out)
@@ -978,6 +1028,7 @@ class _Linear:
         self.__dict__.update(fields)
         self.n_res = self.n_own = sum(self.res_is_array)
         self.hoisted_bwd: Callable[..., Any] | None = None
+        self.traced_bwd: Callable[..., Any] | None = None  # bwd as hoist traced it
         self.hoisted_jvp: Callable[..., Any] | None = None
         self.n_bwd_consts = self.n_jvp_consts = 0
         self.ct_avals = tuple(
@@ -1029,6 +1080,7 @@ class _Linear:
             bwd, bwd_consts = jax.closure_convert(self.own_backward, own, cts)
         except Exception:  # noqa: BLE001 -- a dry run: the rule itself runs (and raises) later
             bwd, bwd_consts = None, []
+        self.traced_bwd = bwd  # reverse mode reuses it (see backward)
         if bwd_consts:
             self.hoisted_bwd, self.n_bwd_consts = bwd, len(bwd_consts)
             consts += bwd_consts
@@ -1048,19 +1100,34 @@ class _Linear:
 
         Reverse mode transposes the tangent primitive inside the trace that made it, so
         ``bwd`` runs as written, on its own residuals, with symbolic zeros as it asked.
+        Where :meth:`hoist` already traced ``bwd`` (on every cotangent), that trace is
+        reused, so that ``bwd`` is traced once per compilation, as with
+        ``jax.custom_vjp`` (code counting its traces, or printing at trace time, sees one).
         """
+        dense = not self.op.spec.symbolic_zeros or all(ct is not None for ct in cts)
+        # hoist traced on cotangents that vary over no shard_map axis: not reused inside one
+        plain = not any(_varying_axes(a) for a in self.ct_avals)
+        if self.traced_bwd is not None and dense and plain:
+            return self.staged_backward(res_arrays, cts, self.traced_bwd)
         return self.own_backward(res_arrays[: self.n_own], cts)
 
-    def staged_backward(self, res_arrays: Sequence[Any], cts: Sequence[Any]) -> list[jax.Array]:
-        """``bwd`` for forward mode, which may run after the trace: with hoisted closures."""
-        if self.hoisted_bwd is None:
+    def staged_backward(
+        self, res_arrays: Sequence[Any], cts: Sequence[Any], traced: Any = None
+    ) -> list[jax.Array]:
+        """``bwd`` for forward mode, which may run after the trace: with hoisted closures.
+
+        ``traced``: a closure-converted ``bwd`` to run (:meth:`hoist`'s), when not
+        ``hoisted_bwd``.
+        """
+        traced = traced or self.hoisted_bwd
+        if traced is None:
             return self.own_backward(res_arrays[: self.n_own], cts)
         own, hoisted = res_arrays[: self.n_own], res_arrays[self.n_own :]
         cts = [
             jnp.zeros(a.shape, a.dtype) if ct is None else ct
             for ct, a in zip(cts, self.ct_avals, strict=True)
         ]
-        return list(self.hoisted_bwd(list(own), list(cts), *hoisted[: self.n_bwd_consts]))
+        return list(traced(list(own), list(cts), *hoisted[: self.n_bwd_consts]))
 
     def own_backward(self, res_arrays: Sequence[Any], cts: Sequence[Any]) -> list[jax.Array]:
         """``bwd`` itself, on the op's own residuals."""

@@ -296,3 +296,96 @@ def test_equinox_filter_custom_vjp_with_python_float_inputs(swapped):
     assert_close(jax.grad(lambda x: f((x, 2.0), 3.0))(1.5), 0.0)
     assert_close(jax.grad(lambda a: f((jnp.float32(1.5), a), 3.0))(2.0), 4.5)
     assert_close(jax.jit(jax.grad(lambda x: f((x, 2.0), 3.0)))(1.5), 6.0)
+
+
+# -- closed-over traced values, and the backward traced once (diffrax, Equinox) --------
+# A diffrax solve under jit whose vector field closes over the differentiated model:
+# JAX differentiates the traced solve after its trace has ended, where the rules'
+# closed-over value is stale.
+
+
+def _closing_op(custom_vjp, scale):
+    @custom_vjp
+    def scaled(x):
+        return jnp.sin(x) * scale
+
+    scaled.defvjp(lambda x: (jnp.sin(x) * scale, jnp.cos(x)), lambda c, g: (g * c * scale,))
+    return scaled
+
+
+@pytest.mark.parametrize("argnum", [0, 1], ids=["closure_not_differentiated", "differentiated"])
+def test_rules_closing_over_a_value_of_an_ended_trace_is_a_clear_error(argnum):
+    def loss(custom_vjp):
+        return lambda x, w: _closing_op(custom_vjp, w * 2)(x).sum()
+
+    x, w = jnp.array([0.5, -1.0]), jnp.float32(1.5)
+    if argnum == 1:  # JAX refuses it too
+        with pytest.raises(Exception, match="closed-over value"):
+            jax.grad(jax.jit(loss(jax.custom_vjp)), argnum)(x, w)
+    with pytest.raises(jaxext.RuleTypeError, match=r"`scaled`: its rules close over a traced"):
+        jax.grad(jax.jit(loss(jaxext.custom_vjp)), argnum)(x, w)
+
+
+def test_rules_closing_over_values_of_live_traces_still_work(x64):
+    x, s = jnp.array([0.5, -1.0]), 1.5
+
+    def scan_loss(s):  # the closed-over value has a tangent, inside the scan's own trace
+        def body(carry, k):
+            return carry + _closing_op(jaxext.custom_vjp, s * k)(x).sum(), None
+
+        return jax.lax.scan(body, 0.0, jnp.arange(1.0, 3.0))[0]
+
+    def jit_inside(x):  # a jit inside grad, closing over a value grad does not perturb
+        return jax.jit(lambda x: _closing_op(jaxext.custom_vjp, s * 2)(x).sum())(x)
+
+    assert_close(jax.grad(scan_loss)(s), 3 * np.sum(np.sin([0.5, -1.0])))
+    assert_close(jax.grad(jit_inside)(x), 2 * s * np.cos([0.5, -1.0]))
+
+
+@pytest.mark.parametrize("order", ["grad_of_jit", "jit_of_grad"])
+def test_bwd_is_traced_once_per_compilation_as_with_jax_custom_vjp(order):
+    def count(custom_vjp):
+        traces = []
+
+        @custom_vjp
+        def op(x):
+            return jnp.sin(x)
+
+        def bwd(cos_x, g):
+            traces.append(1)
+            return (g * cos_x,)
+
+        op.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), bwd)
+        f = lambda x: op(x).sum()  # noqa: E731
+        fn = jax.grad(jax.jit(f)) if order == "grad_of_jit" else jax.jit(jax.grad(f))
+        x = jnp.array([0.5, -1.0])
+        for _ in range(2):
+            assert_close(fn(x), np.cos([0.5, -1.0]))
+        return len(traces)
+
+    assert count(jaxext.custom_vjp) == count(jax.custom_vjp) == 1
+
+
+def test_equinox_bwd_traced_once_under_jit(swapped):
+    eqx = pytest.importorskip("equinox")
+    traces = []
+
+    @eqx.filter_custom_vjp
+    def f(x):
+        return x
+
+    @f.def_fwd
+    def f_fwd(perturbed, x):
+        del perturbed
+        return x, None
+
+    @f.def_bwd
+    def f_bwd(residual, g, perturbed, x):
+        del residual, perturbed, x
+        traces.append(1)
+        return g + 2
+
+    x, jitted = jnp.array(1.0), jax.jit(f)
+    assert eqx.filter_grad(jitted)(x) == 3
+    assert eqx.filter_grad(jitted)(x) == 3
+    assert len(traces) == 1
