@@ -28,6 +28,7 @@ import functools
 import inspect
 import os
 import re
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -428,7 +429,7 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
             return self.fun(*args)
         op = _Op(self, name, args, tuple(diff))
         primal = jax.custom_jvp(
-            op.named_primal() if self.vmap_rule is None else op.batched_primal()
+            op.named_primal(True) if self.vmap_rule is None else op.batched_primal(True)
         )
         primal.defjvp(op.jvp_rule, symbolic_zeros=True)
         return primal(*diff_args)
@@ -699,22 +700,29 @@ class _Op:
         except jax.errors.ConcretizationTypeError as err:
             name_user_function(err, self.spec.fun, self.diff)
             raise
-        self.traced_output = _output_type(out)
         return out
 
-    def named_primal(self) -> Callable[..., Any]:
-        """The primal, named after the user's function (for jaxprs and profiles)."""
+    def named_primal(self, record: bool = False) -> Callable[..., Any]:
+        """The primal, named after the user's function (for jaxprs and profiles).
+
+        ``record``: for the function JAX traces as the call's primal, which notes the output
+        type it found (``traced_output``).
+        """
 
         def primal(*diff_values: Any) -> Any:
-            return self.primal(*diff_values)
+            out = self.primal(*diff_values)
+            if record:
+                self.traced_output = _output_type(out)
+            return out
 
         primal.__name__ = primal.__qualname__ = self.name
         primal.__signature__ = _PRIMAL_SIGNATURE  # what inspect finds, without looking
         return primal
 
-    def batched_primal(self) -> Callable[..., Any]:
-        """The primal with the user's batching rule, as a ``custom_vmap``."""
-        batched = custom_batching.custom_vmap(self.named_primal())
+    def batched_primal(self, record: bool = False) -> Callable[..., Any]:
+        """The primal with the user's batching rule, as a ``custom_vmap`` (``record``: as
+        for :meth:`named_primal`)."""
+        batched = custom_batching.custom_vmap(self.named_primal(record))
 
         @batched.def_vmap
         def rule(axis_size: int, in_batched: Sequence[Any], *diff_values: Any) -> Any:
@@ -859,12 +867,11 @@ class _Op:
             return
         name = self.name
         raise RuleTypeError(
-            f"`{name}`: its rules close over a traced value (a value computed inside a "
-            f"`jit`, `scan` or other traced function around the call of `{name}`), and "
-            "JAX differentiates that traced function after tracing it, where the "
-            "closed-over value no longer exists. The rules only give derivatives with "
-            "respect to explicit arguments, so a closed-over value can be neither "
-            f"differentiated nor read then. Pass it to `{name}` as an argument, and return "
+            f"`{name}`: its rules close over a traced value (one being differentiated, or "
+            f"one computed inside a `jit`, `scan` or other traced function around the call "
+            f"of `{name}`) that they cannot read when JAX differentiates that traced "
+            "function after tracing it: the rules only give derivatives with respect to "
+            f"explicit arguments. Pass the value to `{name}` as an argument, and return "
             "its gradient from bwd (None where it needs none). (JAX: Detected "
             "differentiation of a custom_vjp function with respect to a closed-over value. "
             "That isn't supported because the custom VJP rule only specifies how to "
@@ -959,11 +966,27 @@ def _stale_tracers() -> list[Any]:
     while trace is not None:
         enclosing.add(id(trace))
         trace = getattr(trace, "parent_trace", None)
-    return [
+    foreign = [
         v
         for v in list(values.values())
         if isinstance(v, jax.core.Tracer) and hasattr(v, "_trace") and id(v._trace) not in enclosing
     ]
+    # JAX does not link every trace to the one around it: a jaxpr trace still being built
+    # (its tracing function is on the call stack) takes its tracers back when the jaxpr
+    # being traced now is inlined into it. Any other foreign tracer (of a jaxpr trace that
+    # has ended, or an autodiff tracer) would be taken for a constant.
+    return [v for v in foreign if not (hasattr(v._trace, "frame") and _on_call_stack(v._trace))]
+
+
+def _on_call_stack(trace: Any) -> bool:
+    """Whether a function running now is building ``trace`` (JAX's tracing functions hold
+    the trace they build in a local variable named ``trace``)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_locals.get("trace") is trace:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _output_type(out: Any) -> Any:
