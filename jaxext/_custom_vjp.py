@@ -28,6 +28,7 @@ import functools
 import inspect
 import os
 import re
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import custom_batching
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
-from jax.extend.core import Primitive
+from jax.extend.core import Primitive, primal_dtype_to_tangent_dtype, take_current_trace
 from jax.interpreters import ad, batching, mlir
 
 from . import _eager_cache
@@ -428,7 +429,7 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
             return self.fun(*args)
         op = _Op(self, name, args, tuple(diff))
         primal = jax.custom_jvp(
-            op.named_primal() if self.vmap_rule is None else op.batched_primal()
+            op.named_primal(True) if self.vmap_rule is None else op.batched_primal(True)
         )
         primal.defjvp(op.jvp_rule, symbolic_zeros=True)
         return primal(*diff_args)
@@ -647,7 +648,30 @@ def _dtype(value: Any) -> Any:
 
 
 def _is_float(dtype: Any) -> bool:
-    return jnp.issubdtype(dtype, jnp.inexact)
+    """Whether values of ``dtype`` are differentiated, as JAX decides: their tangent dtype
+    is not ``float0`` (floats, complex numbers, and extended dtypes with a tangent dtype,
+    such as Flax's FP8 ``fp32_max_grad``, whose tangent dtype is itself)."""
+    return primal_dtype_to_tangent_dtype(dtype) != jax.dtypes.float0
+
+
+def _as_dtype(dtype: Any) -> Any:
+    """``jnp.dtype(dtype)``; an extended dtype (which NumPy cannot interpret) as it is."""
+    return dtype if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) else jnp.dtype(dtype)
+
+
+def _zeros_like(value: Any) -> jax.Array:
+    """A zero tangent for ``value`` (see :func:`_zeros`)."""
+    aval = jax.typeof(value)
+    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):
+        return _zeros(aval.to_tangent_aval())
+    return jnp.zeros_like(value)
+
+
+def _zeros(aval: Any) -> jax.Array:
+    """Zeros of type ``aval``; for an extended dtype, the zero of its own rules (as JAX's)."""
+    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):
+        return ad.instantiate_zeros(ad.Zero(aval))
+    return jnp.zeros(aval.shape, aval.dtype)
 
 
 class _Op:
@@ -655,6 +679,8 @@ class _Op:
 
     def __init__(self, spec: custom_vjp, name: str, args: tuple, diff: tuple[int, ...]):
         self.spec, self.name, self.args, self.diff = spec, name, args, diff
+        # The primal's output type, recorded when JAX traces the primal (see output_type).
+        self.traced_output: Any = None
 
     def merge(self, diff_values: Sequence[Any]) -> list[Any]:
         full = list(self.args)
@@ -670,24 +696,33 @@ class _Op:
 
     def primal(self, *diff_values: Any) -> Any:
         try:
-            return self.spec.fun(*self.merge(diff_values))
+            out = self.spec.fun(*self.merge(diff_values))
         except jax.errors.ConcretizationTypeError as err:
             name_user_function(err, self.spec.fun, self.diff)
             raise
+        return out
 
-    def named_primal(self) -> Callable[..., Any]:
-        """The primal, named after the user's function (for jaxprs and profiles)."""
+    def named_primal(self, record: bool = False) -> Callable[..., Any]:
+        """The primal, named after the user's function (for jaxprs and profiles).
+
+        ``record``: for the function JAX traces as the call's primal, which notes the output
+        type it found (``traced_output``).
+        """
 
         def primal(*diff_values: Any) -> Any:
-            return self.primal(*diff_values)
+            out = self.primal(*diff_values)
+            if record:
+                self.traced_output = _output_type(out)
+            return out
 
         primal.__name__ = primal.__qualname__ = self.name
         primal.__signature__ = _PRIMAL_SIGNATURE  # what inspect finds, without looking
         return primal
 
-    def batched_primal(self) -> Callable[..., Any]:
-        """The primal with the user's batching rule, as a ``custom_vmap``."""
-        batched = custom_batching.custom_vmap(self.named_primal())
+    def batched_primal(self, record: bool = False) -> Callable[..., Any]:
+        """The primal with the user's batching rule, as a ``custom_vmap`` (``record``: as
+        for :meth:`named_primal`)."""
+        batched = custom_batching.custom_vmap(self.named_primal(record))
 
         @batched.def_vmap
         def rule(axis_size: int, in_batched: Sequence[Any], *diff_values: Any) -> Any:
@@ -746,7 +781,9 @@ class _Op:
                 f"{type(result).__name__}. {self.jax_fwd_phrase()}"
             )
         out, res = result
-        self.check_fwd_output(out, eager.expected_output(self, primals))
+        if self.traced_output is not None:  # the JVP rule runs after the primal's trace
+            self.check_no_stale_closure()
+        self.check_fwd_output(out, self.output_type(primals, eager))
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
         res_leaves, res_tree = jax.tree_util.tree_flatten(res)
         res_is_array = tuple(_is_array_leaf(leaf) for leaf in res_leaves)
@@ -777,7 +814,7 @@ class _Op:
             elif t_in:
                 out_tangents.append(next(float_tangents))
             else:
-                out_tangents.append(jnp.zeros_like(o))
+                out_tangents.append(_zeros_like(o))
         return out, jax.tree_util.tree_unflatten(out_tree, out_tangents)
 
     def call_fwd(self, fwd_args: Sequence[Any]) -> Any:
@@ -817,10 +854,61 @@ class _Op:
             f"output {kind}\n    {exp_s}{end}"
         )
 
+    def check_no_stale_closure(self) -> None:
+        """Raises where ``fwd`` read a value traced by a transformation that has ended.
+
+        JAX traces the JVP rule of a primal it traced earlier (under ``jit``, ``scan``
+        ...) when it differentiates that traced program, after the trace the primal ran
+        in. A value of that trace the rules close over (a model a diffrax vector field
+        closes over, under ``jit``) is stale there; JAX would fail later, when it lowers
+        the program, with "No constant handler for type: ...Tracer".
+        """
+        if not _stale_tracers():
+            return
+        name = self.name
+        raise RuleTypeError(
+            f"`{name}`: its rules close over a traced value (one being differentiated, or "
+            f"one computed inside a `jit`, `scan` or other traced function around the call "
+            f"of `{name}`) that they cannot read when JAX differentiates that traced "
+            "function after tracing it: the rules only give derivatives with respect to "
+            f"explicit arguments. Pass the value to `{name}` as an argument, and return "
+            "its gradient from bwd (None where it needs none). (JAX: Detected "
+            "differentiation of a custom_vjp function with respect to a closed-over value. "
+            "That isn't supported because the custom VJP rule only specifies how to "
+            "differentiate the custom_vjp function with respect to explicit input "
+            "parameters.)"
+        )
+
+    def output_type(self, primals: tuple, eager: Any) -> Any:
+        """The primal's output type, to check ``fwd``'s against (``None``: not known).
+
+        Where JAX traced the primal (under ``jit``, ``scan`` and the like, before it
+        linearizes the traced program), the type it found: the JVP rule may run later,
+        outside the context the primal was called in (Flax NNX's update context), where
+        the primal cannot be traced again. Otherwise (eager ``grad``, ``jvp``) the primal
+        is traced abstractly here, as ``eager`` does it.
+        """
+        if self.traced_output is not None:
+            return self.traced_output
+        return eager.expected_output(self, primals)
+
     def abstract_output(self, primals: tuple) -> Any:
-        """The primal's output type for ``primals`` (``None``: it cannot be traced abstractly)."""
+        """The primal's output type for ``primals`` (``None``: it cannot be traced abstractly).
+
+        Python numbers among ``primals`` (an eager ``grad`` hands a Python float input to
+        the rules as one) stay Python numbers, as ``fwd`` sees them: a library may treat
+        them apart from arrays (Equinox keeps them as static data, out of the pytree).
+        """
+        leaves, tree = jax.tree_util.tree_flatten(primals)
+        is_array = [_is_array_leaf(leaf) for leaf in leaves]
+
+        def primal(*arrays: Any) -> Any:
+            it = iter(arrays)
+            merged = [next(it) if a else leaf for leaf, a in zip(leaves, is_array, strict=True)]
+            return self.primal(*jax.tree_util.tree_unflatten(tree, merged))
+
         try:
-            return jax.eval_shape(self.primal, *primals)
+            return jax.eval_shape(primal, *[x for x, a in zip(leaves, is_array, strict=True) if a])
         except jax.errors.ConcretizationTypeError:
             # The primal branches in Python on its inputs' values: it cannot be traced
             # abstractly, and JAX itself never traces it when differentiating eagerly. Trust
@@ -852,7 +940,7 @@ class _Op:
             )
         exp_leaves = jax.tree_util.tree_flatten_with_path(expected)[0]
         for (path, e), g in zip(exp_leaves, jax.tree_util.tree_leaves(got), strict=True):
-            if e.shape != g.shape or jnp.dtype(e.dtype) != jnp.dtype(g.dtype):
+            if e.shape != g.shape or _as_dtype(e.dtype) != _as_dtype(g.dtype):
                 # JAX's sentence, then its newer custom_vjp's wording of the same mismatch.
                 raise TypeError(
                     f"`{self.name}`: fwd's output must have the primal's shapes and dtypes "
@@ -861,6 +949,49 @@ class _Op:
                     f"{jax.tree_util.keystr(path)}, got fwd output type {_short(g)} which "
                     f"doesn't match primal output type {_short(e)}.)"
                 )
+
+
+def _stale_tracers() -> list[Any]:
+    """Tracers among the constants of the jaxpr being traced that belong to no enclosing trace.
+
+    Reads JAX's tracing state through attributes it does not document (``frame``,
+    ``parent_trace``, ``_trace``): where they are missing, it finds nothing.
+    """
+    with take_current_trace() as trace:
+        pass
+    values = getattr(getattr(trace, "frame", None), "constvar_to_val", None)
+    if not values:
+        return []
+    enclosing = set()
+    while trace is not None:
+        enclosing.add(id(trace))
+        trace = getattr(trace, "parent_trace", None)
+    foreign = [
+        v
+        for v in list(values.values())
+        if isinstance(v, jax.core.Tracer) and hasattr(v, "_trace") and id(v._trace) not in enclosing
+    ]
+    # JAX does not link every trace to the one around it: a jaxpr trace still being built
+    # (its tracing function is on the call stack) takes its tracers back when the jaxpr
+    # being traced now is inlined into it. Any other foreign tracer (of a jaxpr trace that
+    # has ended, or an autodiff tracer) would be taken for a constant.
+    return [v for v in foreign if not (hasattr(v._trace, "frame") and _on_call_stack(v._trace))]
+
+
+def _on_call_stack(trace: Any) -> bool:
+    """Whether a function running now is building ``trace`` (JAX's tracing functions hold
+    the trace they build in a local variable named ``trace``)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_locals.get("trace") is trace:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _output_type(out: Any) -> Any:
+    """``out`` with each leaf replaced by its shape and dtype (a ``jax.ShapeDtypeStruct``)."""
+    return jax.tree_util.tree_map(lambda o: jax.ShapeDtypeStruct(np.shape(o), _dtype(o)), out)
 
 
 def _primal_template(*diff_values: Any) -> Any:
@@ -920,6 +1051,7 @@ class _Linear:
         self.__dict__.update(fields)
         self.n_res = self.n_own = sum(self.res_is_array)
         self.hoisted_bwd: Callable[..., Any] | None = None
+        self.traced_bwd: Callable[..., Any] | None = None  # bwd as hoist traced it
         self.hoisted_jvp: Callable[..., Any] | None = None
         self.n_bwd_consts = self.n_jvp_consts = 0
         self.ct_avals = tuple(
@@ -971,6 +1103,7 @@ class _Linear:
             bwd, bwd_consts = jax.closure_convert(self.own_backward, own, cts)
         except Exception:  # noqa: BLE001 -- a dry run: the rule itself runs (and raises) later
             bwd, bwd_consts = None, []
+        self.traced_bwd = bwd  # reverse mode reuses it (see backward)
         if bwd_consts:
             self.hoisted_bwd, self.n_bwd_consts = bwd, len(bwd_consts)
             consts += bwd_consts
@@ -990,19 +1123,34 @@ class _Linear:
 
         Reverse mode transposes the tangent primitive inside the trace that made it, so
         ``bwd`` runs as written, on its own residuals, with symbolic zeros as it asked.
+        Where :meth:`hoist` already traced ``bwd`` (on every cotangent), that trace is
+        reused, so that ``bwd`` is traced once per compilation, as with
+        ``jax.custom_vjp`` (code counting its traces, or printing at trace time, sees one).
         """
+        dense = not self.op.spec.symbolic_zeros or all(ct is not None for ct in cts)
+        # hoist traced on cotangents that vary over no shard_map axis: not reused inside one
+        plain = not any(_varying_axes(a) for a in self.ct_avals)
+        if self.traced_bwd is not None and dense and plain:
+            return self.staged_backward(res_arrays, cts, self.traced_bwd)
         return self.own_backward(res_arrays[: self.n_own], cts)
 
-    def staged_backward(self, res_arrays: Sequence[Any], cts: Sequence[Any]) -> list[jax.Array]:
-        """``bwd`` for forward mode, which may run after the trace: with hoisted closures."""
-        if self.hoisted_bwd is None:
+    def staged_backward(
+        self, res_arrays: Sequence[Any], cts: Sequence[Any], traced: Any = None
+    ) -> list[jax.Array]:
+        """``bwd`` for forward mode, which may run after the trace: with hoisted closures.
+
+        ``traced``: a closure-converted ``bwd`` to run (:meth:`hoist`'s), when not
+        ``hoisted_bwd``.
+        """
+        traced = traced or self.hoisted_bwd
+        if traced is None:
             return self.own_backward(res_arrays[: self.n_own], cts)
         own, hoisted = res_arrays[: self.n_own], res_arrays[self.n_own :]
         cts = [
             jnp.zeros(a.shape, a.dtype) if ct is None else ct
             for ct, a in zip(cts, self.ct_avals, strict=True)
         ]
-        return list(self.hoisted_bwd(list(own), list(cts), *hoisted[: self.n_bwd_consts]))
+        return list(traced(list(own), list(cts), *hoisted[: self.n_bwd_consts]))
 
     def own_backward(self, res_arrays: Sequence[Any], cts: Sequence[Any]) -> list[jax.Array]:
         """``bwd`` itself, on the op's own residuals."""
@@ -1013,10 +1161,7 @@ class _Linear:
             ct = next(ct_iter) if is_float else None
             if ct is None:
                 tangent_aval = aval.to_tangent_aval()
-                if spec.symbolic_zeros:
-                    ct = SymbolicZero(tangent_aval)
-                else:
-                    ct = jnp.zeros(tangent_aval.shape, tangent_aval.dtype)
+                ct = SymbolicZero(tangent_aval) if spec.symbolic_zeros else _zeros(tangent_aval)
             leaves.append(ct)
         g = jax.tree_util.tree_unflatten(self.out_tree, leaves)
         grads = spec.bwd(*self.op.nondiff(), self.residuals(res_arrays), g)
@@ -1112,17 +1257,17 @@ class _Linear:
             )
 
         if isinstance(grad, SymbolicZero) and (
-            tuple(grad.shape) != tuple(aval.shape) or jnp.dtype(grad.dtype) != jnp.dtype(aval.dtype)
+            tuple(grad.shape) != tuple(aval.shape) or _as_dtype(grad.dtype) != _as_dtype(aval.dtype)
         ):
             label, _ = where()
             raise RuleValueError(
                 f"`{name}`: {rule} returned a SymbolicZero for {label} of shape/dtype "
-                f"{jnp.dtype(grad.dtype)}{list(grad.shape)}; the {side} has "
-                f"{jnp.dtype(aval.dtype)}{list(aval.shape)}. Consider just returning a None here "
+                f"{_as_dtype(grad.dtype)}{list(grad.shape)}; the {side} has "
+                f"{_as_dtype(aval.dtype)}{list(aval.shape)}. Consider just returning a None here "
                 "instead of a SymbolicZero object."
             )
         if grad is None or isinstance(grad, SymbolicZero):
-            return jnp.zeros(aval.shape, aval.dtype)
+            return _zeros(aval)
         if _bwd_checks_disabled() and _is_array_leaf(grad):
             # As jax.custom_vjp with jax_disable_bwd_checks: the gradient as bwd made it.
             grad = jnp.asarray(grad)
@@ -1147,11 +1292,11 @@ class _Linear:
                 f"`{name}`: {rule}'s {value} for {label} must have the {side}'s shape "
                 f"{tuple(aval.shape)}; got shape {tuple(grad.shape)}.{jax_phrase(grad, jax_path)}"
             )
-        if jnp.dtype(grad.dtype) != jnp.dtype(aval.dtype):
+        if _as_dtype(grad.dtype) != _as_dtype(aval.dtype):
             label, jax_path = where()
             raise RuleTypeError(
                 f"`{name}`: {rule}'s {value} for {label} must have the {side}'s dtype "
-                f"{jnp.dtype(aval.dtype)}; got {jnp.dtype(grad.dtype)} (cast it with .astype)."
+                f"{_as_dtype(aval.dtype)}; got {_as_dtype(grad.dtype)} (cast it with .astype)."
                 f"{jax_phrase(grad, jax_path)}"
             )
         return _match_type(_as_array(grad), aval)
@@ -1269,7 +1414,7 @@ def _PY_FLOAT() -> Any:  # noqa: N802 -- reads like the constant it stands for
 
 def _short(value: Any) -> str:
     """``float32[3]``: a value's dtype and shape, as JAX's messages write them."""
-    return f"{jnp.dtype(value.dtype).name}[{','.join(str(d) for d in value.shape)}]"
+    return f"{_as_dtype(value.dtype).name}[{','.join(str(d) for d in value.shape)}]"
 
 
 def _match_type(grad: jax.Array, aval: Any) -> jax.Array:
@@ -1376,19 +1521,70 @@ def _tangent_batch(args: Sequence[Any], dims: Sequence[Any], *, lin: _Linear):
         for x, d in zip(t, t_dims, strict=True)
     ]
     res_axes = [None if d is None else 0 for d in res_dims]
-    outs = tangent_p.bind(*res, *t, lin=_Batched(lin, size, res_axes))
+    # On an explicit mesh, every operand mapped by the batched rules carries the batch
+    # axis sharded alike (vmap requires it): as the batched residuals have it.
+    entry = _batch_entry([r for r, d in zip(res, res_dims, strict=True) if d is not None] + t)
+    t = [_with_batch_entry(x, entry) for x in t]
+    outs = tangent_p.bind(*res, *t, lin=_Batched(lin, size, res_axes, entry))
     return outs, [0] * len(outs)
+
+
+def _explicit_spec(value: Any) -> Any:
+    """The ``PartitionSpec`` of ``value`` on an explicit mesh (``None`` elsewhere)."""
+    sharding = getattr(jax.typeof(value), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return None
+    if jax.sharding.AxisType.Explicit not in getattr(mesh, "axis_types", ()):
+        return None
+    return sharding.spec
+
+
+def _batch_entry(values: Sequence[Any]) -> Any:
+    """How the batch axis (axis 0) of ``values`` is sharded over an explicit mesh.
+
+    The entry of the batched residuals' specs (the batch the user sharded, say over
+    ``"data"``) when they all agree, else ``None`` (unsharded): the operands are then all
+    resharded to it.
+    """
+    entries = set()
+    for value in values:
+        spec = _explicit_spec(value)
+        if spec is None:
+            continue
+        entries.add(spec[0] if len(spec) else None)
+    return entries.pop() if len(entries) == 1 else None
+
+
+def _with_batch_entry(value: Any, entry: Any) -> Any:
+    """``value`` with its axis 0 sharded as ``entry`` (on an explicit mesh; else as it is)."""
+    spec = _explicit_spec(value)
+    if spec is None or np.ndim(value) == 0:
+        return value
+    rest = tuple(spec[1:]) + (None,) * (np.ndim(value) - max(len(spec), 1))
+    if (spec[0] if len(spec) else None) == entry:
+        return value
+    return jax.sharding.reshard(value, jax.sharding.PartitionSpec(entry, *rest))
 
 
 class _Batched:
     """``lin`` under ``vmap``: the same map, with batched residuals and tangents."""
 
-    def __init__(self, inner: Any, size: int, res_axes: list[Any]):
+    def __init__(self, inner: Any, size: int, res_axes: list[Any], entry: Any = None):
         self.inner, self.size, self.res_axes = inner, size, res_axes
         self.op, self.n_res = inner.op, inner.n_res
-        self.t_avals = tuple(_batched_aval(a, size) for a in inner.t_avals)
-        self.ct_avals = tuple(_batched_aval(a, size) for a in inner.ct_avals)
+        self.entry = entry  # the batch axis's sharding on an explicit mesh (_batch_entry)
+        self.t_avals = tuple(_batched_aval(a, size, entry) for a in inner.t_avals)
+        self.ct_avals = tuple(_batched_aval(a, size, entry) for a in inner.ct_avals)
         self.eager = _PLAIN  # a batched tangent is evaluated as written
+
+    def mapped(self, res_arrays: Sequence[Any], other: Sequence[Any]) -> tuple[list, list]:
+        """The operands of the batched rules, their batch axes sharded alike (``entry``)."""
+        res = [
+            r if axis is None else _with_batch_entry(r, self.entry)
+            for r, axis in zip(res_arrays, self.res_axes, strict=True)
+        ]
+        return res, [_with_batch_entry(x, self.entry) for x in other]
 
     def apply(self, args: Sequence[Any]) -> list[jax.Array]:
         """``J t`` for the primitive's operands ``args`` (residuals, then tangents)."""
@@ -1399,23 +1595,25 @@ class _Batched:
         return f"<jaxext.custom_vjp {self.op.name} batched {self.size}>"
 
     def backward(self, res_arrays: Sequence[Any], cts: Sequence[Any]) -> list[jax.Array]:
-        return jax.vmap(self.inner.backward, in_axes=(self.res_axes, 0))(
-            list(res_arrays), list(cts)
-        )
+        res_arrays, _ = self.mapped(res_arrays, [])
+        cts = [None if c is None else _with_batch_entry(c, self.entry) for c in cts]
+        return jax.vmap(self.inner.backward, in_axes=(self.res_axes, 0))(list(res_arrays), cts)
 
     def tangent(self, res_arrays: Sequence[Any], t_in: Sequence[Any]) -> list[jax.Array]:
+        res_arrays, t_in = self.mapped(res_arrays, t_in)
         return jax.vmap(self.inner.tangent, in_axes=(self.res_axes, 0))(
             list(res_arrays), list(t_in)
         )
 
 
-def _batched_aval(aval: Any, size: int) -> Any:
-    """``aval`` with a leading unsharded batch axis of ``size``, keeping its variance."""
+def _batched_aval(aval: Any, size: int, entry: Any = None) -> Any:
+    """``aval`` with a leading batch axis of ``size`` sharded as ``entry`` (``None``:
+    unsharded), keeping its variance."""
     shape = (size, *aval.shape)
     sharding = getattr(aval, "sharding", None)
     if not isinstance(sharding, jax.sharding.NamedSharding):
         return jax.core.ShapedArray(shape, aval.dtype, weak_type=aval.weak_type)
-    spec = jax.sharding.PartitionSpec(None, *sharding.spec)
+    spec = jax.sharding.PartitionSpec(entry, *sharding.spec)
     return aval.update(shape=shape, sharding=jax.sharding.NamedSharding(sharding.mesh, spec))
 
 

@@ -52,7 +52,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import jaxpr_as_fun
+from jax.extend.core import jaxpr_as_fun, primal_dtype_to_tangent_dtype
 
 __all__ = ["CACHE_SIZE", "ENABLED", "Cached", "lookup"]
 
@@ -186,10 +186,11 @@ class Cached:
         """The primal's output type for ``primals`` (``None``: it cannot be traced abstractly).
 
         Kept per abstract signature: tracing the primal again for every eager call costs
-        more than the call itself.
+        more than the call itself. Not where a Python number is among ``primals``: the
+        primal sees its value (see ``abstract_output``), which the signature leaves out.
         """
         key = _key(op, "out", primals)
-        if key is None:
+        if key is None or _has_python_number(primals):
             return op.abstract_output(primals)
         cache = _entries(op.spec)
         if key in cache:
@@ -281,8 +282,17 @@ def _key(op: Any, kind: str, diff_values: Any) -> Any:
     return key
 
 
+def _has_python_number(values: Any) -> bool:
+    """Whether a leaf of ``values`` is a Python number rather than an array."""
+    return any(
+        not isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+        for leaf in jax.tree_util.tree_leaves(values)
+    )
+
+
 def _is_float(dtype: Any) -> bool:
-    return jnp.issubdtype(dtype, jnp.inexact)
+    """Whether values of ``dtype`` are differentiated (as ``_custom_vjp._is_float``)."""
+    return primal_dtype_to_tangent_dtype(dtype) != jax.dtypes.float0
 
 
 # -- the eager tangent -----------------------------------------------------------------

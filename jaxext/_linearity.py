@@ -6,7 +6,8 @@ raises for some nonlinear uses (``jnp.clip``) but silently drops others: a term 
 does not depend on the cotangent (``return 3 * x**2``, or ``g * a + b``) transposes to
 nothing. This module classifies each value of the backward's jaxpr as
 
-* ``ZERO``: identically zero (a literal ``0``, ``jnp.zeros``, a product with zero),
+* ``ZERO``: identically zero (a literal ``0``, ``jnp.zeros``, a NumPy constant of
+  zeros such as ``np.zeros(2)``, a product with zero),
 * ``CONST``: independent of the inputs (residuals, literals, their functions),
 * ``LINEAR``: a linear function of the inputs,
 * ``AFFINE``: linear plus a term that does not depend on the inputs,
@@ -149,14 +150,18 @@ def nonlinearities(fn: Callable[..., Any], examples: Sequence[Any]) -> list[tupl
         it ``NONLINEAR``, and is empty otherwise.
     """
     closed = jax.make_jaxpr(fn)(*examples)
-    kinds = _walk(closed.jaxpr, [Kind.LINEAR] * len(closed.jaxpr.invars))
+    kinds = _walk(closed.jaxpr, [Kind.LINEAR] * len(closed.jaxpr.invars), closed.consts)
     return kinds
 
 
-def _walk(jaxpr: Any, in_kinds: Sequence[Kind]) -> list[tuple[Kind, str]]:
+def _walk(
+    jaxpr: Any, in_kinds: Sequence[Kind], consts: Sequence[Any] = ()
+) -> list[tuple[Kind, str]]:
     env: dict[Any, tuple[Kind, str]] = {}
-    for v in jaxpr.constvars:
-        env[v] = (Kind.CONST, "")
+    if len(consts) != len(jaxpr.constvars):  # values unknown: none provably zero
+        consts = [None] * len(jaxpr.constvars)
+    for v, value in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = (Kind.ZERO if _is_zero_constant(value) else Kind.CONST, "")
     for v, k in zip(jaxpr.invars, in_kinds, strict=True):
         env[v] = (k, "")
 
@@ -171,6 +176,16 @@ def _walk(jaxpr: Any, in_kinds: Sequence[Kind]) -> list[tuple[Kind, str]]:
         for v, k in zip(eqn.outvars, outs, strict=True):
             env[v] = k
     return [read(v) for v in jaxpr.outvars]
+
+
+def _is_zero_constant(value: Any) -> bool:
+    """Whether a jaxpr's constant ``value`` is a NumPy array of zeros.
+
+    Only NumPy arrays count: they are fixed when the function is written (``np.zeros(2)``),
+    whereas a JAX array among a jaxpr's constants may be a residual that happens to be zero
+    for these inputs (and is traced, so not known, under ``jit``).
+    """
+    return isinstance(value, np.ndarray) and _is_zero(value)
 
 
 def _is_zero(val: Any) -> bool:
@@ -229,13 +244,15 @@ def _rule(eqn: Any, ins: Sequence[tuple[Kind, str]]) -> list[tuple[Kind, str]]:
             if any(k == Kind.CONST for k, _ in cases) and any(k >= Kind.LINEAR for k, _ in cases):
                 return [(Kind.AFFINE, here)] * n_out
             return [_worst(cases)] * n_out
-        branch_outs = [_walk(b.jaxpr, [k for k, _ in ins[1:]]) for b in eqn.params["branches"]]
+        branch_outs = [
+            _walk(b.jaxpr, [k for k, _ in ins[1:]], b.consts) for b in eqn.params["branches"]
+        ]
         return [_worst(col) for col in zip(*branch_outs, strict=True)]
     if name in _NONLINEAR:
         return [(Kind.NONLINEAR, here)] * n_out
     for param in _SUBJAXPR_PARAMS:  # pjit, closed_call, checkpoint, custom_jvp_call, ...
-        sub = eqn.params.get(param)
-        sub = getattr(sub, "jaxpr", sub)
+        closed = eqn.params.get(param)
+        sub = getattr(closed, "jaxpr", closed)
         if sub is not None and hasattr(sub, "eqns") and len(sub.invars) == len(kinds):
-            return _walk(sub, kinds)
+            return _walk(sub, kinds, getattr(closed, "consts", ()))
     return [(Kind.UNKNOWN, "")] * n_out

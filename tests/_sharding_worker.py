@@ -352,6 +352,34 @@ def check_forward_mode_sharded(axis_type, jit):
         return forward_mode(loss, reference, (x, w, b), args, 3, jit=jit)
 
 
+def check_per_example_vmap(jit):
+    """Per-example ``vmap`` of jaxext.linear over a batch sharded on an explicit mesh:
+    the gradient (reverse mode) and forward mode of the summed per-example losses."""
+    mesh = make_mesh(AxisType.Explicit)
+    w, b, x = rand(90, (6, 12)), rand(91, (6,)), rand(92, (16, 12))
+
+    def per_example(layer):
+        def loss(w, b, x):
+            return jnp.sum(jax.vmap(lambda xi: jnp.sum(jnp.tanh(layer(xi, w, b)) ** 2))(x))
+
+        return loss
+
+    loss = per_example(jaxext.linear)
+    reference = per_example(lambda xi, w, b: xi @ w.T + b)
+    with jax.set_mesh(mesh):
+        specs_ = (P(), P(), P("data", None))
+        args = [
+            jax.device_put(a, NamedSharding(mesh, s))
+            for a, s in zip((w, b, x), specs_, strict=True)
+        ]
+        grad = jax.grad(loss, argnums=(0, 1))
+        got = (jax.jit(grad) if jit else grad)(*args)
+        result = forward_mode(loss, reference, (w, b, x), args, 2, jit=jit)
+    want = in_float64(jax.grad(reference, argnums=(0, 1)), w, b, x)
+    result.update(grad_diff=max_abs_diff(got, want), grad_scale=max_abs(want))
+    return result
+
+
 # ----------------------------------------------------------------------- placements
 # The parameters in the other states plain JAX accepts: never placed on the mesh (made
 # with jnp outside it), replicated, resharded to "reduced" over `data` inside the loss,
@@ -537,6 +565,8 @@ CHECKS = {
     "forward_explicit_jit": lambda: check_forward_mode_sharded(AxisType.Explicit, True),
     "forward_auto_eager": lambda: check_forward_mode_sharded(AxisType.Auto, False),
     "forward_auto_jit": lambda: check_forward_mode_sharded(AxisType.Auto, True),
+    "per_example_vmap_eager": lambda: check_per_example_vmap(False),
+    "per_example_vmap_jit": lambda: check_per_example_vmap(True),
 }
 CHECKS.update(
     {

@@ -862,6 +862,9 @@ LINEAR_BACKWARDS = {  # gradient of x, linear in g however written
     "matrix": lambda x, y, g: jnp.diag(3 * x**2 * y) @ g,
     # complex(a, b) = a + i b is linear in (a, b) together, both from the cotangent.
     "complex_parts": lambda x, y, g: jnp.real(jax.lax.complex(g, 2 * g) * (3 * x**2 * y)),
+    # NumPy constants of zeros are zero terms, not terms independent of g.
+    "numpy_zero_padding": lambda x, y, g: jnp.concatenate([g * 3 * x**2 * y, np.zeros(2)])[:3],
+    "plus_numpy_zeros": lambda x, y, g: g * 3 * x**2 * y + np.zeros(3),
 }
 
 

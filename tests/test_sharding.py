@@ -59,6 +59,8 @@ FORWARD_CASES = [  # forward mode of jaxext.linear on sharded arrays, no shard_m
     "forward_auto_eager",
     "forward_auto_jit",
 ]
+# per-example vmap of jaxext.linear over a batch sharded on an explicit mesh
+PER_EXAMPLE_CASES = ["per_example_vmap_eager", "per_example_vmap_jit"]
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +101,7 @@ def test_worker_sees_eight_devices(worker_results):
         + FORWARD_CASES
         + PLACEMENT_CASES
         + RMS_NORM_CASES
+        + PER_EXAMPLE_CASES
     )
 
 
@@ -198,6 +201,16 @@ def test_rms_norm_with_rows_split_matches_unsharded(worker_results, name):
     _assert_loss_close(result["loss"])
     _assert_grads_close(result)
     assert result["x_grad_spec"] == ["('data', None)"]  # x's gradient keeps x's row split
+    _assert_loss_close(result["jvp"])
+    for measure in ("jacfwd", "hvp"):
+        assert result[f"{measure}_scale"] > 1e-2
+        assert result[f"{measure}_diff"] <= TOL * result[f"{measure}_scale"], measure
+
+
+@pytest.mark.parametrize("name", PER_EXAMPLE_CASES)
+def test_per_example_vmap_over_a_sharded_batch_matches_unsharded(worker_results, name):
+    result = _check(worker_results, name)
+    _assert_grads_close(result)
     _assert_loss_close(result["jvp"])
     for measure in ("jacfwd", "hvp"):
         assert result[f"{measure}_scale"] > 1e-2
