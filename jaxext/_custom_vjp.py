@@ -1425,7 +1425,28 @@ def _tangent_batch(args: Sequence[Any], dims: Sequence[Any], *, lin: _Linear):
     ]
     res_axes = [None if d is None else 0 for d in res_dims]
     outs = tangent_p.bind(*res, *t, lin=_Batched(lin, size, res_axes))
-    return outs, [0] * len(outs)
+    if all(d is not None for d in t_dims):
+        return outs, [0] * len(outs)
+    # An output tangent that varies with no batched operand stays unbatched, as its primal
+    # output does (vmap's out_axes=None, and JAX's merge of primal and tangent batching).
+    res_avals = [
+        jax.typeof(r) if d is None else _unbatched_aval(r)
+        for r, d in zip(res, res_dims, strict=True)
+    ]
+    batched = _jvp_from_vjp.batched_outputs(
+        lin.backward,
+        res_avals,
+        [d is not None for d in res_dims],
+        lin.ct_avals,
+        [d is not None for d in t_dims],
+    )
+    outs = [o if b else o[0] for o, b in zip(outs, batched, strict=True)]
+    return outs, [0 if b else None for b in batched]
+
+
+def _unbatched_aval(value: Any) -> Any:
+    """The type of one element of ``value``'s leading batch axis."""
+    return jax.ShapeDtypeStruct(np.shape(value)[1:], _dtype(value))
 
 
 class _Batched:

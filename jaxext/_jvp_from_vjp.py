@@ -336,3 +336,87 @@ def closure_convert(fn: Callable[..., Any], *args: Any) -> tuple[Callable[..., A
         return jax.tree_util.tree_unflatten(out_tree, out)
 
     return converted, hoisted
+
+
+# -- which output tangents vmap batches -------------------------------------------------------
+
+
+def batched_outputs(
+    backward: Callable[..., Any],
+    res_avals: Sequence[Any],
+    res_batched: Sequence[bool],
+    ct_avals: Sequence[Any],
+    t_batched: Sequence[bool],
+) -> list[bool]:
+    """Which outputs of ``J t`` vary over a ``vmap`` batch, read off the backward's jaxpr.
+
+    Output ``k`` of ``J t = sum_j J_kj t_j`` varies when some ``J_kj`` is nonzero and
+    either ``t_j`` is batched or ``J_kj`` depends on a batched residual. In the backward
+    ``g -> J^T g``, ``J_kj`` is the coefficient of ``g_k`` in gradient ``j``: each value of
+    its jaxpr is tracked as the cotangents it is linear in, each flagged when its
+    coefficient may depend on a batched residual, and whether its other part does. An
+    equation mixes its operands' dependencies (over-approximating, never missing one);
+    those with an inner jaxpr (``jit``, ``checkpoint``) are walked through.
+
+    Returns:
+        One flag per output of ``J t``; all ``True`` where the backward cannot be traced.
+    """
+    examples = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (*res_avals, *ct_avals)]
+    n_res = len(res_avals)
+    try:
+        closed = jax.make_jaxpr(lambda *a: backward(list(a[:n_res]), list(a[n_res:])))(*examples)
+    except Exception:  # noqa: BLE001 -- reverse mode traces (and reports) it itself
+        return [True] * len(ct_avals)
+    inputs = [_Dep({}, b) for b in res_batched]
+    inputs += [_Dep({k: False}, False) for k in range(len(ct_avals))]
+    grads = _walk_deps(closed.jaxpr, inputs)
+    flags = [False] * len(ct_avals)
+    for grad, batched in zip(grads, t_batched, strict=True):
+        for k, coefficient_batched in grad.cts.items():
+            flags[k] = flags[k] or batched or coefficient_batched
+    return flags
+
+
+class _Dep:
+    """A value's dependence: ``cts`` maps each cotangent it is linear in to whether that
+    coefficient may vary over the batch; ``batched``: whether the rest may."""
+
+    def __init__(self, cts: dict[int, bool], batched: bool):
+        self.cts, self.batched = cts, batched
+
+
+_NONE = _Dep({}, False)
+
+
+def _mix(deps: Sequence[_Dep]) -> _Dep:
+    batched = any(d.batched for d in deps)
+    cts: dict[int, bool] = {}
+    for d in deps:
+        for k, flag in d.cts.items():
+            cts[k] = cts.get(k, False) or flag
+    # A value linear in cotangents (as every value of a linear backward that depends on
+    # one is) has no other part.
+    return _Dep({k: flag or batched for k, flag in cts.items()}, batched and not cts)
+
+
+def _walk_deps(jaxpr: Any, inputs: Sequence[_Dep]) -> list[_Dep]:
+    env: dict[Any, _Dep] = dict(zip(jaxpr.invars, inputs, strict=True))
+
+    def read(atom: Any) -> _Dep:
+        return _NONE if isinstance(atom, jax.extend.core.Literal) else env.get(atom, _NONE)
+
+    for eqn in jaxpr.eqns:
+        ins = [read(a) for a in eqn.invars]
+        inner = None
+        for param in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+            sub = eqn.params.get(param)
+            sub = getattr(sub, "jaxpr", sub)
+            if hasattr(sub, "eqns") and len(sub.invars) == len(ins):
+                inner = sub
+                break
+        if inner is not None and len(inner.outvars) == len(eqn.outvars):
+            outs = _walk_deps(inner, ins)
+        else:
+            outs = [_mix(ins)] * len(eqn.outvars)
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]
