@@ -445,3 +445,46 @@ def test_backward_indexing_with_a_loop_counter(x64):
         return jax.lax.fori_loop(0, 3, body, 0.0)
 
     assert_close(jax.jit(picked)(jnp.ones(4)), 1.0 + 2.0 + 3.0, rtol=0, atol=0)
+
+
+# -- vmap: an output the batch does not reach keeps an unbatched tangent ---------------------
+
+
+def _scale_and_shared(jit_bwd):
+    """``(x * c, sin(c))``: under ``vmap`` over ``x`` only, the second output is shared."""
+
+    @jaxext.custom_vjp
+    def op(x, c):
+        return x * c, jnp.sin(c)
+
+    def bwd(res, g):
+        x, c = res
+        g_scaled, g_shared = g
+        return g_scaled * c, g_scaled * x + g_shared * jnp.cos(c)
+
+    op.defvjp(lambda x, c: (op(x, c), (x, c)), jax.jit(bwd) if jit_bwd else bwd)
+    return op
+
+
+def _shared_reference(x, c):
+    return x * c, jnp.sin(c)
+
+
+@pytest.mark.parametrize("jit_bwd", tiered([True, False], default=[True], ids=str))
+def test_vmap_with_an_unbatched_output_then_grad_and_jacfwd(jit_bwd, x64):
+    x, c = jnp.arange(6.0).reshape(2, 3), jnp.array([1.0, 2.0, 3.0])
+
+    def loss(f):
+        batched = jax.vmap(f, in_axes=(0, None), out_axes=(0, None))
+        return lambda x, c: jnp.sum(batched(x, c)[0] ** 2) + jnp.sum(jnp.cos(batched(x, c)[1]))
+
+    op = _scale_and_shared(jit_bwd)
+    want = jax.grad(loss(_shared_reference), (0, 1))(x, c)
+    assert_trees_close(jax.grad(loss(op), (0, 1))(x, c), want)
+    assert_trees_close(jax.jacfwd(loss(op), (0, 1))(x, c), want)
+    shared = jax.vmap(op, in_axes=(0, None), out_axes=(0, None))
+    shared_reference = jax.vmap(_shared_reference, in_axes=(0, None), out_axes=(0, None))
+    assert_trees_close(
+        jax.jacfwd(lambda c: shared(x, c))(c),
+        jax.jacfwd(lambda c: shared_reference(x, c))(c),
+    )
