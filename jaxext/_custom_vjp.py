@@ -793,11 +793,7 @@ class _Op:
             out_float=out_float,
             eager=eager,
         )
-        # Staged: inside a trace, where the rules may close over its tracers even when the
-        # op's own inputs are constants.
-        staged = not _eager_cache.at_top_level() or any(
-            isinstance(v, jax.core.Tracer) for v in [*in_leaves, *res_arrays, *t_in]
-        )
+        staged = _jvp_from_vjp.staged(in_leaves, res_arrays, t_in)
         if t_in and staged and self.spec.hoist_closures:
             res_arrays = [*res_arrays, *lin.hoist(res_arrays)]  # staged: see _Linear.hoist
         if t_in and self.spec.differentiate_fwd and self.spec.jvp is None:

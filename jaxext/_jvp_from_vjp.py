@@ -49,6 +49,7 @@ __all__ = [
     "check_max_outputs",
     "closure_convert",
     "plain_calls",
+    "staged",
     "tangent_from_backward",
     "tangent_of_fwd",
 ]
@@ -305,6 +306,26 @@ def _zero_tangent(primal: Any) -> Any:
 
 
 # -- closures ---------------------------------------------------------------------------------
+
+
+def staged(in_leaves: Sequence[Any], res_arrays: Sequence[Any], t_in: Sequence[Any]) -> bool:
+    """Whether a JVP rule runs inside a trace whose tracers its rules may close over.
+
+    So whenever its inputs or residuals are traced, and also where they are constants
+    inside a transformation (``jax.jvp`` or ``jax.jacfwd`` under ``jit``, in a loop body).
+    Linearization (``grad``, ``linearize``) runs the rule in a partial-evaluation trace
+    even at the top level: there the inputs decide, so that an eager ``grad`` does not
+    dry-run the rules.
+    """
+    from jax.interpreters import partial_eval
+
+    from ._eager_cache import at_top_level
+
+    if any(isinstance(v, jax.core.Tracer) for v in (*in_leaves, *res_arrays)):
+        return True
+    if any(isinstance(t, partial_eval.JaxprTracer) for t in t_in):
+        return False
+    return not at_top_level()
 
 
 def closure_convert(fn: Callable[..., Any], *args: Any) -> tuple[Callable[..., Any], list[Any]]:
