@@ -28,7 +28,14 @@ in jax-ml/jax#17840. That is right for a ``custom_vjp`` that exists to save memo
 (checkpointing, implicit differentiation) and wrong for one that changes the gradient.
 
 Also here: :func:`closure_convert`, which makes every tracer a rule closes over (integer
-ones too, unlike ``jax.closure_convert``) an explicit operand.
+ones too, unlike ``jax.closure_convert``) an explicit operand, and :func:`staged`, which
+says when to; and :func:`batched_outputs`, which tells the tangent's batching rule which
+output tangents a ``vmap`` batch reaches (an output the batch does not reach keeps an
+unbatched tangent, as its primal does).
+
+Caveat of way 2: a backward is taken to be linear in ``g`` (``_linearity`` refuses the
+nonlinear operations it can see); an op inside it that is nonlinear in ``g`` and opaque
+to that walk would be linearized at ``g = 0`` rather than refused.
 """
 
 from __future__ import annotations
@@ -48,7 +55,9 @@ __all__ = [
     "DEFAULT_MAX_OUTPUTS",
     "check_max_outputs",
     "closure_convert",
+    "batched_outputs",
     "plain_calls",
+    "runs_plain",
     "staged",
     "tangent_from_backward",
     "tangent_of_fwd",
