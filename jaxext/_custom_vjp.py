@@ -40,7 +40,7 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.extend.core import Primitive, primal_dtype_to_tangent_dtype, take_current_trace
 from jax.interpreters import ad, batching, mlir
 
-from . import _eager_cache
+from . import _eager_cache, _jvp_from_vjp
 from ._linearity import Kind, nonlinearities
 from ._remat import rematerialized, run_fwd, saved
 
@@ -92,12 +92,28 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
             time to hoist the tracers they close over. ``jaxext.Function`` turns
             it off: its rules re-run the user's ``forward``, which a port may
             count on running once per differentiation.
+        forward_mode_max_outputs: where JAX cannot transpose ``bwd`` (it has a
+            ``while_loop``, a host callback, an FFI kernel), forward mode
+            evaluates ``bwd`` once per output element (batched with ``vmap``) and
+            contracts the rows of the Jacobian with the tangent; up to this many
+            output elements (a complex element counts twice). Beyond it, forward
+            mode raises. Default 4096.
+        differentiate_fwd: forward mode differentiates ``fwd`` with JAX's
+            autodiff (its output, discarding the residuals) instead of deriving
+            ``J t`` from ``bwd``, as proposed upstream in jax-ml/jax#17840; calls of
+            the op inside ``fwd`` then run the primal as written. Right for a
+            ``custom_vjp`` that exists to save memory (checkpointing, implicit
+            differentiation) and whose ``fwd`` JAX can differentiate; wrong for
+            one whose ``bwd`` changes the gradient (a straight-through estimator,
+            a gradient clip). Reverse mode runs ``bwd`` either way; a ``jvp``
+            rule, when given, takes precedence.
 
     Raises:
         TypeError: if ``fun`` is not callable, ``nondiff_argnums`` holds
             something else than non-negative ints, ``forward_mode_hint`` or
-            ``no_derivatives_message`` is neither a string nor None, or
-            ``hoist_closures`` is not a bool.
+            ``no_derivatives_message`` is neither a string nor None,
+            ``hoist_closures`` or ``differentiate_fwd`` is not a bool, or
+            ``forward_mode_max_outputs`` is not a non-negative int.
         ValueError: if a name of ``nondiff_argnames`` is not a positional
             parameter of ``fun``.
 
@@ -129,6 +145,8 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         forward_mode_hint: str | None = None,
         no_derivatives_message: str | None = None,
         hoist_closures: bool = True,
+        forward_mode_max_outputs: int = _jvp_from_vjp.DEFAULT_MAX_OUTPUTS,
+        differentiate_fwd: bool = False,
     ):
         if not callable(fun):
             raise TypeError(f"`fun` must be callable; got {type(fun).__name__}.")
@@ -142,6 +160,11 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
             raise TypeError(
                 f"`hoist_closures` must be a bool; got {type(hoist_closures).__name__}."
             )
+        if not isinstance(differentiate_fwd, bool):
+            raise TypeError(
+                f"`differentiate_fwd` must be a bool; got {type(differentiate_fwd).__name__}."
+            )
+        _jvp_from_vjp.check_max_outputs(forward_mode_max_outputs)
         functools.update_wrapper(self, fun)
         self.fun = fun
         argnums = tuple(nondiff_argnums)
@@ -162,6 +185,8 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         self.forward_mode_hint = forward_mode_hint
         self.no_derivatives_message = no_derivatives_message
         self.hoist_closures = hoist_closures
+        self.forward_mode_max_outputs = forward_mode_max_outputs
+        self.differentiate_fwd = differentiate_fwd
         self.vmap_rule: Callable[..., tuple[Any, Any]] | None = None
 
     def _signature(self) -> inspect.Signature | None:
@@ -403,6 +428,8 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
             )
         if kwargs or len(args) != self._arity():
             args = _resolve_kwargs(self._signature(), name, args, kwargs)
+        if self.differentiate_fwd and _jvp_from_vjp.runs_plain(self):
+            return self.fun(*args)  # inside its own fwd, differentiated by JAX
         for i in self.nondiff_argnums:
             if i >= len(args):
                 raise TypeError(
@@ -803,9 +830,11 @@ class _Op:
             out_float=out_float,
             eager=eager,
         )
-        staged = any(isinstance(v, jax.core.Tracer) for v in [*in_leaves, *res_arrays])
+        staged = _jvp_from_vjp.staged(in_leaves, res_arrays, t_in)
         if t_in and staged and self.spec.hoist_closures:
             res_arrays = [*res_arrays, *lin.hoist(res_arrays)]  # staged: see _Linear.hoist
+        if t_in and self.spec.differentiate_fwd and self.spec.jvp is None:
+            res_arrays = [*res_arrays, *lin.fwd_operands(in_leaves, staged)]
         float_tangents = iter(tangent_p.bind(*res_arrays, *t_in, lin=lin) if t_in else [])
         out_tangents = []
         for o, is_float in zip(out_leaves, out_float, strict=True):
@@ -1053,7 +1082,9 @@ class _Linear:
         self.hoisted_bwd: Callable[..., Any] | None = None
         self.traced_bwd: Callable[..., Any] | None = None  # bwd as hoist traced it
         self.hoisted_jvp: Callable[..., Any] | None = None
+        self.hoisted_fwd: Callable[..., Any] | None = None
         self.n_bwd_consts = self.n_jvp_consts = 0
+        self.fwd_start = self.n_fwd_consts = 0  # differentiate_fwd: see fwd_operands
         self.ct_avals = tuple(
             a.to_tangent_aval() for a, f in zip(self.out_avals, self.out_float, strict=True) if f
         )
@@ -1100,7 +1131,7 @@ class _Linear:
         own = list(res_arrays)
         consts: list[Any] = []
         try:
-            bwd, bwd_consts = jax.closure_convert(self.own_backward, own, cts)
+            bwd, bwd_consts = _jvp_from_vjp.closure_convert(self.own_backward, own, cts)
         except Exception:  # noqa: BLE001 -- a dry run: the rule itself runs (and raises) later
             bwd, bwd_consts = None, []
         self.traced_bwd = bwd  # reverse mode reuses it (see backward)
@@ -1109,7 +1140,7 @@ class _Linear:
             consts += bwd_consts
         if self.op.spec.jvp is not None:
             try:
-                jvp, jvp_consts = jax.closure_convert(self.own_user_jvp, own, t_in)
+                jvp, jvp_consts = _jvp_from_vjp.closure_convert(self.own_user_jvp, own, t_in)
             except Exception:  # noqa: BLE001 -- as above
                 jvp, jvp_consts = None, []
             if jvp_consts:
@@ -1117,6 +1148,27 @@ class _Linear:
                 consts += jvp_consts
         self.n_res = self.n_own + len(consts)
         return consts
+
+    def fwd_operands(self, in_leaves: Sequence[Any], staged: bool) -> list[Any]:
+        """With ``differentiate_fwd``: the operands ``J t`` needs, after the others.
+
+        The input leaves (``fwd`` is differentiated at them), then, when staged, the
+        tracers ``fwd`` closes over (hoisted as in :meth:`hoist`).
+        """
+        primals = [_as_array(p) for p in in_leaves]
+        consts: list[Any] = []
+        if staged:
+            try:
+                fwd, consts = _jvp_from_vjp.closure_convert(
+                    _jvp_from_vjp.fwd_outputs(self), *primals
+                )
+            except Exception:  # noqa: BLE001 -- a dry run: fwd itself runs (and raises) later
+                fwd, consts = None, []
+            if consts:
+                self.hoisted_fwd = fwd
+        self.fwd_start, self.n_fwd_consts = self.n_res, len(consts)
+        self.n_res += len(primals) + len(consts)
+        return [*primals, *consts]
 
     def backward(self, res_arrays: Sequence[Any], cts: Sequence[Any]) -> list[jax.Array]:
         """Runs ``bwd`` (reverse mode); ``cts`` has one entry (``None`` for zero) per float output.
@@ -1304,9 +1356,15 @@ class _Linear:
     # -- forward mode ------------------------------------------------------------------
 
     def tangent(self, res_arrays: Sequence[Any], t_in: Sequence[Any]) -> list[jax.Array]:
-        """``J t`` for the float outputs: from the user's ``jvp`` or by transposing ``bwd``."""
+        """``J t`` for the float outputs: from the user's ``jvp``, by differentiating
+        ``fwd`` (``differentiate_fwd``) or from ``bwd`` (see ``_jvp_from_vjp``)."""
         if self.op.spec.jvp is not None:
             return self.user_jvp(res_arrays, t_in)
+        if self.op.spec.differentiate_fwd:
+            start, n_in = self.fwd_start, len(self.in_avals)
+            primals = res_arrays[start : start + n_in]
+            consts = res_arrays[start + n_in : start + n_in + self.n_fwd_consts]
+            return _jvp_from_vjp.tangent_of_fwd(self, primals, consts, t_in)
         message = self.op.spec.no_derivatives_message
         if message is not None:
             # The backward must not be differentiated (once_differentiable): transposing it
@@ -1322,21 +1380,7 @@ class _Linear:
             "`jvp(*nondiff_args, residuals, tangents) -> output tangent`"
         )
         self.check_linear(res_arrays, examples, hint)
-        try:
-            transposed = jax.linear_transpose(
-                lambda cts: self.staged_backward(res_arrays, cts), examples
-            )
-            (out,) = transposed(list(t_in))
-        except (RuleTypeError, RuleValueError):
-            raise
-        except Exception as err:  # noqa: BLE001 -- re-raised with the way out
-            raise TypeError(
-                f"`{self.op.name}`: forward-mode differentiation (jvp, jacfwd, linearize, "
-                "hessian) of a jaxext.custom_vjp function is derived by transposing its bwd, "
-                f"and JAX could not transpose it ({type(err).__name__}: {err}). The bwd must be "
-                f"linear in its cotangent and built of JAX operations; otherwise {hint}."
-            ) from err
-        return [jnp.asarray(o) for o in out]
+        return _jvp_from_vjp.tangent_from_backward(self, res_arrays, t_in)
 
     def check_linear(self, res_arrays: Sequence[Any], examples: list[Any], hint: str) -> None:
         """Raises unless ``bwd`` is linear in its cotangent, as transposing it assumes.
@@ -1526,7 +1570,28 @@ def _tangent_batch(args: Sequence[Any], dims: Sequence[Any], *, lin: _Linear):
     entry = _batch_entry([r for r, d in zip(res, res_dims, strict=True) if d is not None] + t)
     t = [_with_batch_entry(x, entry) for x in t]
     outs = tangent_p.bind(*res, *t, lin=_Batched(lin, size, res_axes, entry))
-    return outs, [0] * len(outs)
+    if all(d is not None for d in t_dims):
+        return outs, [0] * len(outs)
+    # An output tangent that varies with no batched operand stays unbatched, as its primal
+    # output does (vmap's out_axes=None, and JAX's merge of primal and tangent batching).
+    res_avals = [
+        jax.typeof(r) if d is None else _unbatched_aval(r)
+        for r, d in zip(res, res_dims, strict=True)
+    ]
+    batched = _jvp_from_vjp.batched_outputs(
+        lin.backward,
+        res_avals,
+        [d is not None for d in res_dims],
+        lin.ct_avals,
+        [d is not None for d in t_dims],
+    )
+    outs = [o if b else o[0] for o, b in zip(outs, batched, strict=True)]
+    return outs, [0 if b else None for b in batched]
+
+
+def _unbatched_aval(value: Any) -> Any:
+    """The type of one element of ``value``'s leading batch axis."""
+    return jax.ShapeDtypeStruct(np.shape(value)[1:], _dtype(value))
 
 
 def _explicit_spec(value: Any) -> Any:

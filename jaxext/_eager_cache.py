@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import jaxpr_as_fun, primal_dtype_to_tangent_dtype
 
-__all__ = ["CACHE_SIZE", "ENABLED", "Cached", "lookup"]
+__all__ = ["CACHE_SIZE", "ENABLED", "Cached", "at_top_level", "lookup"]
 
 # Whether eager work is cached at all (tests turn it off to check the plain path).
 ENABLED = True
@@ -374,7 +374,7 @@ def _jvp_key(op: Any, in_leaves: list[Any], in_tree: Any, perturbed: tuple, t_in
     for leaf in (*in_leaves, *t_in):  # (tracers under grad's linearization: a quick no)
         if not isinstance(leaf, (jax.Array, np.ndarray)) or isinstance(leaf, jax.core.Tracer):
             return None
-    if not _at_top_level():
+    if not at_top_level():
         return None
     # What every cached entry of this call is keyed by, plus what only this program reads.
     base = _key(op, "jvp", (list(in_leaves), list(t_in)))
@@ -392,7 +392,7 @@ def _jvp_key(op: Any, in_leaves: list[Any], in_tree: Any, perturbed: tuple, t_in
 _TOP_TRACE: list[Any] = []
 
 
-def _at_top_level() -> bool:
+def at_top_level() -> bool:
     """Whether no transformation is under way (JAX's evaluation is the current trace)."""
     find = getattr(getattr(jax.extend, "core", None), "find_top_trace", None)
     eval_context = getattr(jax.core, "eval_context", None)

@@ -435,7 +435,9 @@ class _Lowered:
                 "forward stored with `ctx.save_for_forward(...)`"
             ),
             "no_derivatives_message": self.once,
-            "hoist_closures": False,  # forward runs once per differentiation, as in torch
+            # The rules run once per differentiation, as in torch: they are dry-run to hoist
+            # the tracers they close over only where they visibly close over some.
+            "hoist_closures": _closes_over_tracers(cls),
         }
         has_jvp = _overrides(cls, "jvp")
         # `attached(values, outputs)` returns `outputs` (computed by forward) unchanged.
@@ -575,6 +577,38 @@ class _Lowered:
     def attached_jvp(self, residuals: tuple[_CtxState, _Meta], tangents: Any) -> list[Any]:
         out = self.jvp(residuals, tuple(tangents[0]))
         return list(out) if isinstance(out, tuple) else [out]
+
+
+def _closes_over_tracers(cls: type[Function]) -> bool:
+    """Whether ``backward`` or ``jvp`` visibly closes over a tracer (a jit-traced scale).
+
+    Looks at the closure cells of the methods, of the functions found there, and at the
+    class's own attributes; forward mode then hoists those tracers (see
+    ``custom_vjp``'s ``hoist_closures``), which needs a dry run of the rules.
+    """
+    seen: set[int] = set()
+    stack: list[Any] = [getattr(cls, name) for name in ("backward", "jvp")]
+    stack += [v for k, v in vars(cls).items() if not k.startswith("__")]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, _OnceDifferentiable):
+            value = value.backward
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, jax.core.Tracer):
+            return True
+        if isinstance(value, (staticmethod, classmethod)):
+            stack.append(value.__func__)
+        elif inspect.isfunction(value):
+            for cell in value.__closure__ or ():
+                try:
+                    stack.append(cell.cell_contents)
+                except ValueError:  # an empty cell
+                    continue
+        elif isinstance(value, (tuple, list, dict)):
+            stack.extend(jax.tree_util.tree_leaves(value))
+    return False
 
 
 def _named(

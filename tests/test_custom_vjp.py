@@ -500,7 +500,8 @@ def test_user_jvp_rule_for_a_backward_jax_cannot_transpose(x64):
             vmap_method="broadcast_all",
         )
 
-    @jaxext.custom_vjp
+    # Without the row-by-row fallback (forward_mode_max_outputs=0), forward mode refuses it.
+    @functools.partial(jaxext.custom_vjp, forward_mode_max_outputs=0)
     def sin(x):
         return jnp.sin(x)
 
@@ -1209,7 +1210,7 @@ def test_forward_mode_hint_replaces_the_advice_to_give_a_jvp():
     x = jnp.float32(0.3)
     ops = {}
     for hint in (None, "define a jvp on Sine"):
-        ops[hint] = jaxext.custom_vjp(jnp.sin, forward_mode_hint=hint)
+        ops[hint] = jaxext.custom_vjp(jnp.sin, forward_mode_hint=hint, forward_mode_max_outputs=0)
         ops[hint].defvjp(*_host_sin())
         assert jnp.allclose(jax.grad(ops[hint])(x), jnp.cos(x))  # reverse mode is unaffected
     with pytest.raises(TypeError, match=r"otherwise give a JVP rule: `sin.defvjp\(fwd, bwd, jvp"):

@@ -674,12 +674,17 @@ def test_function_jvp_method_gives_forward_mode_for_an_untransposable_backward(x
     assert_trees_close(jax.grad(lambda x: HostSin.apply(x).sum())(x), np.cos(x))
     got = jax.jit(lambda x, t: jax.jvp(HostSinWithJvp.apply, (x,), (t,)))(x, t)
     assert_trees_close(got, (np.sin(x), np.cos(x) * t))
+    # Without a jvp method: the backward row by row (one host call per output element) ...
+    got = jax.jit(lambda x, t: jax.jvp(HostSin.apply, (x,), (t,)))(x, t)
+    assert_trees_close(got, (np.sin(x), np.cos(x) * t))
+    # ... up to forward_mode_max_outputs (4096) output elements.
+    big = jnp.ones(4097)
     with pytest.raises(TypeError, match=r"`HostSin`: forward-mode.*could not transpose"):
-        jax.jvp(HostSin.apply, (x,), (t,))
+        jax.jvp(HostSin.apply, (big,), (big,))
 
 
 def test_function_untransposable_backward_error_names_the_jvp_method(x64):
-    x = jnp.ones(4)
+    x = jnp.ones(4097)  # more output elements than forward mode evaluates the backward for
     with pytest.raises(TypeError) as info:
         jax.jvp(HostSin.apply, (x,), (x,))
     assert "defvjp" not in str(info.value) and "jvp(ctx" in str(info.value)

@@ -1,0 +1,452 @@
+"""Forward mode of a ``jaxext.custom_vjp`` op from its backward, wherever reverse mode works.
+
+``_custom_vjp.py`` evaluates the tangent ``J t`` of an op without a ``jvp`` rule from its
+hand-written backward ``bwd: g -> J^T g`` (linear in the cotangent ``g``). This module
+holds the ways it does so, tried in order of cost until one works
+(:func:`tangent_from_backward`):
+
+1. **Transposing the backward** (``jax.linear_transpose``): one backward's worth of work.
+2. **Transposing its linearization at zero** (``jax.vjp`` of the backward at ``g = 0``,
+   applied to ``t``): the same map for a linear backward, and what makes the backward
+   transposable when it calls another op whose own rules JAX must use to transpose it (a
+   ``jaxext.Function`` with a ``vmap`` staticmethod, which lowers through
+   ``jax.custom_batching.custom_vmap``; any ``jaxext.custom_vjp`` op whose primal JAX
+   cannot transpose). About twice the work of 1.
+3. **The backward row by row**: the rows of ``J`` are ``bwd(e_i)`` for the unit
+   cotangents ``e_i``, so ``J t = [<bwd(e_i), t>]_i``; batched with ``vmap`` in chunks
+   (or one at a time where the backward cannot be batched). This works for any backward
+   JAX can evaluate (a ``while_loop``, a host callback, an FFI kernel) and costs one
+   backward per output element (real and imaginary parts of a complex output count
+   twice), so it runs only up to the op's ``forward_mode_max_outputs``
+   (:data:`DEFAULT_MAX_OUTPUTS`).
+
+Beyond that limit, or where no way works, :func:`tangent_from_backward` raises a
+``TypeError`` naming the op and the two remedies: a ``jvp`` rule, or the
+``differentiate_fwd=True`` opt-in, under which forward mode differentiates the forward
+rule ``fwd`` with JAX's autodiff instead (:func:`tangent_of_fwd`), as proposed upstream
+in jax-ml/jax#17840. That is right for a ``custom_vjp`` that exists to save memory
+(checkpointing, implicit differentiation) and wrong for one that changes the gradient.
+
+Also here: :func:`closure_convert`, which makes every tracer a rule closes over (integer
+ones too, unlike ``jax.closure_convert``) an explicit operand, and :func:`staged`, which
+says when to; and :func:`batched_outputs`, which tells the tangent's batching rule which
+output tangents a ``vmap`` batch reaches (an output the batch does not reach keeps an
+unbatched tangent, as its primal does).
+
+Caveat of way 2: a backward is taken to be linear in ``g`` (``_linearity`` refuses the
+nonlinear operations it can see); an op inside it that is nonlinear in ``g`` and opaque
+to that walk would be linearized at ``g = 0`` rather than refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import CustomVJPPrimal
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+
+__all__ = [
+    "DEFAULT_MAX_OUTPUTS",
+    "check_max_outputs",
+    "closure_convert",
+    "batched_outputs",
+    "plain_calls",
+    "runs_plain",
+    "staged",
+    "tangent_from_backward",
+    "tangent_of_fwd",
+]
+
+#: Output elements up to which forward mode evaluates the backward row by row (way 3).
+DEFAULT_MAX_OUTPUTS = 4096
+# Entries of the rows a batched chunk of way 3 holds at once (chunk * input elements).
+_CHUNK_ENTRIES = 2**20
+
+
+def check_max_outputs(value: Any) -> int:
+    """``forward_mode_max_outputs``, checked: a non-negative int."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TypeError(
+            f"`forward_mode_max_outputs` must be a non-negative int; got {value!r} "
+            f"({type(value).__name__})."
+        )
+    return value
+
+
+# -- ways 1-3 ------------------------------------------------------------------------------
+
+
+def tangent_from_backward(lin: Any, res_arrays: Sequence[Any], t_in: Sequence[Any]) -> list[Any]:
+    """``J t`` from ``lin``'s backward: transposed, or row by row (see the module docstring).
+
+    Args:
+        lin: the op's ``_Linear`` (its ``staged_backward``, ``ct_avals``, ``op``).
+        res_arrays: the tangent primitive's residual operands.
+        t_in: the tangents of the perturbed input leaves.
+
+    Returns:
+        One tangent per float output leaf.
+
+    Raises:
+        TypeError: naming the op and the remedies, where no way applies.
+    """
+    from ._custom_vjp import RuleTypeError, RuleValueError
+
+    def backward(cts: Sequence[Any]) -> list[Any]:
+        return lin.staged_backward(res_arrays, list(cts))
+
+    examples = [_example(a) for a in lin.ct_avals]
+    failures: list[BaseException] = []
+    for way in (_transposed, _transposed_linearization):
+        try:
+            return [jnp.asarray(o) for o in way(backward, examples, t_in)]
+        except (RuleTypeError, RuleValueError):
+            raise
+        except Exception as err:  # noqa: BLE001 -- the next way, or the error below
+            failures.append(err)
+    n = _basis_size(lin.ct_avals)
+    limit = lin.op.spec.forward_mode_max_outputs
+    if n > limit:
+        raise _no_forward_mode(
+            lin,
+            failures[0],
+            f"evaluating the backward once per output element would take {n} backward "
+            f"passes, more than the op's forward_mode_max_outputs={limit}",
+        ) from failures[0]
+    try:
+        return _row_by_row(backward, lin.ct_avals, t_in)
+    except (RuleTypeError, RuleValueError):
+        raise
+    except Exception as err:  # noqa: BLE001 -- re-raised with the way out
+        raise _no_forward_mode(
+            lin,
+            failures[0],
+            f"evaluating the backward once per output element failed too "
+            f"({type(err).__name__}: {_first_line(err)})",
+        ) from err
+
+
+def _transposed(backward: Callable[..., Any], examples: list[Any], t_in: Sequence[Any]) -> Any:
+    (out,) = jax.linear_transpose(backward, examples)(list(t_in))
+    return out
+
+
+def _transposed_linearization(
+    backward: Callable[..., Any], examples: list[Any], t_in: Sequence[Any]
+) -> Any:
+    """The transpose of the backward's linearization at ``g = 0`` (the backward itself,
+    when it is linear): JAX linearizes each op inside through its own derivative rules,
+    so an op it cannot transpose directly (a ``custom_vmap``, a ``jaxext.custom_vjp`` op
+    with an opaque primal) is transposed through its JVP, and a ``jaxext.custom_vjp``
+    op's JVP transposes to its own backward."""
+    zeros = [jnp.zeros(e.shape, e.dtype) for e in examples]
+    _, pullback = jax.vjp(backward, zeros)
+    (out,) = pullback(list(t_in))
+    return out
+
+
+def _basis_size(ct_avals: Sequence[Any]) -> int:
+    """The real dimension of the cotangent space: complex elements count twice."""
+    return sum(
+        math.prod(a.shape) * (2 if jnp.issubdtype(a.dtype, jnp.complexfloating) else 1)
+        for a in ct_avals
+    )
+
+
+def _row_by_row(
+    backward: Callable[..., Any], ct_avals: Sequence[Any], t_in: Sequence[Any]
+) -> list[Any]:
+    """``J t`` as ``[<bwd(e_i), t>]_i`` over the real basis ``e_i`` of the cotangents.
+
+    JAX pairs a cotangent with a tangent as ``Re(sum(a * b))``; with that pairing, for a
+    real output element ``(J t)_k = <bwd(e_k), t>``, and for a complex one
+    ``(J t)_k = <bwd(e_k), t> - i <bwd(i e_k), t>``.
+    """
+    sizes = [math.prod(a.shape) for a in ct_avals]
+    is_complex = [jnp.issubdtype(a.dtype, jnp.complexfloating) for a in ct_avals]
+    widths = [s * (2 if c else 1) for s, c in zip(sizes, is_complex, strict=True)]
+    offsets = [sum(widths[:k]) for k in range(len(widths))]
+    n = sum(widths)
+    t_in = [jnp.asarray(t) for t in t_in]
+    n_in = max(1, sum(math.prod(jnp.shape(t)) for t in t_in))
+
+    def unit(i: Any) -> list[Any]:
+        cts = []
+        for aval, size, c, offset in zip(ct_avals, sizes, is_complex, offsets, strict=True):
+            real = jax.nn.one_hot(i - offset, size, dtype=_real_dtype(aval.dtype))
+            if c:
+                imag = jax.nn.one_hot(i - offset - size, size, dtype=_real_dtype(aval.dtype))
+                flat = jax.lax.complex(real, imag).astype(aval.dtype)
+            else:
+                flat = real.astype(aval.dtype)
+            cts.append(flat.reshape(aval.shape))
+        return cts
+
+    def entry(i: Any) -> Any:
+        grads = backward(unit(i))
+        terms = [jnp.real(jnp.sum(g * t)) for g, t in zip(grads, t_in, strict=True)]
+        return sum(terms) if terms else jnp.zeros((), jnp.float32)
+
+    indices = jnp.arange(n)
+    chunk = max(1, min(n, _CHUNK_ENTRIES // n_in))
+    try:
+        values = jax.lax.map(entry, indices, batch_size=chunk)
+    except NotImplementedError:  # a backward JAX cannot batch: one output element at a time
+        values = jax.lax.map(entry, indices)
+    out = []
+    for aval, size, c, offset in zip(ct_avals, sizes, is_complex, offsets, strict=True):
+        part = values[offset : offset + size]
+        if c:
+            part = jax.lax.complex(part, -values[offset + size : offset + 2 * size])
+        out.append(part.astype(aval.dtype).reshape(aval.shape))
+    return out
+
+
+def _real_dtype(dtype: Any) -> Any:
+    return jnp.finfo(dtype).dtype if jnp.issubdtype(dtype, jnp.complexfloating) else dtype
+
+
+def _no_forward_mode(lin: Any, transpose_error: BaseException, row_problem: str) -> TypeError:
+    name, spec = lin.op.name, lin.op.spec
+    if spec.forward_mode_hint is not None:
+        remedies = f"{spec.forward_mode_hint}."
+    else:
+        remedies = (
+            f"give a JVP rule: `{name}.defvjp(fwd, bwd, jvp=jvp)` with "
+            "`jvp(*nondiff_args, residuals, tangents) -> output tangent`.\n"
+            "Or, if the derivative of the forward rule is the one meant (a custom_vjp that "
+            "exists to save memory: checkpointing, implicit differentiation; not one that "
+            "changes the gradient), construct the op with "
+            "`jaxext.custom_vjp(..., differentiate_fwd=True)`: forward mode then "
+            "differentiates `fwd` with JAX's autodiff."
+        )
+    return TypeError(
+        f"`{name}`: forward-mode differentiation (jvp, jacfwd, linearize, hessian) of a "
+        "jaxext.custom_vjp function is derived from its bwd, and JAX could not transpose "
+        f"it ({type(transpose_error).__name__}: {_first_line(transpose_error)}); "
+        f"{row_problem}. The bwd must be linear in its cotangent and built of JAX "
+        f"operations; otherwise {remedies}"
+    )
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _example(aval: Any) -> jax.ShapeDtypeStruct:
+    """A stand-in for a value of type ``aval``, keeping its ``shard_map`` variance."""
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return jax.ShapeDtypeStruct(
+            aval.shape, aval.dtype, sharding=aval.sharding, manual_axis_type=manual
+        )
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+
+
+# -- differentiate_fwd=True -------------------------------------------------------------------
+
+_PLAIN = threading.local()
+
+
+@contextlib.contextmanager
+def plain_calls(spec: Any) -> Iterator[None]:
+    """While forward mode differentiates ``spec``'s ``fwd``, calls of ``spec`` inside it run
+    the primal function as written (differentiated by JAX), not the custom rules."""
+    active = getattr(_PLAIN, "specs", ())
+    _PLAIN.specs = (*active, spec)
+    try:
+        yield
+    finally:
+        _PLAIN.specs = active
+
+
+def runs_plain(spec: Any) -> bool:
+    """Whether calls of ``spec`` run its primal as written (see :func:`plain_calls`)."""
+    return any(s is spec for s in getattr(_PLAIN, "specs", ()))
+
+
+def fwd_outputs(lin: Any) -> Callable[..., list[Any]]:
+    """``fwd``'s float outputs as a function of the op's input leaves."""
+    op, spec = lin.op, lin.op.spec
+
+    def outputs(*leaves: Any) -> list[Any]:
+        if spec.symbolic_zeros:
+            leaves = [CustomVJPPrimal(p, q) for p, q in zip(leaves, lin.perturbed, strict=True)]
+        args = jax.tree_util.tree_unflatten(lin.in_tree, list(leaves))
+        with plain_calls(spec):
+            out, _ = spec.fwd(*op.merge(args))
+        flat = lin.out_tree.flatten_up_to(out)
+        return [o for o, f in zip(flat, lin.out_float, strict=True) if f]
+
+    return outputs
+
+
+def tangent_of_fwd(lin: Any, primals: Sequence[Any], consts: Sequence[Any], t_in: Sequence[Any]):
+    """``J t`` as JAX's forward-mode derivative of ``fwd`` at ``primals`` (the input leaves).
+
+    ``consts`` are the tracers ``fwd`` closes over, hoisted by :func:`closure_convert`
+    (``lin.hoisted_fwd``); without them ``fwd`` runs as written.
+    """
+    t_iter = iter(t_in)
+    tangents = [
+        next(t_iter) if q else _zero_tangent(p) for p, q in zip(primals, lin.perturbed, strict=True)
+    ]
+    if lin.hoisted_fwd is None:
+        fun = fwd_outputs(lin)
+    else:
+
+        def fun(*leaves: Any) -> list[Any]:
+            return list(lin.hoisted_fwd(*leaves, *consts))
+
+    _, out = jax.jvp(fun, tuple(primals), tuple(tangents))
+    return list(out)
+
+
+def _zero_tangent(primal: Any) -> Any:
+    aval = jax.typeof(primal).to_tangent_aval()
+    return jnp.zeros(aval.shape, aval.dtype)
+
+
+# -- closures ---------------------------------------------------------------------------------
+
+
+def staged(in_leaves: Sequence[Any], res_arrays: Sequence[Any], t_in: Sequence[Any]) -> bool:
+    """Whether a JVP rule runs inside a trace whose tracers its rules may close over.
+
+    So whenever its inputs or residuals are traced, and also where they are constants
+    inside a transformation (``jax.jvp`` or ``jax.jacfwd`` under ``jit``, in a loop body).
+    Linearization (``grad``, ``linearize``) runs the rule in a partial-evaluation trace
+    even at the top level: there the inputs decide, so that an eager ``grad`` does not
+    dry-run the rules.
+    """
+    from jax.interpreters import partial_eval
+
+    from ._eager_cache import at_top_level
+
+    if any(isinstance(v, jax.core.Tracer) for v in (*in_leaves, *res_arrays)):
+        return True
+    if any(isinstance(t, partial_eval.JaxprTracer) for t in t_in):
+        return False
+    return not at_top_level()
+
+
+def closure_convert(fn: Callable[..., Any], *args: Any) -> tuple[Callable[..., Any], list[Any]]:
+    """``fn`` with the tracers it closes over made explicit trailing operands.
+
+    As ``jax.closure_convert``, but every tracer is hoisted, whatever its dtype: an integer
+    index or a loop counter closed over from an enclosing trace would otherwise stay a
+    constant of the traced rule, stale once that trace has ended. Other constants stay
+    baked in.
+
+    Returns:
+        ``(converted, hoisted)``: ``converted(*args, *hoisted)`` computes ``fn(*args)``.
+    """
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    consts = list(closed.consts)
+    traced = [isinstance(c, jax.core.Tracer) for c in consts]
+    kept = [c for c, t in zip(consts, traced, strict=True) if not t]
+    hoisted = [c for c, t in zip(consts, traced, strict=True) if t]
+    out_tree = jax.tree_util.tree_structure(out_shape)
+    n_args = len(jax.tree_util.tree_leaves(args))
+    jaxpr = closed.jaxpr
+
+    def converted(*operands: Any) -> Any:
+        flat = jax.tree_util.tree_leaves(operands)
+        given, extra = flat[:n_args], iter(flat[n_args:])
+        kept_iter = iter(kept)
+        values = [next(extra) if t else next(kept_iter) for t in traced]
+        out = jaxpr_as_fun(ClosedJaxpr(jaxpr, values))(*given)
+        return jax.tree_util.tree_unflatten(out_tree, out)
+
+    return converted, hoisted
+
+
+# -- which output tangents vmap batches -------------------------------------------------------
+
+
+def batched_outputs(
+    backward: Callable[..., Any],
+    res_avals: Sequence[Any],
+    res_batched: Sequence[bool],
+    ct_avals: Sequence[Any],
+    t_batched: Sequence[bool],
+) -> list[bool]:
+    """Which outputs of ``J t`` vary over a ``vmap`` batch, read off the backward's jaxpr.
+
+    Output ``k`` of ``J t = sum_j J_kj t_j`` varies when some ``J_kj`` is nonzero and
+    either ``t_j`` is batched or ``J_kj`` depends on a batched residual. In the backward
+    ``g -> J^T g``, ``J_kj`` is the coefficient of ``g_k`` in gradient ``j``: each value of
+    its jaxpr is tracked as the cotangents it is linear in, each flagged when its
+    coefficient may depend on a batched residual, and whether its other part does. An
+    equation mixes its operands' dependencies (over-approximating, never missing one);
+    those with an inner jaxpr (``jit``, ``checkpoint``) are walked through.
+
+    Returns:
+        One flag per output of ``J t``; all ``True`` where the backward cannot be traced.
+    """
+    examples = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (*res_avals, *ct_avals)]
+    n_res = len(res_avals)
+    try:
+        closed = jax.make_jaxpr(lambda *a: backward(list(a[:n_res]), list(a[n_res:])))(*examples)
+    except Exception:  # noqa: BLE001 -- reverse mode traces (and reports) it itself
+        return [True] * len(ct_avals)
+    inputs = [_Dep({}, b) for b in res_batched]
+    inputs += [_Dep({k: False}, False) for k in range(len(ct_avals))]
+    grads = _walk_deps(closed.jaxpr, inputs)
+    flags = [False] * len(ct_avals)
+    for grad, batched in zip(grads, t_batched, strict=True):
+        for k, coefficient_batched in grad.cts.items():
+            flags[k] = flags[k] or batched or coefficient_batched
+    return flags
+
+
+class _Dep:
+    """A value's dependence: ``cts`` maps each cotangent it is linear in to whether that
+    coefficient may vary over the batch; ``batched``: whether the rest may."""
+
+    def __init__(self, cts: dict[int, bool], batched: bool):
+        self.cts, self.batched = cts, batched
+
+
+_NONE = _Dep({}, False)
+
+
+def _mix(deps: Sequence[_Dep]) -> _Dep:
+    batched = any(d.batched for d in deps)
+    cts: dict[int, bool] = {}
+    for d in deps:
+        for k, flag in d.cts.items():
+            cts[k] = cts.get(k, False) or flag
+    # A value linear in cotangents (as every value of a linear backward that depends on
+    # one is) has no other part.
+    return _Dep({k: flag or batched for k, flag in cts.items()}, batched and not cts)
+
+
+def _walk_deps(jaxpr: Any, inputs: Sequence[_Dep]) -> list[_Dep]:
+    env: dict[Any, _Dep] = dict(zip(jaxpr.invars, inputs, strict=True))
+
+    def read(atom: Any) -> _Dep:
+        return _NONE if isinstance(atom, jax.extend.core.Literal) else env.get(atom, _NONE)
+
+    for eqn in jaxpr.eqns:
+        ins = [read(a) for a in eqn.invars]
+        inner = None
+        for param in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+            sub = eqn.params.get(param)
+            sub = getattr(sub, "jaxpr", sub)
+            if hasattr(sub, "eqns") and len(sub.invars) == len(ins):
+                inner = sub
+                break
+        if inner is not None and len(inner.outvars) == len(eqn.outvars):
+            outs = _walk_deps(inner, ins)
+        else:
+            outs = [_mix(ins)] * len(eqn.outvars)
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]
