@@ -11,6 +11,9 @@ an output of 1e6 differenced with a step of 2e-6 cannot resolve a derivative to
 better than about 1e-3, so no correct function fails for lack of resolution,
 while for outputs of order one the term is about 1e-9 and changes nothing. (A
 true zero of the Jacobian needs no allowance: ``_jacobians`` makes it exact.)
+That term sees only the rounding of ``|f(x)|`` itself: an entry that fails is
+judged again with the differences' own error, estimated from differences at
+several steps (``_fd_error``; ``_Tally.mismatches`` and ``cotangent_mismatches``).
 
 ``full_mismatches`` compares the full Jacobians without ever holding them (the
 reference path, the counterpart of PyTorch's ``_slow_gradcheck``): it walks the

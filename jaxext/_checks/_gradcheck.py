@@ -97,6 +97,23 @@ def gradcheck(
     ``atol`` (an L2 penalty of ``1e-6``) is still held to ``rtol`` against its own
     size, so an error of 2x is caught.
 
+    That noise term assumes the values carry a few ulps of ``|f(x)|``; a function
+    whose intermediates are larger than its values carries more (``1 - tanh(x)`` at
+    ``x = 10`` is ``4e-9`` but carries the ulp of ``tanh(x)``, ``1e-16``: its central
+    difference at ``h = 1e-6`` is off by ``1e-10``, 1% of its derivative). So an
+    entry that fails is judged again with the finite differences' own error,
+    estimated from the function's evaluations (full method): central differences at
+    steps ``h * 10**(j / 2)``, ``j = 0 .. 6``; the step whose difference disagrees
+    least with those at the two steps on each side gives the estimate ``D``, and
+    twice that disagreement its error ``E`` (truncation grows with the step,
+    rounding shrinks with it). The entry passes if
+    ``|analytical - D| <= atol + rtol * |D| + E``; one whose differences are zero or
+    not finite at every step is held to the unscaled ``atol`` plus their spread.
+    Only input elements with a failing entry pay for these differences. A correct
+    saturated function passes; a derivative wrong by more than the differences
+    resolve still fails (at ``x = 10``, ``1 - tanh`` is resolved to about ``1e-5``
+    relative).
+
     * Full method (up to ``FULL_MAX_ENTRIES = 2**30`` Jacobian entries, about
       1.07e9, e.g. 41,000 inputs by 25,000 outputs; it costs ``2 n`` calls of
       ``func`` and ``m`` VJPs for ``n`` inputs and ``m`` outputs, and
