@@ -173,7 +173,11 @@ class _Tally:
                 self.scale[i, j] = max(self.scale.get((i, j), 0.0), scale)
                 with np.errstate(invalid="ignore"):
                     over = error[r0:r1, c0:c1] - relative[r0:r1, c0:c1]
-                    keep = over > 0  # False for NaN: NaNs fail the entrywise test
+                    within = over <= 0
+                if within.all():
+                    continue
+                with np.errstate(invalid="ignore"):
+                    keep = ~within & ~np.isnan(over)  # NaNs fail the entrywise test
                     # What could fail once the pair's atol is known (at least atol *
                     # min(1, |n|)); the screened engine's screen leaves out no such entry.
                     floor = 0.5 * self.atol * np.where(finite, np.minimum(np.abs(e), 1.0), 0.0)
