@@ -99,8 +99,8 @@ class _Tally:
     own error (``_fd_error.refine``, given to ``mismatches``): it fails only where
     ``|a - D| > atol + rtol |D| + error`` too, ``D`` being the difference at the
     step that resolves the entry best and ``error`` its estimated error; where no
-    step resolves it (its differences are all zero or not finite), with the caller's
-    ``atol``, never scaled, and the spread of its differences. For that, the
+    step resolves it (``_fd_error``), with the caller's ``atol``, never scaled, as
+    PyTorch holds every entry. For that, the
     entries that could fail (over ``rel`` by more than half the smallest ``atol``
     they can get, as the screened engine's screen) are kept with their positions,
     up to ``_KEPT`` per pair; a pair with more keeps its plain verdict.
@@ -246,7 +246,7 @@ class _Tally:
         ask = [(p[0][p[7]], p[1][p[7]]) for p in parts]
         rows = np.concatenate([r for r, _ in ask])
         cols = np.concatenate([c for _, c in ask])
-        estimate, fd_error, resolved, spread = refine(rows, cols)
+        estimate, fd_error, resolved = refine(rows, cols)
         offset = 0
         for (key, scale, atol), part in zip(pairs, parts, strict=True):
             p_rows, p_cols, e, a, rel, error, fails, asked = part
@@ -256,7 +256,7 @@ class _Tally:
             allowed_refined = np.where(
                 resolved[k],
                 atol + self.rtol * np.abs(estimate[k]) + fd_error[k],
-                self.atol + rel[asked] + spread[k],
+                self.atol + rel[asked],
             )
             expected_refined = np.where(resolved[k], estimate[k], e[asked])
             passes = np.abs(a[asked] - expected_refined) <= allowed_refined
@@ -527,10 +527,10 @@ def cotangent_mismatches(
     if cols.size == 0 or cols.size * rows.size > REFINE_MAX_ENTRIES:
         return found
     grid_cols, grid_rows = np.repeat(cols, rows.size), np.tile(rows, cols.size)
-    estimate, fd_error, resolved, spread = refine(jac, grid_rows, grid_cols, eps)
+    estimate, fd_error, resolved = refine(jac, grid_rows, grid_cols, eps)
     shape = (cols.size, rows.size)
     estimate = estimate.reshape(shape)
-    fd_error = np.where(resolved, fd_error, spread).reshape(shape)
+    fd_error = np.where(resolved, fd_error, 0.0).reshape(shape)
     weight = np.abs(u[rows])
     expected_refined = estimate @ u[rows]
     allowed_refined = allowed[cols] + rtol * (np.abs(estimate) @ weight) + fd_error @ weight

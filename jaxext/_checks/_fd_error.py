@@ -21,13 +21,17 @@ difference means the step resolved nothing), takes the largest disagreement of
 the middle one with the others, ``e_j = max |D(H_j) - D(H_i)|``. That bounds
 both errors of ``D(H_j)`` (truncation grows and rounding shrinks from step to
 step, so a neighbour differs from it by at least its error, up to the neighbour's
-own). The window with the smallest ``e_j`` gives the estimate ``D(H_j)`` and its
-error ``SAFETY * e_j``: the step where the function's values resolve its
-derivative best, and how well.
+own). Of the windows where ``e_j <= RESOLVED * |D(H_j)|``, the one with the
+smallest ``e_j`` gives the estimate ``D(H_j)`` and its error ``SAFETY * e_j``:
+the step where the function's values resolve its derivative best, and how well.
 
 An entry with no such window is *unresolved*: its differences are zero or not
-finite at every step (the values do not change at all within ``RATIO**STEPS``
-steps, or leave the function's domain); see ``_compare._Tally`` for its test.
+finite, or disagree by more than a tenth, at every step. Its values do not change
+within ``RATIO**STEPS`` steps, or leave the function's domain, or jump: a
+derivative that jumps at ``x`` (``jnp.max`` at a tie, differentiated twice) gives
+differences that grow as ``1 / H``, like rounding, but of the size of the values
+themselves, and no step agrees with its neighbours. See ``_compare._Tally`` for
+the test of such an entry (the caller's ``atol``, unscaled).
 
 Only entries that fail the plain test (``_compare``) are refined, a chunk of
 columns at a time through the check's own program for the differences: a
@@ -40,12 +44,13 @@ import numpy as np
 
 from ._jacobians import FlatJacobians
 
-__all__ = ["RATIO", "SAFETY", "STEPS", "WIDTH", "refine"]
+__all__ = ["RATIO", "RESOLVED", "SAFETY", "STEPS", "WIDTH", "refine"]
 
 RATIO = 10.0**0.5  # between consecutive steps
 STEPS = 7  # steps h, ..., h * RATIO**6 (1000 h)
 WIDTH = 2  # neighbours on each side that a step is compared with
 SAFETY = 2.0  # the error bound is this times the largest disagreement
+RESOLVED = 0.1  # a step resolves an entry where its disagreement is at most this relative
 
 
 def refine(
@@ -62,20 +67,17 @@ def refine(
         eps: the check's step, one for all inputs or one per input element.
 
     Returns:
-        ``(estimate, error, resolved, spread)``: per entry, the difference at the
-        step that resolves it best (at the check's own step where none does) and
-        ``SAFETY`` times its disagreement with its neighbours (infinite where no
-        step resolves it), whether a step resolves it, and the largest
-        disagreement of any finite difference with the one at the check's own step
-        (``SAFETY`` times it; for unresolved entries).
+        ``(estimate, error, resolved)``: per entry, whether a step resolves it, the
+        difference at the step that resolves it best (at the check's own step where
+        none does) and ``SAFETY`` times its disagreement with its neighbours (infinite
+        where no step resolves it).
     """
     rows = np.asarray(rows, np.int64)
     cols = np.asarray(cols, np.int64)
     count = rows.shape[0]
-    estimate, error = np.zeros(count), np.full(count, np.inf)
-    resolved, spread = np.zeros(count, bool), np.zeros(count)
+    estimate, error, resolved = np.zeros(count), np.full(count, np.inf), np.zeros(count, bool)
     if count == 0:
-        return estimate, error, resolved, spread
+        return estimate, error, resolved
     base = np.broadcast_to(np.asarray(eps, np.float64), (jac.n,))
     columns = np.unique(cols)
     for start in range(0, columns.shape[0], jac.col_chunk):
@@ -87,14 +89,13 @@ def refine(
         differences = np.stack(
             [jac.numerical(chunk, base * RATIO**j)[0][at] for j in range(STEPS)]
         )  # (STEPS, entries of this chunk)
-        e, r, s, d = _best(differences)
-        estimate[picked], error[picked], resolved[picked], spread[picked] = e, r, s, d
-    return estimate, error, resolved, spread
+        estimate[picked], error[picked], resolved[picked] = _best(differences)
+    return estimate, error, resolved
 
 
 def _best(differences: np.ndarray) -> tuple[np.ndarray, ...]:
-    """``(estimate, error, resolved, spread)`` from the differences at each step
-    (shape ``(STEPS, entries)``); see ``refine``."""
+    """``(estimate, error, resolved)`` from the differences at each step (shape
+    ``(STEPS, entries)``); see ``refine``."""
     steps, count = differences.shape
     usable = np.isfinite(differences) & (differences != 0)
     best_error = np.full(count, np.inf)
@@ -104,12 +105,7 @@ def _best(differences: np.ndarray) -> tuple[np.ndarray, ...]:
         ok = np.logical_and.reduce([usable[i] for i in window])
         with np.errstate(invalid="ignore"):
             worst = np.max([np.abs(differences[j] - differences[i]) for i in window], axis=0)
-        better = ok & (worst < best_error)
+            better = ok & (worst < best_error) & (worst <= RESOLVED * np.abs(differences[j]))
         best_error = np.where(better, worst, best_error)
         best = np.where(better, differences[j], best)
-    resolved = np.isfinite(best_error)
-    finite = np.isfinite(differences)
-    with np.errstate(invalid="ignore"):
-        gaps = np.where(finite, np.abs(differences - differences[0]), 0.0)
-    spread = np.where(np.isfinite(differences[0]), SAFETY * np.max(gaps, axis=0), 0.0)
-    return best, SAFETY * best_error, resolved, spread
+    return best, SAFETY * best_error, np.isfinite(best_error)

@@ -104,11 +104,13 @@ def gradcheck(
     entry that fails is judged again with the finite differences' own error,
     estimated from the function's evaluations (full method): central differences at
     steps ``h * 10**(j / 2)``, ``j = 0 .. 6``; the step whose difference disagrees
-    least with those at the two steps on each side gives the estimate ``D``, and
-    twice that disagreement its error ``E`` (truncation grows with the step,
-    rounding shrinks with it). The entry passes if
-    ``|analytical - D| <= atol + rtol * |D| + E``; one whose differences are zero or
-    not finite at every step is held to the unscaled ``atol`` plus their spread.
+    least with those at the two steps on each side (by at most a tenth of it) gives
+    the estimate ``D``, and twice that disagreement its error ``E`` (truncation grows
+    with the step, rounding shrinks with it). The entry passes if
+    ``|analytical - D| <= atol + rtol * |D| + E``. An entry that no step resolves
+    (differences zero, not finite, or disagreeing by more than a tenth at every
+    step, as where the derivative jumps) is held to the caller's ``atol``, unscaled,
+    as in PyTorch.
     Only input elements with a failing entry pay for these differences. A correct
     saturated function passes; a derivative wrong by more than the differences
     resolve still fails (at ``x = 10``, ``1 - tanh`` is resolved to about ``1e-5``
