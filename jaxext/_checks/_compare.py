@@ -100,10 +100,10 @@ class _Tally:
     ``|a - D| > atol + rtol |D| + error`` too, ``D`` being the difference at the
     step that resolves the entry best and ``error`` its estimated error; where no
     step resolves it (``_fd_error``), with the caller's ``atol``, never scaled, as
-    PyTorch holds every entry. For that, the
-    entries that could fail (over ``rel`` by more than half the smallest ``atol``
-    they can get, as the screened engine's screen) are kept with their positions,
-    up to ``_KEPT`` per pair; a pair with more keeps its plain verdict.
+    PyTorch holds every entry. For that, the entries that could fail (over ``rel``
+    by more than half the smallest ``atol`` they can get, as the screened engine's
+    screen) are kept with their positions, up to ``_KEPT`` per pair; a pair with
+    more keeps its plain verdict.
     """
 
     _KEPT = 2**16
