@@ -111,7 +111,9 @@ def gradcheck(
     (differences zero, not finite, or disagreeing by more than a tenth at every
     step, as where the derivative jumps) is held to the caller's ``atol``, unscaled,
     as in PyTorch.
-    Only input elements with a failing entry pay for these differences. A correct
+    Only input elements with a failing entry pay for these differences, and only
+    where some value of ``func`` is not a float32 (one computed in lower precision is
+    held to the plain test). A correct
     saturated function passes; a derivative wrong by more than the differences
     resolve still fails (at ``x = 10``, ``1 - tanh`` is resolved to about ``1e-5``
     relative).

@@ -464,11 +464,12 @@ def full_mismatches(
             if tile.nbytes >= _compare.TILE_BYTES or stop == n:
                 _stream_rows(jac, tile, steps, noise, atol, rtol, tallies["rev"], linear)
                 tile = _Tile(stop)
-    results = {
-        mode: tally.mismatches(_compare.refined(jac, eps)) for mode, tally in tallies.items()
-    }
+    refine_fn = _compare.refined(jac, eps, y0)
+    results = {mode: tally.mismatches(refine_fn) for mode, tally in tallies.items()}
     if linear is not None:
-        results["rev_cotangent"] = _compare.cotangent_mismatches(jac, linear, in_slices, eps, rtol)
+        results["rev_cotangent"] = _compare.cotangent_mismatches(
+            jac, linear, in_slices, refine_fn, rtol
+        )
     return results
 
 
