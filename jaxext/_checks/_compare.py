@@ -43,6 +43,7 @@ __all__ = [
     "REFINE_MAX_ENTRIES",
     "TILE_BYTES",
     "Mismatch",
+    "Refiner",
     "block_mismatches",
     "cotangent_mismatches",
     "directional_mismatches",
@@ -218,15 +219,15 @@ class _Tally:
             (r + row0, c + col0, expected[r, c], actual[r, c], relative[r, c])
         )
 
-    def mismatches(self, refine: Callable | None = None) -> list[Mismatch]:
-        """The failing pairs; with ``refine`` (``_fd_error.refine`` of the check, a function
-        of ``(rows, cols)``), judged again with the finite differences' own error."""
+    def mismatches(self, refine: Refiner | None = None) -> list[Mismatch]:
+        """The failing pairs; with ``refine`` (where it is ``on``), judged again with the
+        finite differences' own error."""
         found = self._plain_mismatches()
-        if refine is not None and found:
+        if refine is not None and found and refine.on():
             self._refined(found, refine)
         return [found[key] for key in sorted(found)]
 
-    def _refined(self, found: dict, refine: Callable) -> None:
+    def _refined(self, found: dict, refine: Refiner) -> None:
         """Judges the kept entries of the failing pairs ``found`` again (see the class)."""
         pairs, parts = [], []
         for key in sorted(found):
@@ -450,8 +451,12 @@ def full_mismatches(
     rtol: float,
     modes: Sequence[str],
     cotangent: np.ndarray | None = None,
+    wide: Callable[[], bool] = lambda: True,
 ) -> dict[str, list[Mismatch]]:
     """Entrywise comparison of the full Jacobians, per mode (``"rev"``, ``"fwd"``).
+
+    An entry that fails is judged again with the finite differences' own error
+    (``Refiner``; ``wide`` says whether the function computes in float64).
 
     The numerical Jacobian is computed a chunk of columns at a time; forward mode's
     columns are compared as they come, and for reverse mode the columns are held until
@@ -493,7 +498,7 @@ def full_mismatches(
             if held_bytes >= TILE_BYTES or stop == n:
                 _stream_rows(jac, first, held, steps, noise, atol, rtol, tallies["rev"], linear)
                 held, first, held_bytes = [], stop, 0
-    refine_fn = refined(jac, eps, y0)
+    refine_fn = Refiner(jac, eps, wide)
     results = {mode: tally.mismatches(refine_fn) for mode, tally in tallies.items()}
     if linear is not None:
         results["rev_cotangent"] = cotangent_mismatches(jac, linear, in_slices, refine_fn, rtol)
@@ -508,7 +513,7 @@ def cotangent_mismatches(
     jac: FlatJacobians,
     linear: tuple[np.ndarray, np.ndarray, np.ndarray],
     in_slices: Sequence[slice],
-    refine_fn: Callable | None,
+    refine_fn: Refiner | None,
     rtol: float,
 ) -> list[Mismatch]:
     """The random-cotangent comparison of ``full_mismatches``: the VJP of ``u`` against
@@ -519,7 +524,7 @@ def cotangent_mismatches(
     u, expected, allowed = linear
     actual = jac.vjp(u)[1]
     found = block_mismatches(expected, actual, allowed, in_slices, on_inputs=True)
-    if not found or refine_fn is None:
+    if not found or refine_fn is None or not refine_fn.on():
         return found
     with np.errstate(invalid="ignore"):
         error = np.abs(actual - expected)
@@ -544,17 +549,29 @@ def cotangent_mismatches(
     return block_mismatches(expected, actual, allowed, in_slices, on_inputs=True)
 
 
-def refined(jac: FlatJacobians, eps: float | np.ndarray, y0: np.ndarray) -> Callable | None:
-    """The ``refine`` of ``_Tally.mismatches`` for a check: ``_fd_error.refine`` of its
-    Jacobians at its step; ``None`` where every value of ``f(x0)`` is a float32 (a
-    function computed in lower precision, a backward that returns float32 gradients:
-    the differences' error is not estimated, and the plain test stands)."""
-    values = np.asarray(y0)
-    with np.errstate(over="ignore"):
-        narrow = np.array_equal(values.astype(np.float32).astype(np.float64), values)
-    if narrow:
-        return None
-    return lambda rows, cols: refine(jac, rows, cols, eps)
+class Refiner:
+    """The ``refine`` of ``_Tally.mismatches`` and ``cotangent_mismatches`` for a check:
+    ``_fd_error.refine`` of its Jacobians at its step, a function of ``(rows, cols)``.
+
+    ``on()`` says whether it applies: ``wide()`` (asked once, only where an entry
+    fails) is false for a function computed in lower precision (an output that is not
+    float64; in ``gradgradcheck``, a backward that returns float32 gradients): the
+    differences' error is then not estimated, and the plain test stands.
+    """
+
+    def __init__(
+        self, jac: FlatJacobians, eps: float | np.ndarray, wide: Callable[[], bool]
+    ) -> None:
+        self.jac, self.eps, self.wide = jac, eps, wide
+        self._on: bool | None = None
+
+    def on(self) -> bool:
+        if self._on is None:
+            self._on = bool(self.wide())
+        return self._on
+
+    def __call__(self, rows: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, ...]:
+        return refine(self.jac, rows, cols, self.eps)
 
 
 def _stream_rows(

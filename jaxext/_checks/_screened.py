@@ -420,6 +420,7 @@ def full_mismatches(
     rtol: float,
     modes: Sequence[str],
     cotangent: np.ndarray | None = None,
+    wide: Callable[[], bool] = lambda: True,
 ) -> dict[str, list[Mismatch]]:
     """``_compare.full_mismatches``, screened: the same mismatches, from the same entries.
 
@@ -464,7 +465,7 @@ def full_mismatches(
             if tile.nbytes >= _compare.TILE_BYTES or stop == n:
                 _stream_rows(jac, tile, steps, noise, atol, rtol, tallies["rev"], linear)
                 tile = _Tile(stop)
-    refine_fn = _compare.refined(jac, eps, y0)
+    refine_fn = _compare.Refiner(jac, eps, wide)
     results = {mode: tally.mismatches(refine_fn) for mode, tally in tallies.items()}
     if linear is not None:
         results["rev_cotangent"] = _compare.cotangent_mismatches(
