@@ -11,6 +11,9 @@ an output of 1e6 differenced with a step of 2e-6 cannot resolve a derivative to
 better than about 1e-3, so no correct function fails for lack of resolution,
 while for outputs of order one the term is about 1e-9 and changes nothing. (A
 true zero of the Jacobian needs no allowance: ``_jacobians`` makes it exact.)
+That term sees only the rounding of ``|f(x)|`` itself: an entry that fails is
+judged again with the differences' own error, estimated from differences at
+several steps (``_fd_error``; ``_Tally.mismatches`` and ``cotangent_mismatches``).
 
 ``full_mismatches`` compares the full Jacobians without ever holding them (the
 reference path, the counterpart of PyTorch's ``_slow_gradcheck``): it walks the
@@ -27,18 +30,22 @@ output block and an input block.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from ._fd_error import refine
 from ._jacobians import FlatJacobians, unit_blocks
 
 __all__ = [
     "NOISE_ULPS",
+    "REFINE_MAX_ENTRIES",
     "TILE_BYTES",
     "Mismatch",
+    "Refiner",
     "block_mismatches",
+    "cotangent_mismatches",
     "directional_mismatches",
     "entry_mismatches",
     "full_mismatches",
@@ -88,12 +95,32 @@ class _Tally:
     of ``1e-6``) is then still held to ``rtol`` against its own size, and a 2x error is
     caught. The entries that pass ``atol`` but not ``rel`` are kept (up to
     ``_KEPT`` per pair) until the pair's scale is known, at the end.
+
+    An entry that fails this plain test is judged again with the finite differences'
+    own error (``_fd_error.refine``, given to ``mismatches``): it fails only where
+    ``|a - D| > atol + rtol |D| + error`` too, ``D`` being the difference at the
+    step that resolves the entry best and ``error`` its estimated error; where no
+    step resolves it (``_fd_error``), with the caller's ``atol``, never scaled, as
+    PyTorch holds every entry. For that, the entries that could fail (over ``rel``
+    by more than half the smallest ``atol`` they can get, as the screened engine's
+    screen) are kept with their positions, up to ``_KEPT`` per pair; a pair with
+    more keeps its plain verdict.
     """
 
     _KEPT = 2**16
 
-    def __init__(self, out_slices: Sequence[slice], in_slices: Sequence[slice], atol: float):
+    def __init__(
+        self,
+        out_slices: Sequence[slice],
+        in_slices: Sequence[slice],
+        atol: float,
+        rtol: float = 0.0,
+    ):
         self.atol = atol
+        self.rtol = rtol
+        # Entries that could fail, per pair: (rows, cols, expected, actual, relative).
+        self.candidates: dict[tuple[int, int], list[tuple[np.ndarray, ...]]] = {}
+        self.candidate_counts: dict[tuple[int, int], int] = {}
         self.out_starts = np.array([s.start for s in out_slices], dtype=np.int64)
         self.in_starts = np.array([s.start for s in in_slices], dtype=np.int64)
         self.out_stops = np.array([s.stop for s in out_slices], dtype=np.int64)
@@ -147,7 +174,20 @@ class _Tally:
                 self.scale[i, j] = max(self.scale.get((i, j), 0.0), scale)
                 with np.errstate(invalid="ignore"):
                     over = error[r0:r1, c0:c1] - relative[r0:r1, c0:c1]
-                    keep = over > 0  # False for NaN: NaNs fail the entrywise test
+                    within = over <= 0
+                if within.all():
+                    continue
+                with np.errstate(invalid="ignore"):
+                    keep = ~within & ~np.isnan(over)  # NaNs fail the entrywise test
+                    # What could fail once the pair's atol is known (at least atol *
+                    # min(1, |n|)); the screened engine's screen leaves out no such entry.
+                    floor = 0.5 * self.atol * np.where(finite, np.minimum(np.abs(e), 1.0), 0.0)
+                    could = ~(over <= floor)
+                if could.any():
+                    self._keep_candidates(
+                        (i, j), row0 + r0, col0 + c0, could, e, actual[r0:r1, c0:c1],
+                        relative[r0:r1, c0:c1],
+                    )  # fmt: skip
                 if not keep.any():
                     continue
                 values = over[keep]
@@ -166,7 +206,82 @@ class _Tally:
                 if (i, j) not in self.worst_excess or candidate[0] > self.worst_excess[i, j][0]:
                     self.worst_excess[i, j] = candidate
 
-    def mismatches(self) -> list[Mismatch]:
+    def _keep_candidates(self, pair, row0, col0, could, expected, actual, relative) -> None:
+        """Keeps the entries ``could`` of a block (from ``(row0, col0)`` on), up to ``_KEPT``
+        per pair (past that, only their count)."""
+        r, c = np.nonzero(could)
+        total = self.candidate_counts.get(pair, 0) + r.size
+        self.candidate_counts[pair] = total
+        if total > self._KEPT:
+            self.candidates.pop(pair, None)
+            return
+        self.candidates.setdefault(pair, []).append(
+            (r + row0, c + col0, expected[r, c], actual[r, c], relative[r, c])
+        )
+
+    def mismatches(self, refine: Refiner | None = None) -> list[Mismatch]:
+        """The failing pairs; with ``refine`` (where it is ``on``), judged again with the
+        finite differences' own error."""
+        found = self._plain_mismatches()
+        if refine is not None and found and refine.on():
+            self._refined(found, refine)
+        return [found[key] for key in sorted(found)]
+
+    def _refined(self, found: dict, refine: Refiner) -> None:
+        """Judges the kept entries of the failing pairs ``found`` again (see the class)."""
+        pairs, parts = [], []
+        for key in sorted(found):
+            if key not in self.candidates or self.candidate_counts[key] > self._KEPT:
+                continue  # more entries than kept: the plain verdict stands
+            kept = zip(*self.candidates[key], strict=True)
+            rows, cols, e, a, rel = (np.concatenate(x) for x in kept)
+            scale = self.scale.get(key, 0.0)
+            atol = self.atol * scale if 0.0 < scale < 1.0 else self.atol
+            error = np.abs(a - e)
+            with np.errstate(invalid="ignore"):
+                fails = ~(error <= atol + rel)
+            pairs.append((key, scale, atol))
+            parts.append((rows, cols, e, a, rel, error, fails, fails & np.isfinite(error)))
+        if not pairs:
+            return
+        ask = [(p[0][p[7]], p[1][p[7]]) for p in parts]
+        rows = np.concatenate([r for r, _ in ask])
+        cols = np.concatenate([c for _, c in ask])
+        estimate, fd_error, resolved = refine(rows, cols)
+        offset = 0
+        for (key, scale, atol), part in zip(pairs, parts, strict=True):
+            p_rows, p_cols, e, a, rel, error, fails, asked = part
+            k = slice(offset, offset + int(asked.sum()))
+            offset = k.stop
+            expected, allowed = e.copy(), atol + rel
+            allowed_refined = np.where(
+                resolved[k],
+                atol + self.rtol * np.abs(estimate[k]) + fd_error[k],
+                self.atol + rel[asked],
+            )
+            expected_refined = np.where(resolved[k], estimate[k], e[asked])
+            passes = np.abs(a[asked] - expected_refined) <= allowed_refined
+            if not passes.any():
+                continue  # no entry passes: the plain mismatch stands, as reported
+            fails[np.nonzero(asked)[0][passes]] = False
+            # A failing entry that was refined is reported with its refined difference.
+            expected[asked] = np.where(passes, expected[asked], expected_refined)
+            allowed[asked] = np.where(passes, allowed[asked], allowed_refined)
+            if not fails.any():
+                del found[key]
+                continue
+            with np.errstate(invalid="ignore"):
+                excess = np.abs(a - expected) - allowed
+            w = worst_entry(excess, fails)
+            i, j = key
+            found[key] = Mismatch(
+                i, j, int(p_rows[w] - self.out_starts[i]), int(p_cols[w] - self.in_starts[j]),
+                None, float(expected[w]), float(a[w]), float(allowed[w]), int(fails.sum()),
+                self.out_sizes[i] * self.in_sizes[j],
+                atol_scale=scale if 0.0 < scale < 1.0 else None,
+            )  # fmt: skip
+
+    def _plain_mismatches(self) -> dict[tuple[int, int], Mismatch]:
         found = {}
         for (i, j), count in self.counts.items():
             _, out_element, in_element, expected, actual, allowed = self.worst[i, j]
@@ -188,7 +303,7 @@ class _Tally:
                 i, j, out_element, in_element, None, expected, actual, atol + relative, count,
                 total, atol_scale=scale,
             )  # fmt: skip
-        return [found[key] for key in sorted(found)]
+        return found
 
 
 def _overlaps(starts: np.ndarray, stops: np.ndarray, first: int, count: int):
@@ -336,8 +451,12 @@ def full_mismatches(
     rtol: float,
     modes: Sequence[str],
     cotangent: np.ndarray | None = None,
+    wide: Callable[[], bool] = lambda: True,
 ) -> dict[str, list[Mismatch]]:
     """Entrywise comparison of the full Jacobians, per mode (``"rev"``, ``"fwd"``).
+
+    An entry that fails is judged again with the finite differences' own error
+    (``Refiner``; ``wide`` says whether the function computes in float64).
 
     The numerical Jacobian is computed a chunk of columns at a time; forward mode's
     columns are compared as they come, and for reverse mode the columns are held until
@@ -356,7 +475,7 @@ def full_mismatches(
         ``cotangent``, also ``"rev_cotangent"``: the input blocks whose VJP of it differs.
     """
     n, m = jac.n, jac.m
-    tallies = {mode: _Tally(out_slices, in_slices, atol) for mode in modes}
+    tallies = {mode: _Tally(out_slices, in_slices, atol, rtol) for mode in modes}
     if n == 0 or m == 0:
         return {mode: [] for mode in modes}
     linear = None
@@ -379,14 +498,80 @@ def full_mismatches(
             if held_bytes >= TILE_BYTES or stop == n:
                 _stream_rows(jac, first, held, steps, noise, atol, rtol, tallies["rev"], linear)
                 held, first, held_bytes = [], stop, 0
-    results = {mode: tally.mismatches() for mode, tally in tallies.items()}
+    refine_fn = Refiner(jac, eps, wide)
+    results = {mode: tally.mismatches(refine_fn) for mode, tally in tallies.items()}
     if linear is not None:
-        u, expected, allowed = linear
-        actual = jac.vjp(u)[1]
-        results["rev_cotangent"] = block_mismatches(
-            expected, actual, allowed, in_slices, on_inputs=True
-        )
+        results["rev_cotangent"] = cotangent_mismatches(jac, linear, in_slices, refine_fn, rtol)
     return results
+
+
+# Most entries (failing input elements times outputs) that ``cotangent_mismatches`` refines.
+REFINE_MAX_ENTRIES = 2**22
+
+
+def cotangent_mismatches(
+    jac: FlatJacobians,
+    linear: tuple[np.ndarray, np.ndarray, np.ndarray],
+    in_slices: Sequence[slice],
+    refine_fn: Refiner | None,
+    rtol: float,
+) -> list[Mismatch]:
+    """The random-cotangent comparison of ``full_mismatches``: the VJP of ``u`` against
+    ``u^T N``, with the allowance summed from the entries' plain allowances; an input
+    element that fails that is judged again with the finite differences' own error
+    (``_fd_error.refine`` of its whole column: ``u^T`` times the refined differences,
+    and ``sum_i |u_i| error_i`` more allowed), up to ``REFINE_MAX_ENTRIES`` entries."""
+    u, expected, allowed = linear
+    actual = jac.vjp(u)[1]
+    found = block_mismatches(expected, actual, allowed, in_slices, on_inputs=True)
+    if not found or refine_fn is None or not refine_fn.on():
+        return found
+    with np.errstate(invalid="ignore"):
+        error = np.abs(actual - expected)
+        cols = np.nonzero(~(error <= allowed) & np.isfinite(error))[0]
+    rows = np.nonzero(u)[0]
+    if cols.size == 0 or cols.size * rows.size > REFINE_MAX_ENTRIES:
+        return found
+    grid_cols, grid_rows = np.repeat(cols, rows.size), np.tile(rows, cols.size)
+    estimate, fd_error, resolved = refine_fn(grid_rows, grid_cols)
+    shape = (cols.size, rows.size)
+    estimate = estimate.reshape(shape)
+    fd_error = np.where(resolved, fd_error, 0.0).reshape(shape)
+    weight = np.abs(u[rows])
+    expected_refined = estimate @ u[rows]
+    allowed_refined = allowed[cols] + rtol * (np.abs(estimate) @ weight) + fd_error @ weight
+    passes = np.abs(actual[cols] - expected_refined) <= allowed_refined
+    if not passes.any():
+        return found
+    expected, allowed = expected.copy(), allowed.copy()
+    expected[cols[passes]] = expected_refined[passes]
+    allowed[cols[passes]] = allowed_refined[passes]
+    return block_mismatches(expected, actual, allowed, in_slices, on_inputs=True)
+
+
+class Refiner:
+    """The ``refine`` of ``_Tally.mismatches`` and ``cotangent_mismatches`` for a check:
+    ``_fd_error.refine`` of its Jacobians at its step, a function of ``(rows, cols)``.
+
+    ``on()`` says whether it applies: ``wide()`` (asked once, only where an entry
+    fails) is false for a function computed in lower precision (an output that is not
+    float64; in ``gradgradcheck``, a backward that returns float32 gradients): the
+    differences' error is then not estimated, and the plain test stands.
+    """
+
+    def __init__(
+        self, jac: FlatJacobians, eps: float | np.ndarray, wide: Callable[[], bool]
+    ) -> None:
+        self.jac, self.eps, self.wide = jac, eps, wide
+        self._on: bool | None = None
+
+    def on(self) -> bool:
+        if self._on is None:
+            self._on = bool(self.wide())
+        return self._on
+
+    def __call__(self, rows: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, ...]:
+        return refine(self.jac, rows, cols, self.eps)
 
 
 def _stream_rows(

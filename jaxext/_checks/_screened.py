@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compare
-from ._compare import _EPS64, NOISE_ULPS, Mismatch, _allowed, _overlaps, _Tally, block_mismatches
+from ._compare import _EPS64, NOISE_ULPS, Mismatch, _allowed, _overlaps, _Tally
 from ._jacobians import padded, perturbed, pullback_rows
 from ._quick import QuickJacobians, _Program
 
@@ -420,6 +420,7 @@ def full_mismatches(
     rtol: float,
     modes: Sequence[str],
     cotangent: np.ndarray | None = None,
+    wide: Callable[[], bool] = lambda: True,
 ) -> dict[str, list[Mismatch]]:
     """``_compare.full_mismatches``, screened: the same mismatches, from the same entries.
 
@@ -438,7 +439,7 @@ def full_mismatches(
         ``cotangent``, also ``"rev_cotangent"``: the input blocks whose VJP of it differs.
     """
     n, m = jac.n, jac.m
-    tallies = {mode: _Tally(out_slices, in_slices, atol) for mode in modes}
+    tallies = {mode: _Tally(out_slices, in_slices, atol, rtol) for mode in modes}
     if n == 0 or m == 0:
         return {mode: [] for mode in modes}
     linear = None
@@ -464,12 +465,11 @@ def full_mismatches(
             if tile.nbytes >= _compare.TILE_BYTES or stop == n:
                 _stream_rows(jac, tile, steps, noise, atol, rtol, tallies["rev"], linear)
                 tile = _Tile(stop)
-    results = {mode: tally.mismatches() for mode, tally in tallies.items()}
+    refine_fn = _compare.Refiner(jac, eps, wide)
+    results = {mode: tally.mismatches(refine_fn) for mode, tally in tallies.items()}
     if linear is not None:
-        u, expected, allowed = linear
-        actual = jac.vjp(u)[1]
-        results["rev_cotangent"] = block_mismatches(
-            expected, actual, allowed, in_slices, on_inputs=True
+        results["rev_cotangent"] = _compare.cotangent_mismatches(
+            jac, linear, in_slices, refine_fn, rtol
         )
     return results
 

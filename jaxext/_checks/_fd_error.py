@@ -1,0 +1,111 @@
+"""The finite differences' own error, estimated from the evaluations themselves.
+
+A central difference ``D(H) = (f(x + H e_k) - f(x - H e_k)) / 2H`` is off the
+derivative by two errors:
+
+* truncation, about ``f''' H^2 / 6``: it grows with the step;
+* rounding, about ``delta / H``, where ``delta`` is the rounding noise of the
+  *computed* ``f`` near ``x``. That noise is not a few ulps of ``|f(x)|``: in
+  ``1 - tanh(x)`` at ``x = 10`` it is the ulp of the intermediate ``tanh(x)``
+  (about ``1.1e-16``, while ``|f| = 4e-9``), so the difference at ``H = 1e-6``
+  carries an error of about ``1e-10``, 1% of ``f' = -8e-9``. No bound taken from
+  ``|f|`` alone sees it.
+
+Neither can be known beforehand; both show in how the differences at several
+steps disagree. ``refine`` evaluates the central differences of the entries it
+is asked about at ``STEPS`` steps ``H_j = h * RATIO**j`` (``h`` the check's step;
+the steps are not powers of two apart, so that values rounded to the same grid
+cannot agree exactly by accident) and, for each window of ``2 * WIDTH + 1``
+consecutive steps whose differences are all finite and nonzero (a zero
+difference means the step resolved nothing), takes the largest disagreement of
+the middle one with the others, ``e_j = max |D(H_j) - D(H_i)|``. That bounds
+both errors of ``D(H_j)`` (truncation grows and rounding shrinks from step to
+step, so a neighbour differs from it by at least its error, up to the neighbour's
+own). Of the windows where ``e_j <= RESOLVED * |D(H_j)|``, the one with the
+smallest ``e_j`` gives the estimate ``D(H_j)`` and its error ``SAFETY * e_j``:
+the step where the function's values resolve its derivative best, and how well.
+
+An entry with no such window is *unresolved*: its differences are zero or not
+finite, or disagree by more than a tenth, at every step. Its values do not change
+within ``RATIO**STEPS`` steps, or leave the function's domain, or jump: a
+derivative that jumps at ``x`` (``jnp.max`` at a tie, differentiated twice) gives
+differences that grow as ``1 / H``, like rounding, but of the size of the values
+themselves, and no step agrees with its neighbours. See ``_compare._Tally`` for
+the test of such an entry (the caller's ``atol``, unscaled).
+
+Only entries that fail the plain test (``_compare``) are refined, a chunk of
+columns at a time through the check's own program for the differences: a
+correct function whose differences already agree costs nothing more.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._jacobians import FlatJacobians
+
+__all__ = ["RATIO", "RESOLVED", "SAFETY", "STEPS", "WIDTH", "refine"]
+
+RATIO = 10.0**0.5  # between consecutive steps
+STEPS = 7  # steps h, ..., h * RATIO**6 (1000 h)
+WIDTH = 2  # neighbours on each side that a step is compared with
+SAFETY = 2.0  # the error bound is this times the largest disagreement
+RESOLVED = 0.1  # a step resolves an entry where its disagreement is at most this relative
+
+
+def refine(
+    jac: FlatJacobians,
+    rows: np.ndarray,
+    cols: np.ndarray,
+    eps: float | np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The refined numerical derivative of the entries ``(rows[i], cols[i])``.
+
+    Args:
+        jac: the check's Jacobians (its program for the differences runs them).
+        rows, cols: the entries (output, input element), flat positions.
+        eps: the check's step, one for all inputs or one per input element.
+
+    Returns:
+        ``(estimate, error, resolved)``: per entry, whether a step resolves it, the
+        difference at the step that resolves it best (at the check's own step where
+        none does) and ``SAFETY`` times its disagreement with its neighbours (infinite
+        where no step resolves it).
+    """
+    rows = np.asarray(rows, np.int64)
+    cols = np.asarray(cols, np.int64)
+    count = rows.shape[0]
+    estimate, error, resolved = np.zeros(count), np.full(count, np.inf), np.zeros(count, bool)
+    if count == 0:
+        return estimate, error, resolved
+    base = np.broadcast_to(np.asarray(eps, np.float64), (jac.n,))
+    columns = np.unique(cols)
+    for start in range(0, columns.shape[0], jac.col_chunk):
+        chunk = columns[start : start + jac.col_chunk]
+        where = np.searchsorted(chunk, cols)
+        mine = (where < chunk.shape[0]) & (chunk[np.minimum(where, chunk.shape[0] - 1)] == cols)
+        picked = np.nonzero(mine)[0]
+        at = (where[picked], rows[picked])
+        differences = np.stack(
+            [jac.numerical(chunk, base * RATIO**j)[0][at] for j in range(STEPS)]
+        )  # (STEPS, entries of this chunk)
+        estimate[picked], error[picked], resolved[picked] = _best(differences)
+    return estimate, error, resolved
+
+
+def _best(differences: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``(estimate, error, resolved)`` from the differences at each step (shape
+    ``(STEPS, entries)``); see ``refine``."""
+    steps, count = differences.shape
+    usable = np.isfinite(differences) & (differences != 0)
+    best_error = np.full(count, np.inf)
+    best = differences[0].copy()  # where no step resolves the entry: the check's own
+    for j in range(WIDTH, steps - WIDTH):
+        window = range(j - WIDTH, j + WIDTH + 1)
+        ok = np.logical_and.reduce([usable[i] for i in window])
+        with np.errstate(invalid="ignore"):
+            worst = np.max([np.abs(differences[j] - differences[i]) for i in window], axis=0)
+            better = ok & (worst < best_error) & (worst <= RESOLVED * np.abs(differences[j]))
+        best_error = np.where(better, worst, best_error)
+        best = np.where(better, differences[j], best)
+    return best, SAFETY * best_error, np.isfinite(best_error)
