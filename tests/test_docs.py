@@ -54,14 +54,7 @@ PAGES_WITH_CODE = [
     "guides/scaling_out.md",
     "guides/writing_ops.md",
     "guides/cpp_extension.md",
-    pytest.param(
-        "guides/libraries.md",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="needs the dropin (FP8 metadata) and fwdmode (forward mode through a "
-            "while_loop backward) branches of issue #34",
-        ),
-    ),
+    "guides/libraries.md",
     "guides/pallas_kernels.md",
 ]
 # Pages whose examples need optional packages (the `libs` extra): skipped without them.

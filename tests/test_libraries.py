@@ -14,8 +14,7 @@ process (the default tier): ``eqx.filter_custom_vjp`` looks ``jax.custom_vjp`` u
 rules are attached, so patching it for one test reaches a function defined there.
 
 The libraries are the ``libs`` extra (``pip install 'jaxext[libs]'``); without them the
-module skips. A case marked ``xfail(strict=True)`` fails on this branch for a known
-reason (its ``reason``); it must pass once that fix lands, and then the mark goes.
+module skips.
 """
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ SAME = {"rtol": 1e-10, "atol": 1e-12}
 # ~1e-16 |f| / 1e-6 = 1e-10 |f|, for functions of order one.
 FD = {"rtol": 1e-6, "atol": 1e-8}
 
-NEEDS_FWDMODE = "needs the fwdmode branch (issue #34): forward mode through a while_loop backward"
 # Eagerly, `jax.grad` at a Python float hands Equinox's fwd the float itself, so the
 # output is a Python float that Equinox treats as static: JAX's gradient is then 0 (2, the
 # rule's, under jit or at an array). A drop-in may match that 0 or give the rule's 2.
@@ -173,7 +171,6 @@ def test_diffrax_backsolve_adjoint_grad(results):
     assert_grad_matches(results, "diffrax_backsolve_grad", fd={"rtol": 2e-3})
 
 
-@pytest.mark.xfail(strict=True, reason="needs the fwdmode branch (issue #34): unbatched outputs")
 def test_diffrax_grad_of_vmap(results):
     assert_grad_matches(results, "diffrax_grad_of_vmap")
 
@@ -238,22 +235,18 @@ def test_optax_scale_gradient_jvp_is_the_adjoint_of_its_backward(results):
     np.testing.assert_allclose(swapped["jvp"], swapped["expected"], **SAME)
 
 
-@pytest.mark.xfail(strict=True, reason=NEEDS_FWDMODE)
 def test_equinox_checkpointed_while_loop_jvp(results):
     assert_forward_mode_gain(results, "eqx_checkpointed_while_jvp")
 
 
-@pytest.mark.xfail(strict=True, reason=NEEDS_FWDMODE)
 def test_diffrax_recursive_checkpoint_adjoint_jvp(results):
     assert_forward_mode_gain(results, "diffrax_recursive_checkpoint_jvp")
 
 
-@pytest.mark.xfail(strict=True, reason=NEEDS_FWDMODE)
 def test_optimistix_recursive_checkpoint_adjoint_jvp(results):
     assert_forward_mode_gain(results, "optx_recursive_checkpoint_jvp")
 
 
-@pytest.mark.xfail(strict=True, reason=NEEDS_FWDMODE)
 def test_jaxopt_implicit_differentiation_jvp(results):
     """jaxopt's backward solves by CG (a while_loop): ``J t`` must come from it."""
     assert_forward_mode_gain(results, "jaxopt_implicit_jvp")
