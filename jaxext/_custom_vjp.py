@@ -1182,7 +1182,10 @@ class _Linear:
         dense = not self.op.spec.symbolic_zeros or all(ct is not None for ct in cts)
         # hoist traced on cotangents that vary over no shard_map axis: not reused inside one
         plain = not any(_varying_axes(a) for a in self.ct_avals)
-        if self.traced_bwd is not None and dense and plain:
+        # nor on operands split over several devices: hoist traced on unsplit cotangents, and
+        # what bwd does can depend on the split (a C++ kernel's partition rule reads it)
+        whole = not _split_over_devices([*res_arrays[: self.n_own], *cts])
+        if self.traced_bwd is not None and dense and plain and whole:
             return self.staged_backward(res_arrays, cts, self.traced_bwd)
         return self.own_backward(res_arrays[: self.n_own], cts)
 
@@ -1587,6 +1590,27 @@ def _tangent_batch(args: Sequence[Any], dims: Sequence[Any], *, lin: _Linear):
     )
     outs = [o if b else o[0] for o, b in zip(outs, batched, strict=True)]
     return outs, [0 if b else None for b in batched]
+
+
+def _split_over_devices(values: Sequence[Any]) -> bool:
+    """Whether any of ``values`` is split over several devices: a concrete array placed on
+    more than one, or a traced one whose type names mesh axes (explicit sharding)."""
+    for value in values:
+        if value is None:
+            continue
+        if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
+            if len(value.sharding.device_set) > 1:
+                return True
+            continue
+        spec = getattr(getattr(jax.typeof(value), "sharding", None), "spec", None)
+        if spec is None:
+            continue
+        partitions = getattr(spec, "partitions", ())  # not `*spec`: refused for reduced specs
+        if any(e is not None for e in partitions) or getattr(spec, "unreduced", None):
+            return True
+        if getattr(spec, "reduced", None):
+            return True
+    return False
 
 
 def _unbatched_aval(value: Any) -> Any:
