@@ -1377,7 +1377,7 @@ class _Linear:
 
     def transposed(self, res_arrays: Sequence[Any], t_in: Sequence[Any]) -> list[jax.Array]:
         """``J t`` as the transpose of ``bwd``."""
-        examples = [_example(a) for a in self.ct_avals]
+        examples = [_jvp_from_vjp.stand_in(a) for a in self.ct_avals]
         hint = self.op.spec.forward_mode_hint or (
             f"give a JVP rule: `{self.op.name}.defvjp(fwd, bwd, jvp=jvp)` with "
             "`jvp(*nondiff_args, residuals, tangents) -> output tangent`"
@@ -1475,16 +1475,6 @@ def _match_type(grad: jax.Array, aval: Any) -> jax.Array:
     if explicit and jax.typeof(grad).sharding != sharding:
         grad = jax.sharding.reshard(grad, sharding)
     return grad
-
-
-def _example(aval: Any) -> jax.ShapeDtypeStruct:
-    """A stand-in for a value of type ``aval``, keeping its ``shard_map`` variance."""
-    manual = getattr(aval, "manual_axis_type", None)
-    if manual is not None:
-        return jax.ShapeDtypeStruct(
-            aval.shape, aval.dtype, sharding=aval.sharding, manual_axis_type=manual
-        )
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
 
 
 def _varying_axes(aval: Any) -> frozenset[Any]:

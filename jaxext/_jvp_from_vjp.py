@@ -59,6 +59,7 @@ __all__ = [
     "plain_calls",
     "runs_plain",
     "staged",
+    "stand_in",
     "tangent_from_backward",
     "tangent_of_fwd",
 ]
@@ -101,7 +102,7 @@ def tangent_from_backward(lin: Any, res_arrays: Sequence[Any], t_in: Sequence[An
     def backward(cts: Sequence[Any]) -> list[Any]:
         return lin.staged_backward(res_arrays, list(cts))
 
-    examples = [_example(a) for a in lin.ct_avals]
+    examples = [stand_in(a) for a in lin.ct_avals]
     failures: list[BaseException] = []
     for way in (_transposed, _transposed_linearization):
         try:
@@ -240,7 +241,7 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
-def _example(aval: Any) -> jax.ShapeDtypeStruct:
+def stand_in(aval: Any) -> jax.ShapeDtypeStruct:
     """A stand-in for a value of type ``aval``, keeping its ``shard_map`` variance."""
     manual = getattr(aval, "manual_axis_type", None)
     if manual is not None:

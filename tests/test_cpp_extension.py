@@ -1026,19 +1026,7 @@ def test_build_command_reports_bad_input(tmp_path, capsys):
 
 # -- builds are never stale: a rebuilt library, an edited header, handlers from a macro --
 
-SCALED_SOURCE = """
-#include "xla/ffi/api/ffi.h"
-#include "factor.h"
-namespace ffi = xla::ffi;
-ffi::Error Times(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
-  if (y->element_count() != x.element_count())
-    return ffi::Error::InvalidArgument("times: result size differs from x");
-  for (size_t i = 0; i < x.element_count(); ++i) y->typed_data()[i] = FACTOR * x.typed_data()[i];
-  return ffi::Error::Success();
-}
-XLA_FFI_DEFINE_HANDLER_SYMBOL(times, Times,
-    ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
-"""
+SCALED_SOURCE = AOT_SOURCE  # FACTOR comes from factor.h, found through -I
 
 
 def test_a_rebuilt_prebuilt_library_runs_the_new_code_in_the_same_process(tmp_path):
