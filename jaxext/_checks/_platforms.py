@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from ._battery import Skip, _fresh, _vjp
+from ._battery import _first_line as _message_line
 from ._gradcheck import Settings
 from ._kernels import kernel_targets, target_platforms
 from ._op import CheckFailed, OpUnderTest
@@ -135,8 +136,7 @@ _GPU_MODELS = {"cuda": "NVIDIA H100 80GB HBM3", "rocm": "gfx942"}
 
 
 def _first_line(err: Exception) -> str:
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"[:300]
+    return f"{type(err).__name__}: {_message_line(err)}"[:300]
 
 
 def _listed(names: list[str]) -> str:
