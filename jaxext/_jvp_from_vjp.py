@@ -51,6 +51,8 @@ import jax.numpy as jnp
 from jax.custom_derivatives import CustomVJPPrimal
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
+from ._jaxpr import call_body
+
 __all__ = [
     "DEFAULT_MAX_OUTPUTS",
     "check_max_outputs",
@@ -438,16 +440,7 @@ def _walk_deps(jaxpr: Any, inputs: Sequence[_Dep]) -> list[_Dep]:
 
     for eqn in jaxpr.eqns:
         ins = [read(a) for a in eqn.invars]
-        inner = None
-        for param in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-            sub = eqn.params.get(param)
-            sub = getattr(sub, "jaxpr", sub)
-            if hasattr(sub, "eqns") and len(sub.invars) == len(ins):
-                inner = sub
-                break
-        if inner is not None and len(inner.outvars) == len(eqn.outvars):
-            outs = _walk_deps(inner, ins)
-        else:
-            outs = [_mix(ins)] * len(eqn.outvars)
+        body = call_body(eqn)
+        outs = [_mix(ins)] * len(eqn.outvars) if body is None else _walk_deps(body.jaxpr, ins)
         env.update(zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in jaxpr.outvars]

@@ -26,6 +26,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._jaxpr import call_body
+
 __all__ = ["Kind", "nonlinearities"]
 
 
@@ -135,7 +137,6 @@ _NONLINEAR = {
     "lgamma",
     "digamma",
 }
-_SUBJAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
 def nonlinearities(fn: Callable[..., Any], examples: Sequence[Any]) -> list[tuple[Kind, str]]:
@@ -250,9 +251,7 @@ def _rule(eqn: Any, ins: Sequence[tuple[Kind, str]]) -> list[tuple[Kind, str]]:
         return [_worst(col) for col in zip(*branch_outs, strict=True)]
     if name in _NONLINEAR:
         return [(Kind.NONLINEAR, here)] * n_out
-    for param in _SUBJAXPR_PARAMS:  # pjit, closed_call, checkpoint, custom_jvp_call, ...
-        closed = eqn.params.get(param)
-        sub = getattr(closed, "jaxpr", closed)
-        if sub is not None and hasattr(sub, "eqns") and len(sub.invars) == len(kinds):
-            return _walk(sub, kinds, getattr(closed, "consts", ()))
+    body = call_body(eqn)  # jit, closed_call, checkpoint, custom_jvp_call, ...
+    if body is not None:
+        return _walk(body.jaxpr, kinds, body.consts)
     return [(Kind.UNKNOWN, "")] * n_out

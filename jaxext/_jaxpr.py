@@ -1,0 +1,100 @@
+"""Where a jaxpr's inner jaxprs live: the one definition every jaxpr walker in jaxext uses.
+
+JAX keeps the jaxprs of calls, loops, branches and custom rules in an equation's
+parameters, under names that differ by construct (``jaxpr`` for ``jit``/``pjit`` and
+``checkpoint``, ``call_jaxpr`` for ``custom_jvp_call``/``custom_vjp_call``, ``fun_jaxpr``
+for older custom rules, ``branches`` for ``cond``, ``body_jaxpr``/``cond_jaxpr`` for
+``while``) and in forms that differ too (a ``Jaxpr``, a ``ClosedJaxpr``, a tuple of them).
+This module reads them in one place, so that a renamed parameter or primitive (``pjit`` was
+renamed ``jit`` once) is one edit.
+
+* :func:`inner_jaxprs`: every jaxpr in an equation's parameters, with its constants.
+* :func:`call_body`: the body of a call-like equation, one whose inner jaxpr takes the
+  equation's operands in order and returns its results in order (``jit``, ``closed_call``,
+  ``remat``, ``custom_jvp_call``, ``custom_vjp_call``, ``custom_vmap_call``), else ``None``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+__all__ = ["Body", "call_body", "inner_jaxprs"]
+
+# The parameters under which a call-like equation keeps the jaxpr it runs, in the order
+# they are tried: jit/pjit/closed_call/checkpoint, then custom_jvp_call/custom_vjp_call/
+# custom_vmap_call, then the older custom rules' name.
+_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+class Body(NamedTuple):
+    """An inner jaxpr and the constants it closes over (empty for an open ``Jaxpr``)."""
+
+    jaxpr: Any
+    consts: Sequence[Any]
+
+
+def _as_body(value: Any) -> Body | None:
+    """``value`` as a :class:`Body` where it is a ``Jaxpr`` or ``ClosedJaxpr``, else ``None``."""
+    if hasattr(value, "eqns"):
+        return Body(value, ())
+    inner = getattr(value, "jaxpr", None)
+    if inner is not None and hasattr(inner, "eqns"):
+        return Body(inner, tuple(getattr(value, "consts", ())))
+    return None
+
+
+def inner_jaxprs(eqn: Any) -> Iterator[Body]:
+    """Every jaxpr in ``eqn``'s parameters, one level down, with its constants.
+
+    Args:
+        eqn: a ``JaxprEqn``.
+
+    Returns:
+        An iterator of :class:`Body`; parameters that hold a sequence of jaxprs (``cond``'s
+        ``branches``) give each of them.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jaxext._jaxpr import inner_jaxprs
+        >>> closed = jax.make_jaxpr(lambda x: jax.jit(jnp.sin)(x))(1.0)
+        >>> [len(b.jaxpr.eqns) for b in inner_jaxprs(closed.jaxpr.eqns[0])]
+        [1]
+    """
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            body = _as_body(item)
+            if body is not None:
+                yield body
+
+
+def call_body(eqn: Any) -> Body | None:
+    """The jaxpr a call-like ``eqn`` runs on its operands, else ``None``.
+
+    An equation is call-like when one of its jaxpr parameters takes exactly its operands
+    and returns exactly its results, so a walker may carry what it knows of the operands
+    into the body and read the results back out.
+
+    Args:
+        eqn: a ``JaxprEqn``.
+
+    Returns:
+        The body as a :class:`Body`, or ``None`` where ``eqn`` runs no such jaxpr (a
+        primitive, a loop, a branch).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jaxext._jaxpr import call_body
+        >>> closed = jax.make_jaxpr(lambda x: jax.jit(jnp.sin)(x) + 1)(1.0)
+        >>> [call_body(eqn) is not None for eqn in closed.jaxpr.eqns]
+        [True, False]
+    """
+    for param in _CALL_PARAMS:
+        body = _as_body(eqn.params.get(param))
+        if (
+            body is not None
+            and len(body.jaxpr.invars) == len(eqn.invars)
+            and len(body.jaxpr.outvars) == len(eqn.outvars)
+        ):
+            return body
+    return None
