@@ -40,7 +40,8 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.extend.core import Primitive, primal_dtype_to_tangent_dtype, take_current_trace
 from jax.interpreters import ad, batching, mlir
 
-from . import _eager_cache, _jvp_from_vjp
+from . import _eager_cache
+from . import _forward_mode as _jvp_from_vjp
 from ._linearity import Kind, nonlinearities
 from ._remat import rematerialized, run_fwd, saved
 
