@@ -70,7 +70,6 @@ from ._rule_contracts import (
     stale_closure_error,
     the_output,
 )
-from ._trace_state import stale_tracers
 
 __all__ = ["RuleTypeError", "RuleValueError", "custom_vjp"]
 
@@ -603,7 +602,7 @@ class _Op:
         closes over, under ``jit``) is stale there; JAX would fail later, when it lowers
         the program, with "No constant handler for type: ...Tracer".
         """
-        if stale_tracers():
+        if _trace_state.stale_tracers():
             raise stale_closure_error(self.name)
 
     def abstract_output(self, primals: tuple) -> Any:
