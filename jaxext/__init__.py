@@ -6,10 +6,11 @@ checker with PyTorch-style diagnostics, Flax layers built on the ops, and a
 """
 
 # The op-writing API first: the ops below are built on it (`from jaxext import ...`).
-from ._custom_vjp import RuleTypeError as RuleTypeError
-from ._custom_vjp import RuleValueError as RuleValueError
+from . import _custom_vjp, _eager_cache
 from ._custom_vjp import custom_vjp as custom_vjp
 from ._grad_type import grad_type as grad_type
+from ._rule_contracts import RuleTypeError as RuleTypeError
+from ._rule_contracts import RuleValueError as RuleValueError
 from ._validation import check_array as check_array
 
 # isort: split
@@ -30,6 +31,10 @@ from ._rms_norm import rms_norm as rms_norm
 from ._torch_interop import export_torch_linear as export_torch_linear
 from ._torch_interop import load_torch_linear as load_torch_linear
 from ._torch_interop import torch_linear_to_params as torch_linear_to_params
+
+# Eager calls take the steps that reuse eager work (the core runs every step as written;
+# `_custom_vjp.STEPS = _custom_vjp.Steps()` turns the caches off).
+_custom_vjp.STEPS = _eager_cache.CachedSteps()
 
 __version__ = "0.2.0"
 

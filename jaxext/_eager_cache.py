@@ -1,11 +1,12 @@
 """Eager work of ``jaxext.custom_vjp`` reused per abstract signature (issue 19).
 
 ``_custom_vjp.py`` defines the drop-in and its primitives and runs every step of a
-call as written (its ``_Plain`` steps). Outside any transformation, on concrete
-arrays, some of those steps cost more in Python than the call itself, so its JVP
-rule asks :func:`lookup` once per call for the steps it should take instead: this
-module's :class:`Cached` steps, or ``None`` (then everything runs as written, which
-is always correct; :data:`ENABLED` turns this module off).
+call as written (its ``Steps``). Outside any transformation, on concrete arrays, some
+of those steps cost more in Python than the call itself, so this module's
+:class:`CachedSteps`, a subclass, takes them faster, and ``jaxext/__init__.py``
+installs it as the steps every JVP rule takes (``_custom_vjp.STEPS``). Installing
+plain ``Steps()`` instead turns the caches off: everything then runs as written, which
+is always correct.
 
 What is kept, per decorated function and per *abstract signature* of a call:
 
@@ -19,8 +20,8 @@ What is kept, per decorated function and per *abstract signature* of a call:
 
 Not a cache, but eager-only too: ``fwd`` on concrete inputs runs in JAX's evaluation
 context rather than under the partial-evaluation trace of ``jax.grad``'s
-linearization, as ``jax.custom_vjp`` runs it. This module is jaxext's only user of
-``jax.core.eval_context`` and ``jax.extend.core.find_top_trace``.
+linearization, as ``jax.custom_vjp`` runs it (``_trace_state.eagerly``, which with
+``_trace_state.at_top_level`` is how this module reads JAX's tracing state).
 
 A signature is everything static about a call: the function and its rules, the
 positions and values of the nondiff arguments (plain immutable Python values only,
@@ -52,12 +53,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import jaxpr_as_fun, primal_dtype_to_tangent_dtype
+from jax.extend.core import jaxpr_as_fun
 
-__all__ = ["CACHE_SIZE", "ENABLED", "Cached", "at_top_level", "lookup"]
+from ._avals import is_differentiable
+from ._custom_vjp import Steps
+from ._trace_state import at_top_level, eagerly
 
-# Whether eager work is cached at all (tests turn it off to check the plain path).
-ENABLED = True
+__all__ = ["CACHE_SIZE", "CachedSteps"]
+
 # Entries kept per decorated function: eager calls with distinct nondiff values (a new
 # Python constant each step) evict old entries rather than growing without bound.
 CACHE_SIZE = 64
@@ -77,17 +80,11 @@ _PLAIN_VALUES = (
 _SEEN_ONCE, _UNSTAGED = object(), object()
 
 
-def lookup(op: Any) -> Cached | None:
-    """The steps ``op``'s JVP rule takes: cached ones, or ``None`` (run as written)."""
-    del op
-    return _CACHED if ENABLED else None
-
-
-class Cached:
+class CachedSteps(Steps):
     """The steps of a ``custom_vjp`` call that reuse eager work (see the module docstring).
 
-    Each step has the meaning and signature of ``_custom_vjp._Plain``'s and falls back on
-    the op's own (uncached) method wherever no cache applies.
+    Each step has the meaning and signature of its ``Steps`` original and falls back on
+    it wherever no cache applies.
     """
 
     def jvp(
@@ -114,11 +111,11 @@ class Cached:
         """
         key = _jvp_key(op, in_leaves, in_tree, perturbed, t_in)
         if key is None:
-            return op.traced_jvp(primals, in_leaves, in_tree, perturbed, t_in, self)
+            return super().jvp(op, primals, in_leaves, in_tree, perturbed, t_in)
         cache = _entries(op.spec)
         entry = cache.get(key)
         if entry is None:  # first sighting: run as is, and note whether the outputs are arrays
-            out, out_t = op.traced_jvp(primals, in_leaves, in_tree, perturbed, t_in, self)
+            out, out_t = super().jvp(op, primals, in_leaves, in_tree, perturbed, t_in)
             arrays = all(isinstance(o, jax.Array) for o in jax.tree_util.tree_leaves(out))
             _put(cache, key, _SEEN_ONCE if arrays else _UNSTAGED)
             return out, out_t
@@ -134,7 +131,7 @@ class Cached:
             if entry is not _UNSTAGED:
                 return result
         if entry is _UNSTAGED:
-            return op.traced_jvp(primals, in_leaves, in_tree, perturbed, t_in, self)
+            return super().jvp(op, primals, in_leaves, in_tree, perturbed, t_in)
         return entry.run(in_leaves, t_in)
 
     def _stage_jvp(
@@ -149,9 +146,9 @@ class Cached:
         def staged(*args: Any) -> list[Any]:
             leaves = list(args[:n_in])
             primals = jax.tree_util.tree_unflatten(in_tree, leaves)
-            out, out_t = op.traced_jvp(primals, leaves, in_tree, perturbed, list(args[n_in:]), self)
+            out, out_t = self.traced_jvp(op, primals, leaves, in_tree, perturbed, list(args[n_in:]))
             out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-            out_float = tuple(_is_float(jnp.result_type(o)) for o in out_leaves)
+            out_float = tuple(is_differentiable(jnp.result_type(o)) for o in out_leaves)
             t_leaves = out_tree.flatten_up_to(out_t)
             meta["out"] = out_tree, out_float
             return [*out_leaves, *(t for t, f in zip(t_leaves, out_float, strict=True) if f)]
@@ -173,14 +170,7 @@ class Cached:
         (only possible beneath another transformation) cannot run eagerly and runs as
         before.
         """
-        eval_context = getattr(jax.core, "eval_context", None)
-        if eval_context is None or any(isinstance(p, jax.core.Tracer) for p in in_leaves):
-            return op.call_fwd(fwd_args)
-        try:
-            with eval_context():
-                return op.call_fwd(fwd_args)
-        except jax.errors.UnexpectedTracerError:
-            return op.call_fwd(fwd_args)
+        return eagerly(lambda: op.call_fwd(fwd_args), in_leaves)
 
     def expected_output(self, op: Any, primals: tuple) -> Any:
         """The primal's output type for ``primals`` (``None``: it cannot be traced abstractly).
@@ -191,12 +181,12 @@ class Cached:
         """
         key = _key(op, "out", primals)
         if key is None or _has_python_number(primals):
-            return op.abstract_output(primals)
+            return super().expected_output(op, primals)
         cache = _entries(op.spec)
         if key in cache:
             cache.move_to_end(key)
             return cache[key]
-        expected = op.abstract_output(primals)
+        expected = super().expected_output(op, primals)
         _put(cache, key, expected)
         return expected
 
@@ -204,11 +194,8 @@ class Cached:
         """Eager ``J t``: compiled once per abstract signature seen twice (see ``_tangent``)."""
         compiled = _tangent(args, lin)
         if compiled is None:
-            return lin.apply(args)
+            return super().tangent(lin, args)
         return list(compiled(*args))
-
-
-_CACHED = Cached()
 
 
 def _entries(spec: Any) -> collections.OrderedDict:
@@ -290,11 +277,6 @@ def _has_python_number(values: Any) -> bool:
     )
 
 
-def _is_float(dtype: Any) -> bool:
-    """Whether values of ``dtype`` are differentiated (as ``_custom_vjp._is_float``)."""
-    return primal_dtype_to_tangent_dtype(dtype) != jax.dtypes.float0
-
-
 # -- the eager tangent -----------------------------------------------------------------
 
 
@@ -347,7 +329,7 @@ def _tangent(args: Sequence[Any], lin: Any) -> Callable[..., Any] | None:
 
 
 class _CompiledJvp:
-    """One eager JVP signature's compiled ``fwd`` and ``J t`` (see :meth:`Cached.jvp`)."""
+    """One eager JVP signature's compiled ``fwd`` and ``J t`` (see :meth:`CachedSteps.jvp`)."""
 
     def __init__(self, program: Callable[..., Any], out_tree: Any, out_float: tuple):
         self.program, self.out_tree, self.out_float = program, out_tree, out_float
@@ -387,18 +369,3 @@ def _jvp_key(op: Any, in_leaves: list[Any], in_tree: Any, perturbed: tuple, t_in
     except TypeError:  # a type JAX cannot hash: not cached
         return None
     return key
-
-
-_TOP_TRACE: list[Any] = []
-
-
-def at_top_level() -> bool:
-    """Whether no transformation is under way (JAX's evaluation is the current trace)."""
-    find = getattr(getattr(jax.extend, "core", None), "find_top_trace", None)
-    eval_context = getattr(jax.core, "eval_context", None)
-    if find is None or eval_context is None:
-        return False
-    if not _TOP_TRACE:
-        with eval_context():
-            _TOP_TRACE.append(find(()))
-    return find(()) is _TOP_TRACE[0]

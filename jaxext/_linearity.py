@@ -72,6 +72,7 @@ _LINEAR_IN_FIRST = {
     "psum_scatter",
     "pbroadcast",
     "pvary",
+    "pcast",
     "sharding_constraint",
     "mesh_cast",
     "reshard",

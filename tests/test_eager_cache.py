@@ -21,7 +21,7 @@ import pytest
 from helpers import assert_close, count_primitive, in_float64, rand
 
 import jaxext
-from jaxext import _eager_cache
+from jaxext import _custom_vjp, _eager_cache
 
 REPEAT = 3  # first call: as is; second: the tangent is compiled; third: served from cache
 
@@ -371,7 +371,7 @@ def test_a_new_x64_setting_never_reuses_an_entry():
 
 def test_the_plain_steps_without_the_cache(monkeypatch):
     """With the eager cache off, the plain path gives the same values and errors."""
-    monkeypatch.setattr(_eager_cache, "ENABLED", False)
+    monkeypatch.setattr(_custom_vjp, "STEPS", _custom_vjp.Steps())  # the caches off
 
     @jaxext.custom_vjp
     def f(x, w):

@@ -1,4 +1,4 @@
-"""Forward mode wherever reverse mode works (issue 34): the ways ``jaxext/_jvp_from_vjp.py``
+"""Forward mode wherever reverse mode works (issue 34): the ways ``jaxext/_forward_mode.py``
 derives ``J t`` from a backward JAX cannot transpose, the ``differentiate_fwd`` opt-in,
 and closures over an enclosing trace's tracers.
 

@@ -28,8 +28,8 @@ in jax-ml/jax#17840. That is right for a ``custom_vjp`` that exists to save memo
 (checkpointing, implicit differentiation) and wrong for one that changes the gradient.
 
 Also here: :func:`closure_convert`, which makes every tracer a rule closes over (integer
-ones too, unlike ``jax.closure_convert``) an explicit operand, and :func:`staged`, which
-says when to; and :func:`batched_outputs`, which tells the tangent's batching rule which
+ones too, unlike ``jax.closure_convert``) an explicit operand (``_trace_state.staged`` says
+when to); and :func:`batched_outputs`, which tells the tangent's batching rule which
 output tangents a ``vmap`` batch reaches (an output the batch does not reach keeps an
 unbatched tangent, as its primal does).
 
@@ -44,24 +44,27 @@ import contextlib
 import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import CustomVJPPrimal
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
+from ._avals import stand_in
 from ._jaxpr import call_body
+from ._rule_contracts import RuleTypeError, RuleValueError
 
 __all__ = [
     "DEFAULT_MAX_OUTPUTS",
+    "Call",
+    "Rules",
+    "TangentMap",
     "check_max_outputs",
     "closure_convert",
     "batched_outputs",
     "plain_calls",
     "runs_plain",
-    "staged",
-    "stand_in",
     "tangent_from_backward",
     "tangent_of_fwd",
 ]
@@ -82,14 +85,55 @@ def check_max_outputs(value: Any) -> int:
     return value
 
 
+# -- what forward mode reads of the core --------------------------------------------------
+
+
+class Rules(Protocol):
+    """What forward mode reads of a ``jaxext.custom_vjp`` (the core's ``custom_vjp``)."""
+
+    fwd: Callable[..., Any] | None
+    symbolic_zeros: bool
+    forward_mode_hint: str | None
+    forward_mode_max_outputs: int
+
+
+class Call(Protocol):
+    """What forward mode reads of one call of an op (the core's ``_Op``)."""
+
+    name: str
+    spec: Rules
+
+    def merge(self, diff_values: Sequence[Any]) -> list[Any]:
+        """The call's arguments, with ``diff_values`` at the differentiable positions."""
+        ...
+
+
+class TangentMap(Protocol):
+    """What forward mode reads of ``t -> J t`` for one call (the core's ``_TangentMap``)."""
+
+    op: Call
+    in_tree: Any  # the differentiable arguments' pytree structure
+    perturbed: tuple[bool, ...]  # per input leaf: whether it has a tangent
+    out_tree: Any
+    out_float: tuple[bool, ...]  # per output leaf: whether it is differentiated
+    ct_avals: tuple[Any, ...]  # the cotangent types of the differentiated outputs
+    hoisted_fwd: Callable[..., Any] | None  # differentiate_fwd: fwd closure-converted
+
+    def staged_backward(self, res_arrays: Sequence[Any], cts: Sequence[Any]) -> list[Any]:
+        """``bwd`` on the residual operands and one cotangent per differentiated output."""
+        ...
+
+
 # -- ways 1-3 ------------------------------------------------------------------------------
 
 
-def tangent_from_backward(lin: Any, res_arrays: Sequence[Any], t_in: Sequence[Any]) -> list[Any]:
+def tangent_from_backward(
+    lin: TangentMap, res_arrays: Sequence[Any], t_in: Sequence[Any]
+) -> list[Any]:
     """``J t`` from ``lin``'s backward: transposed, or row by row (see the module docstring).
 
     Args:
-        lin: the op's ``_Linear`` (its ``staged_backward``, ``ct_avals``, ``op``).
+        lin: the op's tangent map (its ``staged_backward``, ``ct_avals``, ``op``).
         res_arrays: the tangent primitive's residual operands.
         t_in: the tangents of the perturbed input leaves.
 
@@ -99,7 +143,6 @@ def tangent_from_backward(lin: Any, res_arrays: Sequence[Any], t_in: Sequence[An
     Raises:
         TypeError: naming the op and the remedies, where no way applies.
     """
-    from ._custom_vjp import RuleTypeError, RuleValueError
 
     def backward(cts: Sequence[Any]) -> list[Any]:
         return lin.staged_backward(res_arrays, list(cts))
@@ -215,7 +258,9 @@ def _real_dtype(dtype: Any) -> Any:
     return jnp.finfo(dtype).dtype if jnp.issubdtype(dtype, jnp.complexfloating) else dtype
 
 
-def _no_forward_mode(lin: Any, transpose_error: BaseException, row_problem: str) -> TypeError:
+def _no_forward_mode(
+    lin: TangentMap, transpose_error: BaseException, row_problem: str
+) -> TypeError:
     name, spec = lin.op.name, lin.op.spec
     if spec.forward_mode_hint is not None:
         remedies = f"{spec.forward_mode_hint}."
@@ -243,16 +288,6 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
-def stand_in(aval: Any) -> jax.ShapeDtypeStruct:
-    """A stand-in for a value of type ``aval``, keeping its ``shard_map`` variance."""
-    manual = getattr(aval, "manual_axis_type", None)
-    if manual is not None:
-        return jax.ShapeDtypeStruct(
-            aval.shape, aval.dtype, sharding=aval.sharding, manual_axis_type=manual
-        )
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
-
-
 # -- differentiate_fwd=True -------------------------------------------------------------------
 
 _PLAIN = threading.local()
@@ -275,7 +310,7 @@ def runs_plain(spec: Any) -> bool:
     return any(s is spec for s in getattr(_PLAIN, "specs", ()))
 
 
-def fwd_outputs(lin: Any) -> Callable[..., list[Any]]:
+def fwd_outputs(lin: TangentMap) -> Callable[..., list[Any]]:
     """``fwd``'s float outputs as a function of the op's input leaves."""
     op, spec = lin.op, lin.op.spec
 
@@ -291,7 +326,9 @@ def fwd_outputs(lin: Any) -> Callable[..., list[Any]]:
     return outputs
 
 
-def tangent_of_fwd(lin: Any, primals: Sequence[Any], consts: Sequence[Any], t_in: Sequence[Any]):
+def tangent_of_fwd(
+    lin: TangentMap, primals: Sequence[Any], consts: Sequence[Any], t_in: Sequence[Any]
+):
     """``J t`` as JAX's forward-mode derivative of ``fwd`` at ``primals`` (the input leaves).
 
     ``consts`` are the tracers ``fwd`` closes over, hoisted by :func:`closure_convert`
@@ -318,26 +355,6 @@ def _zero_tangent(primal: Any) -> Any:
 
 
 # -- closures ---------------------------------------------------------------------------------
-
-
-def staged(in_leaves: Sequence[Any], res_arrays: Sequence[Any], t_in: Sequence[Any]) -> bool:
-    """Whether a JVP rule runs inside a trace whose tracers its rules may close over.
-
-    So whenever its inputs or residuals are traced, and also where they are constants
-    inside a transformation (``jax.jvp`` or ``jax.jacfwd`` under ``jit``, in a loop body).
-    Linearization (``grad``, ``linearize``) runs the rule in a partial-evaluation trace
-    even at the top level: there the inputs decide, so that an eager ``grad`` does not
-    dry-run the rules.
-    """
-    from jax.interpreters import partial_eval
-
-    from ._eager_cache import at_top_level
-
-    if any(isinstance(v, jax.core.Tracer) for v in (*in_leaves, *res_arrays)):
-        return True
-    if any(isinstance(t, partial_eval.JaxprTracer) for t in t_in):
-        return False
-    return not at_top_level()
 
 
 def closure_convert(fn: Callable[..., Any], *args: Any) -> tuple[Callable[..., Any], list[Any]]:
