@@ -54,6 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import jaxpr_as_fun, primal_dtype_to_tangent_dtype
 
+from . import _linearized_cache
+
 __all__ = ["CACHE_SIZE", "ENABLED", "Cached", "at_top_level", "lookup"]
 
 # Whether eager work is cached at all (tests turn it off to check the plain path).
@@ -201,8 +203,9 @@ class Cached:
         return expected
 
     def tangent(self, lin: Any, args: Sequence[Any]) -> list[jax.Array]:
-        """Eager ``J t``: compiled once per abstract signature seen twice (see ``_tangent``)."""
-        compiled = _tangent(args, lin)
+        """Eager ``J t``: compiled once per abstract signature seen twice (see ``_tangent``),
+        or per tangent map, for a linearized function called again (``_linearized_cache``)."""
+        compiled = _linearized_cache.program(lin, args, _flags()) or _tangent(args, lin)
         if compiled is None:
             return lin.apply(args)
         return list(compiled(*args))

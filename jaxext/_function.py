@@ -839,26 +839,26 @@ def _check_grads(cls, meta: _Meta, grads: Any) -> list[Any]:
         )
     checked = []
     for i, (g, spec) in enumerate(zip(grads[:n], meta.inputs, strict=True)):
-        label = _arg_label(cls, i)
+        label = functools.partial(_arg_label, cls, i)  # made for an error only: reads forward
         if g is not None and isinstance(spec, str):
             raise TypeError(
-                f"`{name}.backward` returned a gradient for {label}, but that argument is "
+                f"`{name}.backward` returned a gradient for {label()}, but that argument is "
                 f"static (a {spec}, not an array); return None for it."
             )
         if g is not None and not _is_array(g):
             raise TypeError(
-                f"`{name}.backward`: the gradient for {label} must be an array or None; "
+                f"`{name}.backward`: the gradient for {label()} must be an array or None; "
                 f"got {type(g).__name__}."
             )
         if g is None and not isinstance(spec, str) and meta.needs_input_grad[i]:
-            _warn_missing_gradient(name, label, i, spec[1])
+            _warn_missing_gradient(name, label(), i, spec[1])
         if g is None or isinstance(spec, str):
             checked.append(None)
             continue
         shape, dtype = spec
         if g.shape != shape:
             raise ValueError(
-                f"`{name}.backward`: the gradient for {label} must have the input's shape "
+                f"`{name}.backward`: the gradient for {label()} must have the input's shape "
                 f"{shape}; got shape {g.shape}."
             )
         if not jnp.issubdtype(dtype, jnp.inexact):  # integer/bool input: never differentiated
@@ -869,7 +869,7 @@ def _check_grads(cls, meta: _Meta, grads: Any) -> list[Any]:
         )
         if not jnp.issubdtype(g.dtype, jnp.inexact) or complex_to_real:
             raise TypeError(
-                f"`{name}.backward`: the gradient for {label} must be a floating array "
+                f"`{name}.backward`: the gradient for {label()} must be a floating array "
                 f"matching the input's dtype {dtype}; got dtype {g.dtype}."
             )
         checked.append(jnp.asarray(g).astype(dtype))
