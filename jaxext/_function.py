@@ -6,8 +6,11 @@ arguments are its differentiable inputs; every other argument (numbers,
 strings, ``None``, tuples of ints ...) is static: the tuple of them is the op's
 one nondiff argument, which never needs to be hashable (``jit`` retraces exactly
 when the caller's own static arguments change) and which the eager cache keys
-like any nondiff value (a value it cannot key takes the uncached path).
-``CustomVJPPrimal.perturbed`` becomes ``ctx.needs_input_grad``.
+like any nondiff value (a value it cannot key takes the uncached path). As for
+any ``jaxext.custom_vjp`` (and under ``jax.jit``), eager calls then take the
+rules to be functions of their arguments: a Python number they read elsewhere
+(a class attribute reassigned between calls) is read when a call signature's
+program is built. ``CustomVJPPrimal.perturbed`` becomes ``ctx.needs_input_grad``.
 
 In PyTorch ``ctx`` is one graph node that lives from the forward to the
 backward. In JAX the two are separate traces (``fwd`` and ``bwd`` of the
@@ -389,6 +392,15 @@ class _Meta(NamedTuple):
     tuple_output: bool
 
 
+_METHODS = ("forward", "setup_context", "backward", "jvp", "vmap")
+
+
+def _same(kept: tuple[Any, ...], methods: tuple[Any, ...]) -> bool:
+    """Whether the class's methods are the very objects it was lowered with."""
+    # (`==` for a classmethod, which is bound afresh at each lookup)
+    return all(a is b or a == b for a, b in zip(kept, methods, strict=True))
+
+
 def _lowered(
     cls: type[Function], n_args: int, diff_positions: tuple[int, ...], hoist: bool
 ) -> _Lowered:
@@ -418,15 +430,6 @@ def _lowered(
     if lowered is None:
         lowered = built[key] = _Lowered(cls, n_args, diff_positions, hoist)
     return lowered
-
-
-_METHODS = ("forward", "setup_context", "backward", "jvp", "vmap")
-
-
-def _same(kept: tuple[Any, ...], methods: tuple[Any, ...]) -> bool:
-    """Whether the class's methods are the very objects it was lowered with."""
-    # (`==` for a classmethod, which is bound afresh at each lookup)
-    return all(a is b or a == b for a, b in zip(kept, methods, strict=True))
 
 
 def _check_class(cls: type[Function]) -> None:
