@@ -1122,3 +1122,109 @@ def test_depfile_names_with_spaces_and_continuations(tmp_path):
         tmp_path / "a dir" / "h.h",
         Path("/usr/include/stdio.h").resolve(),
     ]
+
+
+# -- the five ways a build went stale: each load must run what the compiler reads now ----
+
+
+def _kernel(directory, header="factor.h"):
+    """``kernel.cc`` in ``directory``, its FACTOR from ``#include "<header>"``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    source = directory / "kernel.cc"
+    source.write_text(AOT_SOURCE.replace('"factor.h"', f'"{header}"'))
+    return source
+
+
+def _factor(path, factor):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"#define FACTOR {factor}f\n")
+
+
+def test_an_identical_source_in_another_checkout_reads_its_own_header(tmp_path):
+    """Two checkouts, the same ``kernel.cc``, each with its own ``factor.h`` beside it."""
+    cache, x = tmp_path / "cache", jnp.arange(4.0)
+    first, second = _kernel(tmp_path / "one"), _kernel(tmp_path / "two")
+    _factor(tmp_path / "one" / "factor.h", 2.0)
+    _factor(tmp_path / "two" / "factor.h", 3.0)
+    one = cpp_extension.load("checkout_ext", [first], build_directory=cache)
+    np.testing.assert_array_equal(_times(one, x), 2 * np.arange(4.0))
+    two = cpp_extension.load("checkout_ext", [second], build_directory=cache)
+    np.testing.assert_array_equal(_times(two, x), 3 * np.arange(4.0))
+    assert two.built and two.path != one.path
+
+
+def test_a_header_found_through_cplus_include_path_follows_the_variable(tmp_path, monkeypatch):
+    """``factor.h`` found through ``$CPLUS_INCLUDE_PATH``; the variable names another
+    directory with another ``factor.h``."""
+    cache, x = tmp_path / "cache", jnp.arange(4.0)
+    source = _kernel(tmp_path / "src")
+    _factor(tmp_path / "a" / "factor.h", 2.0)
+    _factor(tmp_path / "b" / "factor.h", 3.0)
+    monkeypatch.setenv("CPLUS_INCLUDE_PATH", str(tmp_path / "a"))
+    first = cpp_extension.load("env_ext", [source], build_directory=cache)
+    np.testing.assert_array_equal(_times(first, x), 2 * np.arange(4.0))
+    monkeypatch.setenv("CPLUS_INCLUDE_PATH", str(tmp_path / "b"))
+    second = cpp_extension.load("env_ext", [source], build_directory=cache)
+    np.testing.assert_array_equal(_times(second, x), 3 * np.arange(4.0))
+    assert second.built
+
+
+def test_a_prebuilt_library_is_passed_over_for_other_include_paths(tmp_path):
+    """Built ahead of time with ``-I a``; loaded with ``-I b``, whose ``factor.h`` differs."""
+    cache, x = tmp_path / "cache", jnp.arange(4.0)
+    source = _kernel(tmp_path / "pkg")
+    _factor(tmp_path / "a" / "factor.h", 2.0)
+    _factor(tmp_path / "b" / "factor.h", 3.0)
+    library = cpp_extension.build("paths_ext", [source], extra_include_paths=[tmp_path / "a"])
+    same = cpp_extension.load(
+        "paths_ext", [source], extra_include_paths=[tmp_path / "a"], build_directory=cache
+    )
+    assert not same.built and same.path == library
+    np.testing.assert_array_equal(_times(same, x), 2 * np.arange(4.0))
+    other = cpp_extension.load(
+        "paths_ext", [source], extra_include_paths=[tmp_path / "b"], build_directory=cache
+    )
+    np.testing.assert_array_equal(_times(other, x), 3 * np.arange(4.0))
+    assert other.built and other.path.is_relative_to(cache)
+
+
+def test_a_repointed_symlinked_header_builds_anew(tmp_path):
+    """``factor.h`` is a symbolic link; pointed at another file, that file is read."""
+    cache, x = tmp_path / "cache", jnp.arange(4.0)
+    source = _kernel(tmp_path / "src")
+    _factor(tmp_path / "src" / "two.h", 2.0)
+    _factor(tmp_path / "src" / "three.h", 3.0)
+    link = tmp_path / "src" / "factor.h"
+    link.symlink_to("two.h")
+    first = cpp_extension.load("link_ext", [source], build_directory=cache)
+    np.testing.assert_array_equal(_times(first, x), 2 * np.arange(4.0))
+    link.unlink()
+    link.symlink_to("three.h")
+    second = cpp_extension.load("link_ext", [source], build_directory=cache)
+    np.testing.assert_array_equal(_times(second, x), 3 * np.arange(4.0))
+    assert second.built
+
+
+def test_a_new_header_that_shadows_the_included_one_builds_anew(tmp_path):
+    """``factor.h`` found through ``-I``; a new ``factor.h`` beside the source comes first
+    for ``#include "factor.h"``."""
+    cache, x = tmp_path / "cache", jnp.arange(4.0)
+    source = _kernel(tmp_path / "src")
+    _factor(tmp_path / "include" / "factor.h", 2.0)
+    includes = [tmp_path / "include"]
+
+    def load():
+        return cpp_extension.load(
+            "shadow_ext", [source], extra_include_paths=includes, build_directory=cache
+        )
+
+    first = load()
+    np.testing.assert_array_equal(_times(first, x), 2 * np.arange(4.0))
+    _factor(tmp_path / "src" / "factor.h", 3.0)
+    second = load()
+    np.testing.assert_array_equal(_times(second, x), 3 * np.arange(4.0))
+    assert second.built
+    (tmp_path / "src" / "factor.h").unlink()  # gone again: the first build fits again
+    back = load()
+    assert not back.built and back.path == first.path
+    np.testing.assert_array_equal(_times(back, x), 2 * np.arange(4.0))
