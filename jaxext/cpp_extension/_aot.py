@@ -60,7 +60,7 @@ def build(
     """
     _check_name(name)
     paths = _source_paths(sources)
-    texts = [path.read_text() for path in paths]
-    plan = _plan(name, paths, texts, {}, extra_cflags, extra_ldflags, extra_include_paths, platform)
+    files = {path: path.read_text() for path in paths}
+    plan = _plan(name, files, False, extra_cflags, extra_ldflags, extra_include_paths, platform)
     directory = paths[0].parent if output_directory is None else Path(output_directory)
     return write_prebuilt(plan, directory.expanduser().resolve(), verbose)

@@ -7,13 +7,22 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import jax
-import jaxlib
-
-from ._build import PRELUDE, BuildPlan, compile_plan, target_key
-from ._cache import build_once, cache_key, cache_root
+from ._build import (
+    PRELUDE,
+    BuildPlan,
+    compile_failure,
+    compile_units,
+    direct_key,
+    library_key,
+    own_files,
+    read_units,
+    target_key,
+    units,
+    write_inline,
+)
+from ._cache import add_to_manifest, build_once, cache_key, cache_root, find_build, read_manifest
 from ._compiler import find_compiler
-from ._deps import record, still_current
+from ._deps import Reading, unchanged
 from ._errors import CompilerNotFoundError
 from ._module import Extension
 from ._native import CHECKING_SOURCE
@@ -138,12 +147,9 @@ def load(
     """
     _check_name(name)
     paths = _source_paths(sources)
-    texts = [path.read_text() for path in paths]
     return _load(
         name,
-        paths,
-        texts,
-        {},
+        {path: path.read_text() for path in paths},
         functions,
         extra_cflags=extra_cflags,
         extra_ldflags=extra_ldflags,
@@ -238,10 +244,9 @@ def load_inline(
         files[f"{name}.cu"] = _joined(cuda_sources, "cuda_sources")
     return _load(
         name,
-        list(files),  # written into the build directory, see _load
-        list(files.values()),
         files,
         functions,
+        inline=True,
         extra_cflags=extra_cflags,
         extra_ldflags=extra_ldflags,
         extra_include_paths=extra_include_paths,
@@ -254,11 +259,10 @@ def load_inline(
 
 def _load(
     name: str,
-    sources: Sequence[Path | str],
-    texts: Sequence[str],
-    inline_files: dict[str, str],
+    files: Mapping[Path | str, str],
     functions: str | Sequence[str] | None,
     *,
+    inline: bool = False,
     extra_cflags: Sequence[str],
     extra_ldflags: Sequence[str],
     extra_include_paths: Sequence[PathLike],
@@ -268,10 +272,13 @@ def _load(
     verbose: bool,
     prebuilt: Sequence[Path] = (),
 ) -> Extension:
-    """Builds (once) and registers; ``inline_files`` are written into the build directory."""
+    """Builds (once) and registers.
+
+    ``files``: ``{source path: its text}``, or for ``inline``, ``{file name: text}``
+    (written into the cache, see ``_build.write_inline``).
+    """
     plan = _plan(
-        name, sources, texts, inline_files, extra_cflags, extra_ldflags, extra_include_paths,
-        platform,
+        name, files, inline, extra_cflags, extra_ldflags, extra_include_paths, platform
     )  # fmt: skip
     wanted = None if functions is None else _functions(functions)
     found, stale = find_prebuilt(plan, prebuilt)
@@ -282,7 +289,7 @@ def _load(
             print(f"[jaxext.cpp_extension] {name!r}: using the prebuilt {library}", flush=True)
     else:
         library, key, built = _build_cached(plan, build_directory, verbose, stale)
-    symbols = wanted if wanted is not None else _discovered(library, texts)
+    symbols = wanted if wanted is not None else _discovered(library, list(files.values()))
     rules = _partition_rules(partition, symbols)
     targets = register_handlers(name, library, plan.prefix(key), symbols, plan.platform)
     return Extension(name, library, built, plan.platform, targets, rules)
@@ -290,15 +297,16 @@ def _load(
 
 def _plan(
     name: str,
-    sources: Sequence[Path | str],
-    texts: Sequence[str],
-    inline_files: dict[str, str],
+    files: Mapping[Path | str, str],
+    inline: bool,
     extra_cflags: object,
     extra_ldflags: object,
     extra_include_paths: object,
     platform: str | None,
 ) -> BuildPlan:
     """What to compile, checked, with the compiler-independent source key."""
+    sources = list(files)
+    inline_files = {str(s): t for s, t in files.items()} if inline else {}
     cflags = _strings(extra_cflags, "extra_cflags")
     ldflags = _strings(extra_ldflags, "extra_ldflags")
     includes = [Path(p).expanduser().resolve() for p in _paths(extra_include_paths)]
@@ -311,7 +319,7 @@ def _plan(
             repr(cflags),
             repr(ldflags),
             repr(sorted(inline_files)),
-            *(part for s, t in zip(sources, texts, strict=True) for part in (Path(s).name, t)),
+            *(part for s, t in files.items() for part in (Path(s).name, t)),
             PRELUDE if inline_files else "",
             CHECKING_SOURCE.read_bytes(),
         ]
@@ -326,7 +334,10 @@ def _plan(
 def _build_cached(
     plan: BuildPlan, build_directory: PathLike | None, verbose: bool, stale: list[Path]
 ) -> tuple[Path, str, bool]:
-    """A cached build of ``plan`` whose headers are unchanged, else a new one.
+    """The build of ``plan`` from what the compiler reads now, made if there is none.
+
+    A direct-mode manifest whose files are unchanged names it without running the
+    preprocessor; otherwise the preprocessed sources name it (see ``_cache``).
 
     Returns:
         ``(library, target key, whether it was built now)``.
@@ -336,33 +347,70 @@ def _build_cached(
     except CompilerNotFoundError as err:
         if stale:
             raise CompilerNotFoundError(
-                f"{err} (A prebuilt {plan.name!r} was found, but for other sources or flags: "
-                f"{', '.join(map(str, stale))}; rebuild it with `python -m "
-                "jaxext.cpp_extension build`.)"
+                f"{err} (A prebuilt {plan.name!r} was found, but for other sources, headers, "
+                f"include paths or flags: {', '.join(map(str, stale))}; rebuild it with "
+                "`python -m jaxext.cpp_extension build`.)"
             ) from None
         raise
-    key = cache_key(
-        [
-            plan.source_key,
-            compiler.identity,
-            jaxlib.__version__,
-            jax.ffi.include_dir(),
-            repr([str(p) for p in plan.includes]),
-        ]
-    )
-    directory = cache_root(build_directory) / plan.name / key
+    root = cache_root(build_directory) / plan.name
+    inline = None
+    if plan.inline_files:
+        texts = [part for item in sorted(plan.inline_files.items()) for part in item]
+        inline = root / "inline" / cache_key([PRELUDE, *texts])
+        write_inline(plan, inline)
+    found = units(plan, compiler, inline)
+    manifest = root / "direct" / f"{direct_key(plan, compiler, found)}.json"
+    cached = _from_manifest(root, plan.name, manifest, found[0].cwd)
+    if cached is not None:
+        library, record = cached
+        if verbose:
+            print(
+                f"[jaxext.cpp_extension] {plan.name!r}: using the cached build {library}",
+                flush=True,
+            )
+        return library, record["target_key"], False
+    readings = read_units(compiler, found)
+    if readings is None:  # the preprocessor failed: the compiler says why
+        raise compile_failure(plan, compiler, found, root / "failed", verbose)
+    directory = root / library_key(plan, compiler, found, readings)
 
     def build(output: Path) -> dict:
-        headers = compile_plan(plan, compiler, directory, output, verbose)
-        return {"target_key": target_key(plan, compiler, headers), "headers": record(headers)}
+        compile_units(plan, compiler, found, directory, output, verbose)
+        return {"target_key": target_key(plan, own_files(compiler, found, readings))}
 
-    def current(found: dict) -> bool:
-        return isinstance(found.get("target_key"), str) and still_current(found.get("headers"))
-
-    library, found, built = build_once(directory, plan.name, build, current)
+    library, record, built = build_once(directory, plan.name, build, _has_target_key)
+    if all(r.direct for r in readings):
+        add_to_manifest(manifest, _manifest_entry(directory.name, readings))
     if verbose and not built:
         print(f"[jaxext.cpp_extension] {plan.name!r}: using the cached build {library}", flush=True)
-    return library, found["target_key"], built
+    return library, record["target_key"], built
+
+
+def _has_target_key(record: dict) -> bool:
+    return isinstance(record.get("target_key"), str)
+
+
+def _manifest_entry(key: str, readings: Sequence[Reading]) -> dict:
+    opened = {path: sha for reading in readings for path, sha in reading.opened}
+    absent = sorted({path for reading in readings for path in reading.absent})
+    return {"library": key, "opened": [[p, h] for p, h in opened.items()], "absent": absent}
+
+
+def _from_manifest(
+    root: Path, name: str, manifest: Path, cwd: str
+) -> tuple[Path, dict] | None:
+    """The build a manifest entry names whose files are all as recorded, if any."""
+    digests: dict[str, str | None] = {}
+    for entry in read_manifest(manifest):
+        key = entry.get("library")
+        if not (isinstance(key, str) and key.isalnum()):
+            continue
+        if unchanged(entry.get("opened"), entry.get("absent"), cwd, digests):
+            directory = root / key
+            found = find_build(directory, name, _has_target_key) if directory.is_dir() else None
+            if found is not None:
+                return found
+    return None
 
 
 def _partition_rules(
