@@ -263,4 +263,3 @@ def compile_failure(
         output="",
         log_path=str(directory / "build.log"),
     )
-

@@ -168,9 +168,7 @@ def compile_library(
         if verbose:
             print(f"[jaxext.cpp_extension] building {name!r}: {shlex.join(command)}", flush=True)
         try:
-            done = subprocess.run(
-                command, cwd=cwd, capture_output=True, text=True, check=False
-            )
+            done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, check=False)
         except OSError as err:
             raise CompilerNotFoundError(f"Cannot run the compiler {command[0]!r}: {err}.") from None
         output = done.stdout + done.stderr

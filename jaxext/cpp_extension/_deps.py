@@ -62,8 +62,8 @@ SEARCH_ENVIRONMENT = (
 
 # Names a file includes or tests for, as written: #include "x.h", <x.h>, __has_include.
 _NAMED = re.compile(
-    rb'^[ \t]*#[ \t]*include(?:_next)?[ \t]*[<"]([^>"\n]+)[>"]'
-    rb'|__has_include(?:_next)?\s*\(\s*[<"]([^>"\n]+)[>"]',
+    rb'^[ \t]*#[ \t]*include(_next)?[ \t]*([<"])([^>"\n]+)[>"]'
+    rb'|__has_include(_next)?\s*\(\s*([<"])([^>"\n]+)[>"]',
     re.MULTILINE,
 )
 # What a manifest cannot follow: a header named by a macro, the date and time.
@@ -126,7 +126,7 @@ def preprocess(command: Sequence[str], cwd: str, follow: bool) -> Reading:
         opened = read_depfile(depfile)
     contents = {path: _read(path, cwd) for path in opened}
     direct = not any(_UNFOLLOWED.search(data) for data in contents.values())
-    absent = _absent(contents, _searched(done.stderr), cwd) if direct else ()
+    absent = _absent(contents, done.stderr, cwd) if direct else ()
     hashes = tuple((path, hashlib.sha256(data).hexdigest()) for path, data in contents.items())
     return Reading(text, hashes, absent, direct)
 
@@ -135,34 +135,64 @@ def _read(path: str, cwd: str) -> bytes:
     return Path(cwd, path).read_bytes()
 
 
-def _searched(stderr: bytes) -> list[str]:
-    """The directories in ``-v`` output: searched, and those ignored as nonexistent
-    (created, they would be searched)."""
-    found, inside = [], False
+def _searched(stderr: bytes) -> tuple[list[str], list[str], list[str]]:
+    """``(quote, bracket, missing)``: the directories ``-v`` output lists for
+    ``#include "..."`` (before the bracket ones) and ``#include <...>``, and those it
+    ignored as nonexistent (created, they would be searched)."""
+    quote, bracket, missing = [], [], []
+    into = None
     for raw in stderr.decode(errors="surrogateescape").splitlines():
-        if raw.startswith("#include ") and raw.endswith("search starts here:"):
-            inside = True
+        if raw.startswith('#include "..." search starts here'):
+            into = quote
+        elif raw.startswith("#include <...> search starts here"):
+            into = bracket
         elif raw.startswith("End of search list"):
-            inside = False
-        elif inside and raw.startswith(" "):
-            found.append(raw.strip().split(" (")[0])
+            into = None
+        elif into is not None and raw.startswith(" "):
+            into.append(raw.strip().split(" (")[0])
         elif raw.startswith('ignoring nonexistent directory "'):
-            found.append(raw[len('ignoring nonexistent directory "') : -1])
-    return found
+            missing.append(raw[len('ignoring nonexistent directory "') : -1])
+    return quote, bracket, missing
 
 
-def _absent(contents: dict[str, bytes], searched: Sequence[str], cwd: str) -> tuple[str, ...]:
-    directories = list(dict.fromkeys([*searched, *(os.path.dirname(p) or "." for p in contents)]))
-    names: set[str] = set()
-    for path, data in contents.items():
-        names.update((m.group(1) or m.group(2)).decode(errors="surrogateescape")
-                     for m in _NAMED.finditer(data))  # fmt: skip
-        for directory in directories:
-            prefix = directory.rstrip("/") + "/"
-            if path.startswith(prefix):
-                names.add(path[len(prefix) :])
-    probes = {os.path.join(d, n) for d in directories for n in names}
-    return tuple(sorted(p for p in probes if not os.path.lexists(os.path.join(cwd, p))))
+def _absent(contents: dict[str, bytes], stderr: bytes, cwd: str) -> tuple[str, ...]:
+    """Where a new file would be found before one the preprocessor opened.
+
+    For each name a file includes or tests for, the directories searched for it (the
+    file's own directory first for ``"..."``), up to the first where it exists (all of
+    them for ``_next``, which starts past the file's own); and each directory that was
+    ignored as nonexistent. The implicit ``<stdc-predef.h>`` counts as included by the
+    source (the first file).
+    """
+    quote, bracket, missing = _searched(stderr)
+    absent = set(missing)
+    seen = set()
+    for index, (path, data) in enumerate(contents.items()):
+        named = [(m.group(1) or m.group(4), m.group(2) or m.group(5), m.group(3) or m.group(6))
+                 for m in _NAMED.finditer(data)]  # fmt: skip
+        if index == 0:
+            named.append((None, b"<", b"stdc-predef.h"))
+        here = os.path.dirname(path) or "."
+        for following, delimiter, raw in named:
+            name = raw.decode(errors="surrogateescape")
+            quoted = delimiter == b'"'
+            key = (here if quoted else None, bool(following), name)
+            if key in seen:
+                continue
+            seen.add(key)
+            if os.path.isabs(name):  # opened by that path, or absent
+                if not os.path.lexists(name):
+                    absent.add(name)
+                continue
+            chain = [here, *quote, *bracket] if quoted else bracket
+            for directory in chain:
+                probe = os.path.join(directory, name)
+                if os.path.lexists(os.path.join(cwd, probe)):
+                    if not following:
+                        break
+                else:
+                    absent.add(probe)
+    return tuple(sorted(absent))
 
 
 def unchanged(
@@ -177,18 +207,31 @@ def unchanged(
     if not (isinstance(opened, list) and isinstance(absent, list)):
         return False
     digests = {} if digests is None else digests
+    join = os.path.join
     for row in opened:
         if not (isinstance(row, list) and len(row) == 2 and all(isinstance(v, str) for v in row)):
             return False
-        path = os.path.join(base, row[0])
+        path = join(base, row[0])
         if path not in digests:
             try:
-                digests[path] = digest(Path(path))
+                with open(path, "rb", buffering=0) as handle:
+                    digests[path] = hashlib.sha256(handle.read()).hexdigest()
             except OSError:
                 digests[path] = None
         if digests[path] != row[1]:
             return False
-    return all(isinstance(p, str) and not os.path.lexists(os.path.join(base, p)) for p in absent)
+    for path in absent:
+        if not isinstance(path, str):
+            return False
+        try:
+            os.lstat(join(base, path))
+        except FileNotFoundError:
+            continue
+        except OSError:  # e.g. a file where a directory was: still absent as a header
+            if not os.path.lexists(join(base, path)):
+                continue
+        return False
+    return True
 
 
 def read_depfile(path: Path) -> list[str]:
@@ -256,7 +299,8 @@ def builtin_directories(argv: tuple[str, ...], include_dir: str) -> tuple[str, .
             check=False,
             env=environment,
         )
-        searched = _searched(done.stderr)
+        quote, bracket, _ = _searched(done.stderr)
+        searched = [*quote, *bracket]
     except (OSError, subprocess.SubprocessError):
         searched = []
     found += [str(Path(d).resolve()) for d in searched]

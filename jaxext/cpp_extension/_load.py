@@ -396,9 +396,7 @@ def _manifest_entry(key: str, readings: Sequence[Reading]) -> dict:
     return {"library": key, "opened": [[p, h] for p, h in opened.items()], "absent": absent}
 
 
-def _from_manifest(
-    root: Path, name: str, manifest: Path, cwd: str
-) -> tuple[Path, dict] | None:
+def _from_manifest(root: Path, name: str, manifest: Path, cwd: str) -> tuple[Path, dict] | None:
     """The build a manifest entry names whose files are all as recorded, if any."""
     digests: dict[str, str | None] = {}
     for entry in read_manifest(manifest):
