@@ -11,6 +11,7 @@ import hashlib
 import math
 import os
 import re
+import subprocess
 import threading
 from pathlib import Path
 
@@ -1207,7 +1208,7 @@ def test_a_repointed_symlinked_header_builds_anew(tmp_path):
     assert second.built
 
 
-def test_a_new_header_that_shadows_the_included_one_builds_anew(tmp_path):
+def test_a_new_header_that_shadows_the_included_one_builds_anew(tmp_path, monkeypatch):
     """``factor.h`` found through ``-I``; a new ``factor.h`` beside the source comes first
     for ``#include "factor.h"``."""
     cache, x = tmp_path / "cache", jnp.arange(4.0)
@@ -1227,6 +1228,47 @@ def test_a_new_header_that_shadows_the_included_one_builds_anew(tmp_path):
     np.testing.assert_array_equal(_times(second, x), 3 * np.arange(4.0))
     assert second.built
     (tmp_path / "src" / "factor.h").unlink()  # gone again: the first build fits again
-    back = load()
+    with monkeypatch.context() as m:  # found by its manifest: no preprocessor, no compiler
+        m.setattr(subprocess, "run", _no_process)
+        back = load()
     assert not back.built and back.path == first.path
     np.testing.assert_array_equal(_times(back, x), 2 * np.arange(4.0))
+
+
+def _no_process(*args, **kwargs):
+    raise AssertionError(f"a cache hit ran a process: {args}")
+
+
+def test_a_prebuilt_library_moves_with_its_package(tmp_path, monkeypatch):
+    """Built into ``pkg/lib`` from ``pkg/csrc`` with ``-I pkg/include``: the paths are
+    recorded relative to ``pkg/lib``, so the package moved whole still fits; with
+    another ``factor.h`` it does not."""
+    package = tmp_path / "pkg"
+    source = _kernel(package / "csrc")
+    _factor(package / "include" / "factor.h", 2.0)
+    cpp_extension.build(
+        "moved_ext", [source], package / "lib", extra_include_paths=[package / "include"]
+    )
+    moved = tmp_path / "site-packages" / "pkg"
+    moved.parent.mkdir()
+    package.rename(moved)
+    x = jnp.arange(4.0)
+
+    def load():
+        return cpp_extension.load(
+            "moved_ext",
+            [moved / "csrc" / "kernel.cc"],
+            extra_include_paths=[moved / "include"],
+            prebuilt_directory=moved / "lib",
+            build_directory=tmp_path / "cache",
+        )
+
+    with monkeypatch.context() as m:
+        m.setattr(subprocess, "run", _no_process)
+        ext = load()
+    assert not ext.built and ext.path.parent == moved / "lib"
+    np.testing.assert_array_equal(_times(ext, x), 2 * np.arange(4.0))
+    _factor(moved / "include" / "factor.h", 3.0)
+    again = load()
+    assert again.built and again.path.is_relative_to(tmp_path / "cache")
+    np.testing.assert_array_equal(_times(again, x), 3 * np.arange(4.0))

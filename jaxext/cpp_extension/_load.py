@@ -58,18 +58,21 @@ def load(
 
     The sources are compiled with ``$CXX`` (else ``c++``; ``nvcc`` when a source is
     ``.cu``) as ``-std=c++17 -O3 -fPIC`` and linked with ``-shared``, against the
-    XLA FFI headers that ship with jaxlib (``jax.ffi.include_dir()``), once: the
-    library is cached under a hash of the sources, flags, include paths, jaxlib
-    version and compiler, with a record of every header the compiler read (its
-    ``-MD`` output) and their contents' hashes, and later calls, in this process
-    or another, load it from there while those headers are unchanged. A library
-    built anew gets a new file name (the hash of its bytes), so loading it again in
-    a process that loaded an older build runs the new code.
+    XLA FFI headers that ship with jaxlib (``jax.ffi.include_dir()``), once: a build
+    is reused only when the compiler would read the same things the same way (its
+    identity and version, every flag, the environment variables that move its search
+    path such as ``CPLUS_INCLUDE_PATH``, and the preprocessed text of every source),
+    in this process or another. A direct-mode manifest of every file the preprocessor
+    opened (by the path it opened it under, and by content) and of the paths where a
+    new file would shadow one lets a load skip the preprocessor while they are all as
+    recorded. A library built anew gets a new file name (the hash of its bytes), so
+    loading it again in a process that loaded an older build runs the new code.
 
     A library built ahead of time with ``python -m jaxext.cpp_extension build``
     (see :func:`jaxext.cpp_extension.build`) is used instead, without a compiler,
-    when it is found, for the same name, sources, headers and flags, in
-    ``prebuilt_directory`` or in the directory of the first source.
+    when it is found, built from what the compiler would read now (the same name,
+    sources, include paths, flags, search environment and headers, matched the same
+    way), in ``prebuilt_directory`` or in the directory of the first source.
 
     Without ``functions``, the handlers are the functions the built library exports
     with C linkage (read from its ELF symbol table, leaving out jaxext's own), as
@@ -91,7 +94,7 @@ def load(
         platform: ``"cpu"`` or ``"CUDA"``, the platform the handlers are registered
             for. Default: ``"CUDA"`` if a source is ``.cu``, else ``"cpu"``.
         partition: ``{handler: rule}``, how each handler splits over a device mesh
-            (its ``FfiFunction.partition``):
+            (its ``FfiFunction.partition``; experimental):
             ``"batch"`` (the leading dimension of the first operand and of every
             result), an einsum-like rule such as ``"b i, o i -> b o"``, or ``None``
             (the default for handlers not named: sharded operands are gathered and
@@ -186,10 +189,12 @@ def load_inline(
     """Like :func:`jaxext.cpp_extension.load`, with the sources given as strings.
 
     The C++ strings are joined into ``<name>.cc`` (the CUDA ones into
-    ``<name>.cu``), written into the build's cache directory, and compiled with
-    ``xla/ffi/api/ffi.h`` already included and ``namespace ffi = xla::ffi;``
-    declared, so the sources can start with the handlers. The compiler's line
-    numbers are those of the joined strings.
+    ``<name>.cu``), written into the cache (``<root>/<name>/inline/<hash>/``), and
+    compiled there, with ``xla/ffi/api/ffi.h`` already included and
+    ``namespace ffi = xla::ffi;`` declared, so the sources can start with the
+    handlers. The compiler's line numbers are those of the joined strings. The
+    compiler runs in that directory: give paths in ``extra_cflags`` and
+    ``extra_ldflags`` absolute.
 
     Args:
         name: the extension's name (see :func:`jaxext.cpp_extension.load`).

@@ -26,7 +26,7 @@ import json
 import os
 import tempfile
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
@@ -76,13 +76,14 @@ def find_prebuilt(
         library = directory / str(found.get("library", f"{plan.name}.so"))
         if not library.is_file():
             continue
+        relative = _relative_to(directory, plan)
         if (
             found.get("format") == _FORMAT
             and found.get("source_key") == plan.source_key
             and found.get("platform") == plan.platform
             and isinstance(found.get("target_key"), str)
-            and found.get("sources") == [_relative(s, directory) for s in plan.sources]
-            and found.get("includes") == [_relative(i, directory) for i in plan.includes]
+            and found.get("sources") == [relative(s) for s in plan.sources]
+            and found.get("includes") == [relative(i) for i in plan.includes]
             and found.get("environment") == search_environment()
             and found.get("direct") is True
             and unchanged(found.get("opened"), found.get("absent"), str(directory))
@@ -124,11 +125,12 @@ def write_prebuilt(plan: BuildPlan, directory: Path, verbose: bool = False) -> P
     # The extension's own files: the system's and jaxlib's differ between the machine
     # that builds and those that load (the jaxlib version is checked instead).
     own = own_files(compiler, found_units, readings)
+    relative = _relative_to(directory, plan)
     system = builtin_directories(compiler.argv, jax.ffi.include_dir())
     jaxext_own = str(CHECKING_SOURCE.parent)
     absent = sorted(
         {
-            _relative(full, directory)
+            relative(full)
             for unit, reading in zip(found_units, readings, strict=True)
             for full in (os.path.join(unit.cwd, p) for p in reading.absent)
             if not is_under(full, (*system, jaxext_own))
@@ -141,11 +143,11 @@ def write_prebuilt(plan: BuildPlan, directory: Path, verbose: bool = False) -> P
         "library": library.name,
         "source_key": plan.source_key,
         "target_key": target_key(plan, own),
-        "sources": [_relative(s, directory) for s in plan.sources],
-        "includes": [_relative(i, directory) for i in plan.includes],
+        "sources": [relative(s) for s in plan.sources],
+        "includes": [relative(i) for i in plan.includes],
         "environment": search_environment(),
         "direct": all(r.direct for r in readings),
-        "opened": [[_relative(os.path.join(cwd, p), directory), h] for cwd, p, h in own],
+        "opened": [[relative(os.path.join(cwd, p)), h] for cwd, p, h in own],
         "absent": absent,
         "platform": plan.platform,
         "jaxlib": jaxlib_version,
@@ -159,8 +161,17 @@ def write_prebuilt(plan: BuildPlan, directory: Path, verbose: bool = False) -> P
     return library
 
 
-def _relative(path: Path | str, directory: Path) -> str:
-    """``path`` relative to ``directory`` when inside it (by name, links not followed),
-    else as it is."""
-    text, prefix = str(path), str(directory).rstrip("/") + "/"
-    return text[len(prefix) :] if text.startswith(prefix) else text
+def _relative_to(directory: Path, plan: BuildPlan) -> Callable[[Path | str], str]:
+    """How the manifest in ``directory`` writes a path: relative to ``directory`` (by
+    name, ``..`` where needed, links not followed) when inside the deepest directory
+    that holds both it and the sources (the package, which moves whole), else as it is.
+    """
+    root = os.path.commonpath([str(directory), *(str(s) for s in plan.sources)])
+
+    def relative(path: Path | str) -> str:
+        text = str(path)
+        if text == root or text.startswith(root.rstrip("/") + "/"):
+            return os.path.relpath(text, directory)
+        return text
+
+    return relative
