@@ -26,17 +26,18 @@ def build(
 
     Writes ``<output_directory>/<name>.<hash>.so`` (``<hash>``: of the library's
     bytes, so a rebuilt library is a new file that a running process loads anew;
-    the library the previous build wrote is removed) and ``<name>.json`` beside it
-    (the library's file name and what it was built from: a hash of the sources and
-    flags, the extension's own headers the compiler read with their hashes, the
-    platform, the jaxlib it was built against). A later
-    ``load(name, sources, ...)`` with the same sources, headers and flags, looking in
-    that directory (the first source's directory, or its ``prebuilt_directory``),
-    loads it without a compiler: build it into your package (next to its sources)
-    before making the wheel, and machines without a compiler can use it. If the
-    sources, a header or a flag changed since, ``load`` passes it over and compiles
-    (or, without a compiler, says so). The library is for one platform and jaxlib:
-    ``load`` refuses it, naming both versions, under another jaxlib.
+    the library the previous build wrote is removed) and ``<name>.json`` beside it:
+    what the compiler read, as the build cache matches it (the sources, include
+    paths, flags, search environment variables, and every file of the extension's
+    own the preprocessor opened, with its hash, and the paths where a new file would
+    shadow one), the platform and the jaxlib it was built against. A later
+    ``load(name, sources, ...)`` looking in that directory (the first source's
+    directory, or its ``prebuilt_directory``) uses it, without a compiler, only when
+    all of that is as recorded: build it into your package (next to its sources)
+    before making the wheel, and machines without a compiler can use it. Otherwise
+    ``load`` passes it over and compiles (or, without a compiler, says so). The
+    library is for one platform and jaxlib: ``load`` refuses it, naming both
+    versions, under another jaxlib.
 
     The same as ``python -m jaxext.cpp_extension build NAME SOURCE... [-o DIR]``.
 
@@ -60,7 +61,7 @@ def build(
     """
     _check_name(name)
     paths = _source_paths(sources)
-    texts = [path.read_text() for path in paths]
-    plan = _plan(name, paths, texts, {}, extra_cflags, extra_ldflags, extra_include_paths, platform)
+    files = {path: path.read_text() for path in paths}
+    plan = _plan(name, files, False, extra_cflags, extra_ldflags, extra_include_paths, platform)
     directory = paths[0].parent if output_directory is None else Path(output_directory)
     return write_prebuilt(plan, directory.expanduser().resolve(), verbose)
