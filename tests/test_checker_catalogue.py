@@ -987,7 +987,7 @@ def test_saturated_verdicts_and_reports_are_the_same_in_every_engine(monkeypatch
     # verdicts as the reference path. (Not always the same count: the engines' programs
     # round differently, and here the rounding is what the differences measure, so an
     # entry near its bound can fall on either side.)
-    from jaxext._checks import _engine
+    from jaxext._checks import _engines as _engine
 
     x = _saturated_x("one_minus_tanh")
     op = _saturated_twin("one_minus_tanh", rel)

@@ -260,7 +260,7 @@ def test_primal_mismatch_is_reported_before_a_wrong_jacobian(monkeypatch, screen
     # Reverse mode's primal output is compared after the Jacobians are computed (the
     # differences run while the VJPs compile), but its mismatch is still the error
     # reported, before the wrong Jacobian of the same backward.
-    from jaxext._checks import _engine
+    from jaxext._checks import _engines as _engine
 
     monkeypatch.setattr(_engine, "SCREEN_MIN_ENTRIES", 1 if screened else 2**62)
     args = (f64(0, (3, 4)), f64(1, (2, 4)))
@@ -571,7 +571,7 @@ def test_tile_gives_back_the_rows_of_its_chunks(density):
     # The tile holds chunks of numerical columns dense or as their nonzero entries, and
     # hands back any range of rows (merged across chunks once): the rows of the
     # columns it was given, NaN and signed zeros included.
-    from jaxext._checks._screened import _Tile
+    from jaxext._checks._engines._screened import _Tile
 
     rng = np.random.default_rng(int(density * 100))
     m, widths = 37, (5, 8, 1, 6)
@@ -661,7 +661,9 @@ def test_device_screen_changes_no_verdict_and_no_report(monkeypatch, name, worke
     # small chunks and tiles here make some chunks pass the screen and others go to the
     # host comparison, and many chunks in flight at once. The reference path (plain
     # programs, no engine) gives the same verdicts and reports too.
-    from jaxext._checks import _compare, _engine, _jacobians, _screened
+    from jaxext._checks import _compare, _jacobians
+    from jaxext._checks import _engines as _engine
+    from jaxext._checks._engines import _screened
 
     func, shapes, modes = SCREEN_CASES[name]
     inputs = tuple(f64(seed, shape) for seed, shape in enumerate(shapes))
@@ -693,7 +695,7 @@ def test_column_maxima_per_output_block(density, bounds):
     # and output block, taken from the chunk as the tile holds it (dense or its nonzero
     # entries): NaN and infinities left out, an empty block or a column with no entry
     # there gives 0, and the last columns count even where they are all zero.
-    from jaxext._checks._screened import _column_maxima, _Tile
+    from jaxext._checks._engines._screened import _column_maxima, _Tile
 
     rng = np.random.default_rng(int(density * 100) + len(bounds))
     block = rng.standard_normal((9, 37)) * (rng.random((9, 37)) < density)
@@ -717,7 +719,7 @@ def test_rows_screen_leaves_out_exactly_the_entries_whose_bits_are_set(x64, col0
     # nonzero automatic entry exactly where its bit is set (19 columns: three bytes of
     # bits, the last one partly used), from the tile's first column on; a dense tile's
     # rows are screened against the rows sent, with the same bits.
-    from jaxext._checks._screened import ScreenedJacobians
+    from jaxext._checks._engines._screened import ScreenedJacobians
 
     rng = np.random.default_rng(3)
     a = rng.standard_normal((6, 19)) * (rng.random((6, 19)) < 0.3)
@@ -765,7 +767,8 @@ def test_full_check_compiles_each_program_once(monkeypatch, screened, modes):
     # The programs are compiled side by side before their first call (compile_ahead),
     # with the signatures of those calls: a mismatch would compile a program twice. The
     # flat input is staged without compiling anything.
-    from jaxext._checks import _engine, _quick
+    from jaxext._checks import _engines as _engine
+    from jaxext._checks._engines import _quick
 
     monkeypatch.setattr(_engine, "SCREEN_MIN_ENTRIES", 1 if screened else 2**62)
     inputs = (f64(0, (4, 3)), f64(1, (2, 3)))
@@ -785,8 +788,8 @@ def test_screened_programs_compute_the_same_chunks(x64, monkeypatch, merged):
     # The screen is compiled into the programs only for screened problems, and small
     # problems merge their two programs into one; all must compute the same numerical
     # and automatic chunks, bit for bit.
-    from jaxext._checks import _engine
-    from jaxext._checks._screened import ScreenedJacobians
+    from jaxext._checks import _engines as _engine
+    from jaxext._checks._engines._screened import ScreenedJacobians
 
     monkeypatch.setattr(_engine, "MERGE_MAX_ENTRIES", 2**18 if merged else 0)
 
@@ -819,7 +822,7 @@ def test_screened_programs_compute_the_same_chunks(x64, monkeypatch, merged):
 def test_small_problem_in_both_modes_compiles_one_program(x64):
     # A small problem checked in both modes runs its differences, VJPs and JVPs from one
     # merged program (one compilation, not three), with the values of separate programs.
-    from jaxext._checks._quick import QuickJacobians
+    from jaxext._checks._engines._quick import QuickJacobians
 
     dense = jnp.asarray(f64(1, (7, 5)))
 
@@ -852,7 +855,7 @@ def test_programs_compile_quickly_only_for_little_work(x64, monkeypatch, size, q
     # The programs compile with XLA's optimisations off only where they compute little:
     # with 256 inputs, f's (256, 256) intermediate, evaluated per column, is too much,
     # though the Jacobian has only 65 536 entries.
-    from jaxext._checks import _engine
+    from jaxext._checks import _engines as _engine
 
     works, choose = [], _engine.choose
 
@@ -876,7 +879,7 @@ def test_programs_compile_quickly_only_for_little_work(x64, monkeypatch, size, q
 def test_merged_program_falls_back_for_a_function_without_forward_mode(x64):
     # A plain jax.custom_vjp has no JVP: the merged program does not lower, and each
     # loop compiles alone: reverse mode works, forward mode raises as it would alone.
-    from jaxext._checks._quick import QuickJacobians
+    from jaxext._checks._engines._quick import QuickJacobians
 
     @jax.custom_vjp
     def double(x):
@@ -896,7 +899,7 @@ def test_compiler_options_are_only_those_this_xla_accepts(monkeypatch):
     # Each set of options is probed once per process and used only where XLA accepts it
     # (JAX 0.12's XLA refuses xla_cpu_use_fusion_emitters): no program compiles with an
     # option XLA refuses, and no check pays for a refused compilation again.
-    from jaxext._checks import _quick
+    from jaxext._checks._engines import _quick
 
     for large in (False, True):
         options = _quick._options(large) or {}
@@ -924,7 +927,10 @@ def test_only_choose_reads_the_engine_thresholds():
 
     thresholds = {"QUICK_MAX_WORK", "MERGE_MAX_ENTRIES", "SCREEN_MIN_ENTRIES", "FORCE"}
     readers = set()
-    for path in sorted(pathlib.Path(checks.__file__).parent.glob("*.py")):
+    root = pathlib.Path(checks.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        module = ".".join(path.relative_to(root).with_suffix("").parts)
+        module = module.removesuffix(".__init__")
         tree = ast.parse(path.read_text())
         for function in ast.walk(tree):
             if not isinstance(function, ast.FunctionDef):
@@ -932,8 +938,8 @@ def test_only_choose_reads_the_engine_thresholds():
             for node in ast.walk(function):
                 name = getattr(node, "id", None) or getattr(node, "attr", None)
                 if name in thresholds:
-                    readers.add(f"{path.stem}.{function.name}")
-    assert readers == {"_engine.choose"}
+                    readers.add(f"{module}.{function.name}")
+    assert readers == {"_engines.choose"}
 
 
 def test_programs_run_from_worker_threads_as_compiled(x64):
@@ -941,7 +947,7 @@ def test_programs_run_from_worker_threads_as_compiled(x64):
     # in the check's thread (float64 here), and never compiles one under its own.
     import threading
 
-    from jaxext._checks._screened import ScreenedJacobians
+    from jaxext._checks._engines._screened import ScreenedJacobians
 
     jac = ScreenedJacobians(lambda x: jnp.sin(x) * 3.0, jnp.asarray(f64(0, (5,))))
     call = jac.numerical_on_device(range(5), 1e-7)

@@ -347,7 +347,8 @@ def test_quick_compilation_changes_no_verdict(monkeypatch, name):
     # Small problems' programs compile with XLA's CPU optimisations off (jaxext._checks.
     # _quick): every check gives the verdict it gives with them on, for a buggy op and
     # for a correct one.
-    from jaxext._checks import _engine, _quick
+    from jaxext._checks import _engines as _engine
+    from jaxext._checks._engines import _quick
 
     assert _quick._options() is not None  # the CPU backend takes the options
     cases = [BUGGY_OPS[name][0](), (jaxext.linear, (f64(0, (4, 3)), f64(1, (2, 3)), f64(2, 2)))]

@@ -33,6 +33,6 @@ from ._gradcheck import gradcheck as gradcheck
 from ._gradcheck import gradgradcheck as gradgradcheck
 from ._opcheck import CHECK_NAMES as CHECK_NAMES
 from ._opcheck import opcheck as opcheck
-from ._opcheck_report import CheckResult as CheckResult
-from ._opcheck_report import OpcheckError as OpcheckError
-from ._opcheck_report import OpcheckReport as OpcheckReport
+from ._opcheck._report import CheckResult as CheckResult
+from ._opcheck._report import OpcheckError as OpcheckError
+from ._opcheck._report import OpcheckReport as OpcheckReport

@@ -35,16 +35,16 @@ from ._backward import reentrancy as reentrancy_mismatches
 from ._backward import zero_cotangent as zero_cotangent_mismatches
 from ._compare import unravel, widened
 from ._gradcheck import Settings, check_gradients
-from ._kernels import disabled_safety_checks, kernel_targets, unchecked
 from ._leaves import is_complex, wide_dtype
-from ._op import (
+from ._opcheck._kernels import disabled_safety_checks, kernel_targets, unchecked
+from ._opcheck._op import (
     CheckFailed,
     OpUnderTest,
     assert_trees_close,
     float_output_leaves,
     mismatch_text,
 )
-from ._plain import jax_limit, same_failure, strip_custom_rules
+from ._opcheck._plain import jax_limit, same_failure, strip_custom_rules
 
 __all__ = ["CHECKS", "TIGHT", "Skip"]
 

@@ -28,7 +28,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from . import _engine
+from . import _engines
 from ._backward import (
     TIGHT,
     batched_gradients,
@@ -542,7 +542,7 @@ def _check(
     """Runs the checks on the flat problem; the first failure becomes the error."""
     in_slices = [segment.slice for segment in problem.inputs]
     out_slices = [segment.slice for segment in problem.outputs]
-    engine, jac = _engine.jacobians(
+    engine, jac = _engines.jacobians(
         problem.f, problem.x0, problem.vjp, full=settings.fast_mode is not True,
         modes=settings.modes,
     )  # fmt: skip

@@ -34,8 +34,9 @@ from typing import Any
 
 import jax
 
-from . import _compare, _screened
-from ._jacobians import FlatJacobians, chunk_size
+from .. import _compare
+from .._jacobians import FlatJacobians, chunk_size
+from . import _screened
 from ._quick import QuickJacobians, entries, quick_jit
 
 __all__ = [
@@ -125,7 +126,7 @@ def choose(
         entries up, else ``"quick"``; ``FORCE`` where set.
 
     Example:
-        >>> from jaxext._checks._engine import choose
+        >>> from jaxext._checks._engines import choose
         >>> choose(work=10**5, n=100, m=100, full=True, modes=("rev",))
         Engine(name='quick', quick=True, merge=True, merge_forward=False)
         >>> choose(work=10**9, n=4000, m=3000, full=True, modes=("rev",)).name

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._jacobians import FlatFn, FlatJacobians, basis_or
+from .._jacobians import FlatFn, FlatJacobians, basis_or
 
 __all__ = ["QuickJacobians", "entries", "quick_jit"]
 
@@ -105,7 +105,7 @@ def entries(jaxpr: Any) -> int:
 
     Example:
         >>> import jax, jax.numpy as jnp
-        >>> from jaxext._checks._quick import entries
+        >>> from jaxext._checks._engines._quick import entries
         >>> entries(jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(jnp.ones(3)))
         9
     """
@@ -128,7 +128,7 @@ def quick_jit(fn: Callable[..., Any], quick: bool) -> Any:
 
     Example:
         >>> import jax.numpy as jnp
-        >>> from jaxext._checks._quick import quick_jit
+        >>> from jaxext._checks._engines._quick import quick_jit
         >>> print(quick_jit(lambda x: 2 * x, quick=True)(jnp.arange(3.0)))
         [0. 2. 4.]
     """

@@ -46,9 +46,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compare
-from ._compare import _EPS64, NOISE_ULPS, Mismatch, _allowed, _overlaps, _Tally
-from ._jacobians import padded, perturbed, pullback_rows
+from .. import _compare
+from .._compare import _EPS64, NOISE_ULPS, Mismatch, _allowed, _overlaps, _Tally
+from .._jacobians import padded, perturbed, pullback_rows
 from ._quick import QuickJacobians, _Program
 
 __all__ = ["WORKERS", "ScreenedJacobians", "full_mismatches", "passes", "screen"]

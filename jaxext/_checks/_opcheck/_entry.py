@@ -13,14 +13,14 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._battery import CHECKS, Skip
-from ._gradcheck import Settings, _as_args
+from .._battery import CHECKS, Skip
+from .._gradcheck import Settings, _as_args
+from .._precision import float64_numerics
 from ._kernels import checking_mode
 from ._op import CheckFailed, OpUnderTest
-from ._opcheck_report import CheckResult, OpcheckError, OpcheckReport
 from ._plain import jax_limit, underlying_error
-from ._platforms import PLATFORM_CHECKS, check_platforms
-from ._precision import float64_numerics
+from ._report import CheckResult, OpcheckError, OpcheckReport
+from .platforms import PLATFORM_CHECKS, check_platforms
 
 __all__ = ["CHECK_NAMES", "opcheck"]
 
@@ -255,7 +255,7 @@ def _jax_limit(name: str, op: OpUnderTest, settings: Settings, err: Exception) -
 def _op_name(func: Callable[..., Any]) -> str:
     """The report's title: a ``jaxext.Function``'s class name for its ``apply`` (``Cube``,
     not ``apply``), else the function's ``__name__``."""
-    from .._function import Function
+    from ..._function import Function
 
     owner = getattr(func, "__self__", None)
     if isinstance(owner, type) and issubclass(owner, Function):

@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _engine
-from ._compare import Mismatch, leaf_mismatches, unravel, widened
-from ._leaves import FloatLeaves, wide_dtype
-from ._quick import entries
+from .. import _engines
+from .._compare import Mismatch, leaf_mismatches, unravel, widened
+from .._engines._quick import entries
+from .._leaves import FloatLeaves, wide_dtype
 
 __all__ = ["CheckFailed", "OpUnderTest", "assert_trees_close", "mismatch_text"]
 
@@ -95,7 +95,7 @@ class OpUnderTest(FloatLeaves):
     def quick_jit(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``jax.jit`` of ``fn``, compiled quickly for a small op (``_quick``, as
         ``_engine.choose`` says); only for a program called at the top level."""
-        return _engine.choose(self.work).jit(fn)
+        return _engines.choose(self.work).jit(fn)
 
     @property
     def jitted(self) -> Callable[..., Any]:
