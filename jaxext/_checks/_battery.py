@@ -34,7 +34,7 @@ from ._backward import (
 from ._backward import reentrancy as reentrancy_mismatches
 from ._backward import zero_cotangent as zero_cotangent_mismatches
 from ._compare import unravel, widened
-from ._gradcheck import Settings, check_gradients
+from ._gradients import check_gradients
 from ._leaves import is_complex, wide_dtype
 from ._opcheck._kernels import disabled_safety_checks, kernel_targets, unchecked
 from ._opcheck._op import (
@@ -45,6 +45,7 @@ from ._opcheck._op import (
     mismatch_text,
 )
 from ._opcheck._plain import jax_limit, same_failure, strip_custom_rules
+from ._settings import Settings
 
 __all__ = ["CHECKS", "TIGHT", "Skip"]
 

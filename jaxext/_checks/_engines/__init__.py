@@ -22,7 +22,7 @@ same entries with the same test, and only make a check faster:
 path. Sizes that are not a choice of engine stay with the code they bound: the
 chunks' rows and entries (``_jacobians.CHUNK``, ``CHUNK_ENTRIES``), the numerical
 columns held at once (``_compare.TILE_BYTES``), the screened engine's threads
-(``_screened.WORKERS``), and gradcheck's method (``_gradcheck.FULL_MAX_ENTRIES``:
+(``_screened.WORKERS``), and gradcheck's method (``_gradients.FULL_MAX_ENTRIES``:
 the full or the directional method, which compare different things).
 """
 

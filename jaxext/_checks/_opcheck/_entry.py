@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._battery import CHECKS, Skip
-from .._gradcheck import Settings, _as_args
 from .._precision import float64_numerics
+from .._settings import Settings, as_args
 from ._kernels import checking_mode
 from ._op import CheckFailed, OpUnderTest
 from ._plain import jax_limit, underlying_error
@@ -175,7 +175,7 @@ def opcheck(
         >>> report.failed
         ()
     """
-    args = _as_args(func, args, argument="args")
+    args = as_args(func, args, argument="args")
     selected = _selected(checks, skip)
     settings = Settings.validate(
         eps=eps, atol=atol, rtol=rtol, nondet_tol=nondet_tol, fast_mode=None, modes=("rev",),

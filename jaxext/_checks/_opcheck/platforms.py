@@ -27,7 +27,7 @@ import numpy as np
 
 from .._battery import Skip, _fresh, _vjp
 from .._battery import _first_line as _message_line
-from .._gradcheck import Settings
+from .._settings import Settings
 from ._kernels import kernel_targets, target_platforms
 from ._op import CheckFailed, OpUnderTest
 
