@@ -32,7 +32,7 @@ from ._gradcheck import GradcheckError as GradcheckError
 from ._gradcheck import gradcheck as gradcheck
 from ._gradcheck import gradgradcheck as gradgradcheck
 from ._opcheck import CHECK_NAMES as CHECK_NAMES
-from ._opcheck import opcheck as opcheck
+from ._opcheck._entry import opcheck as opcheck
 from ._opcheck._report import CheckResult as CheckResult
 from ._opcheck._report import OpcheckError as OpcheckError
 from ._opcheck._report import OpcheckReport as OpcheckReport
