@@ -13,7 +13,7 @@ while for outputs of order one the term is about 1e-9 and changes nothing. (A
 true zero of the Jacobian needs no allowance: ``_jacobians`` makes it exact.)
 That term sees only the rounding of ``|f(x)|`` itself: an entry that fails is
 judged again with the differences' own error, estimated from differences at
-several steps (``_fd_error``; ``_Tally.mismatches`` and ``cotangent_mismatches``).
+several steps (``_fd_error``; ``Tally.mismatches`` and ``cotangent_mismatches``).
 
 ``full_mismatches`` compares the full Jacobians without ever holding them (the
 reference path, the counterpart of PyTorch's ``_slow_gradcheck``): it walks the
@@ -39,17 +39,21 @@ from ._fd_error import refine
 from ._jacobians import FlatJacobians, unit_blocks
 
 __all__ = [
+    "EPS64",
     "NOISE_ULPS",
     "REFINE_MAX_ENTRIES",
     "TILE_BYTES",
     "Mismatch",
     "Refiner",
+    "Tally",
     "block_mismatches",
     "cotangent_mismatches",
     "directional_mismatches",
     "entry_mismatches",
     "full_mismatches",
     "leaf_mismatches",
+    "overlaps",
+    "tolerated",
     "unravel",
     "widened",
     "worst_entry",
@@ -57,7 +61,7 @@ __all__ = [
 
 NOISE_ULPS = 4.0
 TILE_BYTES = 2**27  # numerical-Jacobian columns held at once (128 MiB)
-_EPS64 = float(np.finfo(np.float64).eps)
+EPS64 = float(np.finfo(np.float64).eps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +90,7 @@ class Mismatch:
     atol_scale: float | None = None
 
 
-class _Tally:
+class Tally:
     """Counts failing entries per block pair and keeps the worst of each.
 
     An entry fails when ``|a - n| > atol + rel`` (``rel = rtol |n| + noise``). Per
@@ -166,8 +170,8 @@ class _Tally:
     def _scale_relative(self, row0, col0, expected, actual, error, relative) -> None:
         """Per block pair in this chunk: the largest ``|n|``, and the entries over ``rel``."""
         rows, cols = expected.shape
-        for i, r0, r1 in _overlaps(self.out_starts, self.out_stops, row0, rows):
-            for j, c0, c1 in _overlaps(self.in_starts, self.in_stops, col0, cols):
+        for i, r0, r1 in overlaps(self.out_starts, self.out_stops, row0, rows):
+            for j, c0, c1 in overlaps(self.in_starts, self.in_stops, col0, cols):
                 e = expected[r0:r1, c0:c1]
                 finite = np.isfinite(e)
                 scale = float(np.max(np.abs(e), where=finite, initial=0.0))
@@ -306,7 +310,7 @@ class _Tally:
         return found
 
 
-def _overlaps(starts: np.ndarray, stops: np.ndarray, first: int, count: int):
+def overlaps(starts: np.ndarray, stops: np.ndarray, first: int, count: int):
     """``(block, lo, hi)`` for each block ``[starts[k], stops[k])`` that meets the chunk
     ``[first, first + count)``: where it lies in the chunk, relative to ``first``."""
     for k in range(np.searchsorted(starts, first, side="right") - 1, len(starts)):
@@ -317,7 +321,7 @@ def _overlaps(starts: np.ndarray, stops: np.ndarray, first: int, count: int):
             yield k, lo, hi
 
 
-def _allowed(expected, atol: float, rtol: float, noise) -> np.ndarray:
+def tolerated(expected, atol: float, rtol: float, noise) -> np.ndarray:
     return atol + rtol * np.abs(expected) + noise
 
 
@@ -402,7 +406,7 @@ def entry_mismatches(
 ) -> list[Mismatch]:
     """Blocks of two flat vectors that differ by more than ``atol + rtol * |expected|``
     (a NaN on both sides is the same value); see ``block_mismatches``."""
-    allowed = _allowed(expected, atol, rtol, 0.0)
+    allowed = tolerated(expected, atol, rtol, 0.0)
     return block_mismatches(expected, actual, allowed, slices, on_inputs=on_inputs, nan_equal=True)
 
 
@@ -475,13 +479,13 @@ def full_mismatches(
         ``cotangent``, also ``"rev_cotangent"``: the input blocks whose VJP of it differs.
     """
     n, m = jac.n, jac.m
-    tallies = {mode: _Tally(out_slices, in_slices, atol, rtol) for mode in modes}
+    tallies = {mode: Tally(out_slices, in_slices, atol, rtol) for mode in modes}
     if n == 0 or m == 0:
         return {mode: [] for mode in modes}
     linear = None
     if cotangent is not None and "rev" in modes:
         linear = (np.asarray(cotangent, np.float64), np.zeros(n), np.zeros(n))
-    noise = NOISE_ULPS * _EPS64 * np.abs(y0)
+    noise = NOISE_ULPS * EPS64 * np.abs(y0)
     steps = np.empty(n)
     held: list[np.ndarray] = []  # chunks of columns (transposed), from column `first` on
     first, held_bytes = 0, 0
@@ -490,7 +494,7 @@ def full_mismatches(
         numerical, steps[start:stop] = jac.numerical(range(start, stop), eps)
         if "fwd" in modes:
             automatic = jac.forward(range(start, stop))[1]
-            relative = _allowed(numerical, 0.0, rtol, noise[None, :] / steps[start:stop, None])
+            relative = tolerated(numerical, 0.0, rtol, noise[None, :] / steps[start:stop, None])
             tallies["fwd"].add(0, start, numerical.T, automatic.T, relative.T)
         if "rev" in modes:
             held.append(numerical)
@@ -550,7 +554,7 @@ def cotangent_mismatches(
 
 
 class Refiner:
-    """The ``refine`` of ``_Tally.mismatches`` and ``cotangent_mismatches`` for a check:
+    """The ``refine`` of ``Tally.mismatches`` and ``cotangent_mismatches`` for a check:
     ``_fd_error.refine`` of its Jacobians at its step, a function of ``(rows, cols)``.
 
     ``on()`` says whether it applies: ``wide()`` (asked once, only where an entry
@@ -575,7 +579,7 @@ class Refiner:
 
 
 def _stream_rows(
-    jac, col0: int, held: list[np.ndarray], steps, noise, atol, rtol, tally: _Tally, linear
+    jac, col0: int, held: list[np.ndarray], steps, noise, atol, rtol, tally: Tally, linear
 ) -> None:
     """Compares the columns ``held`` (chunks of the transposed numerical Jacobian, from
     column ``col0`` on) with the VJP rows, a chunk of rows at a time; with ``linear = (u,
@@ -598,7 +602,7 @@ def _stream_rows(
             numerical[:, offset : offset + chunk.shape[0]] = chunk[:, start:stop].T
             offset += chunk.shape[0]
         automatic = jac.reverse(range(start, stop))[1][:, col0:col1]
-        relative = _allowed(numerical, 0.0, rtol, noise[start:stop, None] / steps[None, col0:col1])
+        relative = tolerated(numerical, 0.0, rtol, noise[start:stop, None] / steps[None, col0:col1])
         tally.add(start, col0, numerical, automatic, relative)
 
 
@@ -638,7 +642,7 @@ def directional_mismatches(
             tangent = jac.jvp(v_j)[1] if mode == "fwd" else None
             for i, out_block in enumerate(out_slices):
                 numerical[d, i, j] = u[out_block] @ diff[out_block] / step
-                noise = NOISE_ULPS * _EPS64 * (np.abs(u[out_block]) @ np.abs(y0[out_block]))
+                noise = NOISE_ULPS * EPS64 * (np.abs(u[out_block]) @ np.abs(y0[out_block]))
                 allowed[d, i, j] = atol + rtol * abs(numerical[d, i, j]) + noise / step
                 if tangent is not None:
                     automatic[d, i, j] = u[out_block] @ tangent[out_block]

@@ -31,7 +31,7 @@ tolerances).
 ``_engine.choose`` picks for problems below the screened engine's size: its
 programs compile quickly, side by side before their first call
 (``compile_ahead``), and a small problem (``MERGE_MAX_ENTRIES``) compiles its
-loops as one program. Each runs through ``_Program``, which also lets worker
+loops as one program. Each runs through ``Program``, which also lets worker
 threads run it (the screened engine's).
 """
 
@@ -49,7 +49,7 @@ import numpy as np
 
 from .._jacobians import FlatFn, FlatJacobians, basis_or
 
-__all__ = ["QuickJacobians", "entries", "quick_jit"]
+__all__ = ["Program", "QuickJacobians", "entries", "quick_jit"]
 
 # LLVM at -O0 and without its expensive passes (XLA's CPU backend reads both), for
 # programs with little work; the older loop emitters (an option of XLA's CPU backend
@@ -146,7 +146,7 @@ def _signature(value: Any) -> Any:
     return tuple(value.shape), np.dtype(value.dtype).str
 
 
-class _Program:
+class Program:
     """A ``jax.jit`` program, run through executables compiled ahead of time, so that
     worker threads can run it too.
 
@@ -255,14 +255,14 @@ class QuickJacobians(FlatJacobians):
         self.quick = quick
         super().__init__(f, x0, vjp, m=m)
         self._forward_merged = merge and merge_forward
-        self._both: _Program | None = None
+        self._both: Program | None = None
         if merge:
             loops = (self._differences_fn(), self._rows_fn(), self.f, self.n, self.m)
             self._both = self._compile(functools.partial(_all_loops, *loops))
         self._both_checked = False
 
-    def _compile(self, fn: Callable) -> _Program:
-        return _Program(quick_jit(fn, self.quick))
+    def _compile(self, fn: Callable) -> Program:
+        return Program(quick_jit(fn, self.quick))
 
     def _idle(self, part: str) -> tuple:
         """The arguments of ``part`` of the merged program that run none of its loop."""
@@ -336,7 +336,7 @@ class QuickJacobians(FlatJacobians):
         as soon as it is lowered, while this thread goes on: the VJPs' program last,
         after the others, so that the differences can run while it compiles (side by
         side, the compilations only slowed each other). JAX caches the
-        executables, where the first calls and ``_Program.bind`` find them (a program's
+        executables, where the first calls and ``Program.bind`` find them (a program's
         first use waits for its compilation: a second one would compile it again). A
         program that fails to lower or compile is left to its first call, which raises
         as it always did. Nothing to do where one merged program serves.

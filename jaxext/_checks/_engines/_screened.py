@@ -29,7 +29,7 @@ compares, entry by entry, and gives the same verdicts and reports; only faster:
   once, and the host copies of one chunk overlap the computation of the next. The
   results are consumed in order, each computed exactly as it would be alone, so
   nothing depends on the threads. The programs are bound in the check's thread
-  (``_quick._Program``), where JAX's configuration (x64) is the check's.
+  (``_quick.Program``), where JAX's configuration (x64) is the check's.
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _compare
-from .._compare import _EPS64, NOISE_ULPS, Mismatch, _allowed, _overlaps, _Tally
+from .._compare import EPS64, NOISE_ULPS, Mismatch, Tally, overlaps, tolerated
 from .._jacobians import padded, perturbed, pullback_rows
-from ._quick import QuickJacobians, _Program
+from ._quick import Program, QuickJacobians
 
 __all__ = ["WORKERS", "ScreenedJacobians", "full_mismatches", "passes", "screen"]
 
@@ -119,7 +119,7 @@ class ScreenedJacobians(QuickJacobians):
     """``QuickJacobians`` with the screen compiled into its VJPs' program and the
     differences made in place, whose chunks can be run from worker threads
     (``numerical_on_device``, ``forward_screened``, ``reverse_screened`` return calls
-    bound to executables compiled in the owning thread, ``_quick._Program``).
+    bound to executables compiled in the owning thread, ``_quick.Program``).
 
     Args:
         f, x0, vjp, m, quick: as for ``QuickJacobians`` (never merged).
@@ -135,7 +135,7 @@ class ScreenedJacobians(QuickJacobians):
         quick: bool = True,
     ) -> None:
         super().__init__(f, x0, vjp, m=m, quick=quick)
-        self._screen = _Program(_SCREEN)
+        self._screen = Program(_SCREEN)
         self._zero_blocks: dict[int, jax.Array] = {}
 
     def _differences_fn(self) -> Callable:
@@ -176,7 +176,7 @@ class ScreenedJacobians(QuickJacobians):
         self, cols: Sequence[int] | range, eps: float | np.ndarray
     ) -> Callable[[], tuple[jax.Array, np.ndarray, int]]:
         """``numerical``, with the block left on the device and padded to ``col_chunk`` rows,
-        as a call that any thread can make (see ``_quick._Program``).
+        as a call that any thread can make (see ``_quick.Program``).
 
         Returns:
             A function of no arguments that returns ``(block, steps, count)``: the
@@ -439,13 +439,13 @@ def full_mismatches(
         ``cotangent``, also ``"rev_cotangent"``: the input blocks whose VJP of it differs.
     """
     n, m = jac.n, jac.m
-    tallies = {mode: _Tally(out_slices, in_slices, atol, rtol) for mode in modes}
+    tallies = {mode: Tally(out_slices, in_slices, atol, rtol) for mode in modes}
     if n == 0 or m == 0:
         return {mode: [] for mode in modes}
     linear = None
     if cotangent is not None and "rev" in modes:
         linear = (np.asarray(cotangent, np.float64), np.zeros(n), np.zeros(n))
-    noise = NOISE_ULPS * _EPS64 * np.abs(y0)
+    noise = NOISE_ULPS * EPS64 * np.abs(y0)
     steps = np.empty(n)
     tile = _Tile(0)
     tasks = _screened_columns(
@@ -458,7 +458,7 @@ def full_mismatches(
         steps[start:stop] = chunk.steps
         _add_scales(tallies.values(), chunk.maxima, stop - start, start, in_slices)
         if chunk.forward is not None:
-            relative = _allowed(numerical, 0.0, rtol, noise[None, :] / chunk.steps[:, None])
+            relative = tolerated(numerical, 0.0, rtol, noise[None, :] / chunk.steps[:, None])
             tallies["fwd"].add(0, start, numerical.T, chunk.forward.T, relative.T)
         if "rev" in modes:
             tile.append(start, chunk.packed)
@@ -474,7 +474,7 @@ def full_mismatches(
     return results
 
 
-def _stream_rows(jac, tile: _Tile, steps, noise, atol, rtol, tally: _Tally, linear) -> None:
+def _stream_rows(jac, tile: _Tile, steps, noise, atol, rtol, tally: Tally, linear) -> None:
     """Compares the columns held in ``tile`` with VJP rows, a chunk of rows at a time;
     with ``linear = (u, sum, allowance)``, adds ``u^T`` times the tile to ``sum`` and the
     ``|u|``-weighted sum of its entries' allowances to ``allowance``.
@@ -493,7 +493,7 @@ def _stream_rows(jac, tile: _Tile, steps, noise, atol, rtol, tally: _Tally, line
         if automatic is None:  # passed the screen
             continue
         stop = start + numerical.shape[0]
-        relative = _allowed(numerical, 0.0, rtol, noise[start:stop, None] / steps[None, col0:col1])
+        relative = tolerated(numerical, 0.0, rtol, noise[start:stop, None] / steps[None, col0:col1])
         tally.add(start, col0, numerical, automatic, relative)
 
 
@@ -559,11 +559,11 @@ def _add_scales(tallies, maxima, count: int, start: int, in_slices) -> None:
     """Raises each tally's per-pair scale (largest finite ``|n|``) by the columns
     ``start .. start + count`` of the numerical Jacobian, given as ``maxima``, their
     largest finite ``|n|`` per output block (``_column_maxima``): screened chunks never
-    reach ``_Tally.add``, which also keeps it."""
+    reach ``Tally.add``, which also keeps it."""
     per_out = np.asarray(maxima)[:count]  # (count, out blocks)
     in_starts = np.array([s.start for s in in_slices], dtype=np.int64)
     in_stops = np.array([s.stop for s in in_slices], dtype=np.int64)
-    for j, c0, c1 in _overlaps(in_starts, in_stops, start, count):
+    for j, c0, c1 in overlaps(in_starts, in_stops, start, count):
         local = per_out[c0:c1].max(axis=0)
         for tally in tallies:
             for i, value in enumerate(local):

@@ -21,7 +21,14 @@ from .._compare import Mismatch, leaf_mismatches, unravel, widened
 from .._engines._quick import entries
 from .._leaves import FloatLeaves, wide_dtype
 
-__all__ = ["CheckFailed", "OpUnderTest", "assert_trees_close", "mismatch_text"]
+__all__ = [
+    "CheckFailed",
+    "OpUnderTest",
+    "assert_trees_close",
+    "float_output_leaves",
+    "forward_mode_error",
+    "mismatch_text",
+]
 
 
 class CheckFailed(Exception):
@@ -59,7 +66,7 @@ class OpUnderTest(FloatLeaves):
         values = [jnp.asarray(leaf, dtype=wide_dtype(leaf.dtype)) for leaf in view.values]
         fields = {f.name: getattr(view, f.name) for f in dataclasses.fields(FloatLeaves)}
         op = cls(**{**fields, "args": view.args_with(values)})
-        return dataclasses.replace(op, forward_error=_forward_mode_error(op))
+        return dataclasses.replace(op, forward_error=forward_mode_error(op))
 
     # -- calling -------------------------------------------------------------------------
 
@@ -144,7 +151,7 @@ def _standard_normal(rng: np.random.Generator, shape: tuple[int, ...], dtype: An
     return rng.standard_normal(shape)
 
 
-def _forward_mode_error(op: OpUnderTest) -> str | None:
+def forward_mode_error(op: OpUnderTest) -> str | None:
     """Why ``jax.jvp`` cannot differentiate the op, or ``None``.
 
     A plain ``jax.custom_vjp`` raises its ``TypeError`` only when the JVP is

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._op import CheckFailed, OpUnderTest, _forward_mode_error
+from ._op import CheckFailed, OpUnderTest, forward_mode_error
 
 __all__ = ["jax_limit", "plain_twin", "same_failure", "strip_custom_rules", "underlying_error"]
 
@@ -100,7 +100,7 @@ def plain_twin(op: OpUnderTest) -> OpUnderTest:
     same arguments, the same selected checks, nothing cached."""
     twin = dataclasses.replace(op, func=strip_custom_rules(op.func), cache={})
     twin.cache["selected"] = op.cache.get("selected", frozenset())
-    return dataclasses.replace(twin, forward_error=_forward_mode_error(twin))
+    return dataclasses.replace(twin, forward_error=forward_mode_error(twin))
 
 
 def underlying_error(failure: Exception) -> Exception | None:
