@@ -30,8 +30,8 @@ output block and an input block.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -43,7 +43,12 @@ __all__ = [
     "NOISE_ULPS",
     "REFINE_MAX_ENTRIES",
     "TILE_BYTES",
+    "Tile",
+    "ChunkSource",
+    "Columns",
+    "HeldColumns",
     "Mismatch",
+    "ReferenceChunks",
     "Refiner",
     "Tally",
     "block_mismatches",
@@ -456,6 +461,7 @@ def full_mismatches(
     modes: Sequence[str],
     cotangent: np.ndarray | None = None,
     wide: Callable[[], bool] = lambda: True,
+    chunks: Callable[..., ChunkSource] | None = None,
 ) -> dict[str, list[Mismatch]]:
     """Entrywise comparison of the full Jacobians, per mode (``"rev"``, ``"fwd"``).
 
@@ -465,7 +471,11 @@ def full_mismatches(
     The numerical Jacobian is computed a chunk of columns at a time; forward mode's
     columns are compared as they come, and for reverse mode the columns are held until
     ``TILE_BYTES`` are held (or the last one comes), then compared with the VJP rows,
-    computed a chunk of rows at a time (``_stream_rows``).
+    computed a chunk of rows at a time (``_stream_rows``). Where the chunks come from
+    is ``chunks``'s business: ``ReferenceChunks`` (the default, the reference path), or
+    an engine's source that only makes it faster (``_engines._screened.ScreenedChunks``),
+    built with the keyword arguments ``jac, eps, noise, atol, rtol, modes, out_slices,
+    in_slices``.
 
     With a ``cotangent`` ``u`` (reverse mode), the rows of the numerical Jacobian are
     also summed into ``u^T J`` as they stream by, and compared with the VJP of ``u``
@@ -487,26 +497,145 @@ def full_mismatches(
         linear = (np.asarray(cotangent, np.float64), np.zeros(n), np.zeros(n))
     noise = NOISE_ULPS * EPS64 * np.abs(y0)
     steps = np.empty(n)
-    held: list[np.ndarray] = []  # chunks of columns (transposed), from column `first` on
-    first, held_bytes = 0, 0
-    for start in range(0, n, jac.col_chunk):
-        stop = min(n, start + jac.col_chunk)
-        numerical, steps[start:stop] = jac.numerical(range(start, stop), eps)
-        if "fwd" in modes:
-            automatic = jac.forward(range(start, stop))[1]
-            relative = tolerated(numerical, 0.0, rtol, noise[None, :] / steps[start:stop, None])
-            tallies["fwd"].add(0, start, numerical.T, automatic.T, relative.T)
+    source = (chunks or ReferenceChunks)(
+        jac=jac, eps=eps, noise=noise, atol=atol, rtol=rtol, modes=modes,
+        out_slices=out_slices, in_slices=in_slices,
+    )  # fmt: skip
+    tile = source.tile(0)
+    for chunk in source.columns():
+        start, numerical = chunk.start, chunk.numerical
+        stop = start + numerical.shape[0]
+        steps[start:stop] = chunk.steps
+        source.seen(tallies.values(), chunk)
+        if chunk.forward is not None:
+            relative = tolerated(numerical, 0.0, rtol, noise[None, :] / chunk.steps[:, None])
+            tallies["fwd"].add(0, start, numerical.T, chunk.forward.T, relative.T)
         if "rev" in modes:
-            held.append(numerical)
-            held_bytes += numerical.nbytes
-            if held_bytes >= TILE_BYTES or stop == n:
-                _stream_rows(jac, first, held, steps, noise, atol, rtol, tallies["rev"], linear)
-                held, first, held_bytes = [], stop, 0
+            tile.hold(chunk)
+            if tile.nbytes >= TILE_BYTES or stop == n:
+                _stream_rows(source, tile, steps, noise, atol, rtol, tallies["rev"], linear)
+                tile = source.tile(stop)
     refine_fn = Refiner(jac, eps, wide)
     results = {mode: tally.mismatches(refine_fn) for mode, tally in tallies.items()}
     if linear is not None:
         results["rev_cotangent"] = cotangent_mismatches(jac, linear, in_slices, refine_fn, rtol)
     return results
+
+
+@dataclasses.dataclass
+class Columns:
+    """One chunk of columns of the numerical Jacobian, as a chunk source gives it.
+
+    ``numerical`` is the transposed block (its columns as rows, ``m`` entries each),
+    ``steps`` their finite-difference steps, ``forward`` the JVP columns to compare
+    (transposed too; ``None`` where there are none to compare).
+    """
+
+    start: int
+    numerical: np.ndarray
+    steps: np.ndarray
+    forward: np.ndarray | None = None
+
+
+class Tile(Protocol):
+    """Consecutive columns of the numerical Jacobian held until compared with VJP rows."""
+
+    start: int
+    stop: int
+    nbytes: int
+
+    def hold(self, chunk: Any) -> None: ...
+
+    def weighted(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+class ChunkSource(Protocol):
+    """Where ``full_mismatches`` takes its chunks from: the one seam of the engines."""
+
+    def columns(self) -> Iterable[Columns]:
+        """The chunks of columns, in order."""
+        ...
+
+    def seen(self, tallies: Iterable[Tally], chunk: Any) -> None:
+        """Notes a chunk of columns in the tallies beyond what ``Tally.add`` notes."""
+        ...
+
+    def tile(self, start: int) -> Tile:
+        """An empty tile whose first column is ``start``."""
+        ...
+
+    def rows(
+        self, tile: Any, steps: np.ndarray, noise: np.ndarray
+    ) -> Iterable[tuple[int, np.ndarray, np.ndarray | None]]:
+        """``(start, numerical, automatic)`` for each chunk of rows of ``tile``'s columns,
+        ``automatic`` ``None`` where the chunk needs no comparison on the host."""
+        ...
+
+
+class ReferenceChunks:
+    """The reference path's chunks: plain programs, one chunk after the other.
+
+    Each chunk of columns is computed as it is needed (the differences, then the JVPs
+    in forward mode), and the VJP rows are computed a chunk at a time against the
+    columns held; every entry is compared on the host.
+    """
+
+    def __init__(
+        self, *, jac: FlatJacobians, eps: float | np.ndarray, modes: Sequence[str], **_: Any
+    ) -> None:
+        self.jac, self.eps, self.forward = jac, eps, "fwd" in modes
+
+    def columns(self) -> Iterator[Columns]:
+        jac = self.jac
+        for start in range(0, jac.n, jac.col_chunk):
+            stop = min(jac.n, start + jac.col_chunk)
+            numerical, steps = jac.numerical(range(start, stop), self.eps)
+            forward = jac.forward(range(start, stop))[1] if self.forward else None
+            yield Columns(start, numerical, steps, forward)
+
+    def seen(self, tallies: Iterable[Tally], chunk: Columns) -> None:
+        """Nothing to note: every entry reaches ``Tally.add``, which keeps the scales."""
+
+    def tile(self, start: int) -> HeldColumns:
+        return HeldColumns(start)
+
+    def rows(
+        self, tile: HeldColumns, steps: np.ndarray, noise: np.ndarray
+    ) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        jac = self.jac
+        for start in range(0, jac.m, jac.row_chunk):
+            stop = min(jac.m, start + jac.row_chunk)
+            numerical = tile.rows(start, stop)
+            automatic = jac.reverse(range(start, stop))[1][:, tile.start : tile.stop]
+            yield start, numerical, automatic
+
+
+class HeldColumns:
+    """The reference path's tile: the chunks of columns (transposed) as they came."""
+
+    def __init__(self, start: int) -> None:
+        self.start = self.stop = start
+        self.nbytes = 0
+        self.chunks: list[np.ndarray] = []
+
+    def hold(self, chunk: Columns) -> None:
+        self.chunks.append(chunk.numerical)
+        self.nbytes += chunk.numerical.nbytes
+        self.stop = chunk.start + chunk.numerical.shape[0]
+
+    def weighted(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(u^T N, |u|^T |N|)`` for the tile's columns ``N`` (all ``m`` rows)."""
+        weighted = np.concatenate([chunk @ u for chunk in self.chunks])
+        return weighted, np.concatenate([np.abs(chunk) @ np.abs(u) for chunk in self.chunks])
+
+    def rows(self, first: int, stop: int) -> np.ndarray:
+        """The dense ``(stop - first, self.stop - self.start)`` block of rows ``[first, stop)``."""
+        numerical = np.empty((stop - first, self.stop - self.start))
+        offset = 0
+        for chunk in self.chunks:
+            numerical[:, offset : offset + chunk.shape[0]] = chunk[:, first:stop].T
+            offset += chunk.shape[0]
+        return numerical
 
 
 # Most entries (failing input elements times outputs) that ``cotangent_mismatches`` refines.
@@ -579,29 +708,24 @@ class Refiner:
 
 
 def _stream_rows(
-    jac, col0: int, held: list[np.ndarray], steps, noise, atol, rtol, tally: Tally, linear
+    source: ChunkSource, tile: Any, steps, noise, atol, rtol, tally: Tally, linear
 ) -> None:
-    """Compares the columns ``held`` (chunks of the transposed numerical Jacobian, from
-    column ``col0`` on) with the VJP rows, a chunk of rows at a time; with ``linear = (u,
-    sum, allowance)``, adds ``u^T`` times the columns to ``sum`` and the ``|u|``-weighted
-    sum of their entries' allowances to ``allowance``."""
-    col1 = col0 + sum(chunk.shape[0] for chunk in held)
+    """Compares the columns held in ``tile`` with the VJP rows, a chunk of rows at a time
+    (``source.rows``; a chunk it finds clean needs no comparison on the host); with
+    ``linear = (u, sum, allowance)``, adds ``u^T`` times the tile to ``sum`` and the
+    ``|u|``-weighted sum of its entries' allowances to ``allowance``."""
+    col0, col1 = tile.start, tile.stop
     if linear is not None:
         # sum_i |u_i| (atol + rtol |n_ij| + noise_i / step_j), term by term.
         u, total, allowance = linear
-        weighted = np.concatenate([chunk @ u for chunk in held])
-        weighted_magnitude = np.concatenate([np.abs(chunk) @ np.abs(u) for chunk in held])
+        weighted, weighted_magnitude = tile.weighted(u)
         total[col0:col1] += weighted
         noise_share = np.abs(u) @ noise / steps[col0:col1]
         allowance[col0:col1] += atol * np.abs(u).sum() + rtol * weighted_magnitude + noise_share
-    for start in range(0, jac.m, jac.row_chunk):
-        stop = min(jac.m, start + jac.row_chunk)
-        numerical = np.empty((stop - start, col1 - col0))  # the rows of the columns held
-        offset = 0
-        for chunk in held:
-            numerical[:, offset : offset + chunk.shape[0]] = chunk[:, start:stop].T
-            offset += chunk.shape[0]
-        automatic = jac.reverse(range(start, stop))[1][:, col0:col1]
+    for start, numerical, automatic in source.rows(tile, steps, noise):
+        if automatic is None:  # passed a screen
+            continue
+        stop = start + numerical.shape[0]
         relative = tolerated(numerical, 0.0, rtol, noise[start:stop, None] / steps[None, col0:col1])
         tally.add(start, col0, numerical, automatic, relative)
 

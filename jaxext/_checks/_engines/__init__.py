@@ -29,6 +29,7 @@ the full or the directional method, which compare different things).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -101,7 +102,7 @@ class Engine:
     def full_mismatches(self) -> Callable[..., dict[str, list[_compare.Mismatch]]]:
         """The entrywise comparison of the full method on this engine."""
         if self.name == "screened":
-            return _screened.full_mismatches
+            return functools.partial(_compare.full_mismatches, chunks=_screened.ScreenedChunks)
         return _compare.full_mismatches
 
 
