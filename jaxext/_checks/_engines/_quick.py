@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..._jaxpr import inner_jaxprs
 from .._jacobians import FlatFn, FlatJacobians, basis_or
 
 __all__ = ["Program", "QuickJacobians", "entries", "quick_jit"]
@@ -88,17 +89,6 @@ def _options(large: bool = False) -> dict[str, Any] | None:
     return options or None
 
 
-def _jaxprs(value: Any) -> list:
-    """The jaxprs in an equation's parameter (a jaxpr, a closed one, or a sequence)."""
-    if hasattr(value, "eqns"):
-        return [value]
-    if hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
-        return [value.jaxpr]
-    if isinstance(value, (tuple, list)):
-        return [j for item in value for j in _jaxprs(item)]
-    return []
-
-
 def entries(jaxpr: Any) -> int:
     """The entries of a jaxpr's inputs and of every value its equations compute, those
     of nested jaxprs (loop bodies, branches, custom rules) counted once.
@@ -113,8 +103,7 @@ def entries(jaxpr: Any) -> int:
     total = sum(int(np.prod(getattr(v.aval, "shape", ()))) for v in jaxpr.invars)
     for eqn in jaxpr.eqns:
         total += sum(int(np.prod(getattr(v.aval, "shape", ()))) for v in eqn.outvars)
-        for value in eqn.params.values():
-            total += sum(entries(sub) for sub in _jaxprs(value))
+        total += sum(entries(body.jaxpr) for body in inner_jaxprs(eqn))
     return total
 
 
