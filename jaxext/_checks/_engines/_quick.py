@@ -8,7 +8,7 @@ program with LLVM's optimisations off and, where XLA still has them, its older
 (simpler) loop emitters instead of the MLIR-based fusion emitters (XLA's
 graph-level passes, fusion among them, still run; dots and convolutions still
 call their library kernels) when the work that its runs in one check do is small
-(``_engine.choose`` says so, from ``QUICK_MAX_WORK``). A program with more work
+(``_engines.choose`` says so, from ``QUICK_MAX_WORK``). A program with more work
 keeps LLVM's optimisations but also takes the older emitters where XLA has them:
 they halve its compile time too, and its loops ran as fast (those of gradcheck's
 full method on a linear layer, 5e7 and 1.5e8 Jacobian entries). Each option is
@@ -28,7 +28,7 @@ comparison between two programs allows for that (``TIGHT``, gradcheck's
 tolerances).
 
 ``QuickJacobians`` is gradcheck's ``FlatJacobians`` on this engine, the one
-``_engine.choose`` picks for problems below the screened engine's size: its
+``_engines.choose`` picks for problems below the screened engine's size: its
 programs compile quickly, side by side before their first call
 (``compile_ahead``), and a small problem (``MERGE_MAX_ENTRIES``) compiles its
 loops as one program. Each runs through ``Program``, which also lets worker
@@ -109,7 +109,7 @@ def entries(jaxpr: Any) -> int:
 
 def quick_jit(fn: Callable[..., Any], quick: bool) -> Any:
     """``jax.jit(fn)``, compiled quickly where the program compiles for the CPU: with
-    LLVM's optimisations off where ``quick`` (little work: ``_engine.choose``), with
+    LLVM's optimisations off where ``quick`` (little work: ``_engines.choose``), with
     XLA's older loop emitters (where it has them) in any case.
 
     Only for a program called at the top level (not inside another ``jax.jit``: JAX
@@ -220,7 +220,7 @@ class QuickJacobians(FlatJacobians):
 
     Args:
         f, x0, vjp, m: as for ``FlatJacobians``.
-        quick: compile with LLVM's optimisations off (little work; ``_engine.choose``).
+        quick: compile with LLVM's optimisations off (little work; ``_engines.choose``).
         merge: compile the two loops (differences, VJPs) as one program (XLA's cost per
             program is a good part of a small check's time); each call runs one of the
             loops, the others for zero rows (their outputs, zeros, are small then). That

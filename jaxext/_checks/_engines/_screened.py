@@ -1,6 +1,6 @@
 """The screened engine: gradcheck's full method for large problems, faster.
 
-``_engine.choose`` picks it for the full method from ``SCREEN_MIN_ENTRIES`` Jacobian
+``_engines.choose`` picks it for the full method from ``SCREEN_MIN_ENTRIES`` Jacobian
 entries up. It compares what the reference path (``_jacobians``, ``_compare``)
 compares, entry by entry, and gives the same verdicts and reports; only faster:
 

@@ -101,7 +101,7 @@ class OpUnderTest(FloatLeaves):
 
     def quick_jit(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``jax.jit`` of ``fn``, compiled quickly for a small op (``_quick``, as
-        ``_engine.choose`` says); only for a program called at the top level."""
+        ``_engines.choose`` says); only for a program called at the top level."""
         return _engines.choose(self.work).jit(fn)
 
     @property
