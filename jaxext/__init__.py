@@ -14,6 +14,7 @@ from ._rule_contracts import RuleValueError as RuleValueError
 from ._validation import check_array as check_array
 
 # isort: split
+from ._checks import CHECK_NAMES as CHECK_NAMES
 from ._checks import CheckResult as CheckResult
 from ._checks import GradcheckError as GradcheckError
 from ._checks import OpcheckError as OpcheckError

@@ -35,12 +35,16 @@ class Body(NamedTuple):
 
 
 def _as_body(value: Any) -> Body | None:
-    """``value`` as a :class:`Body` where it is a ``Jaxpr`` or ``ClosedJaxpr``, else ``None``."""
-    if hasattr(value, "eqns"):
-        return Body(value, ())
+    """``value`` as a :class:`Body` where it is a ``Jaxpr`` or ``ClosedJaxpr``, else ``None``.
+
+    A ``ClosedJaxpr`` is unwrapped first: it has ``eqns`` too, and its constants belong
+    to the body (a ``jit`` of a function that closes over an array holds them there).
+    """
     inner = getattr(value, "jaxpr", None)
     if inner is not None and hasattr(inner, "eqns"):
         return Body(inner, tuple(getattr(value, "consts", ())))
+    if hasattr(value, "eqns"):
+        return Body(value, ())
     return None
 
 

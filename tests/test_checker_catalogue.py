@@ -7,8 +7,9 @@ tests/test_opcheck.py uses it too):
   values, mixed precision, tiny scales, pytrees, symbolic zeros, backwards that cannot
   be differentiated again ...). The full ``jaxext.opcheck`` battery gives no FAIL, and
   exactly the SKIPs listed with the op (a SKIP nobody expected fails the test, so a
-  check that silently stops running is noticed); ``jaxext.gradcheck`` and
-  ``jaxext.gradgradcheck`` return True where the op is twice differentiable.
+  check that silently stops running is noticed); its ``gradcheck`` row PASSes, and its
+  ``gradgradcheck`` row where the op is twice differentiable (one op also goes through
+  ``jaxext.gradcheck`` and ``jaxext.gradgradcheck`` themselves).
 - ``BUGGY``: ops with one realistic bug each. ``opcheck`` FAILs them, in (at least)
   the checks named with the op: the verdict points at the bug. Where the bug is one of
   gradient values, ``jaxext.gradcheck`` rejects it too.
@@ -389,9 +390,19 @@ def test_correct_op_gets_no_fail_and_only_the_expected_skips(name):
     expected_skips = set(expected_skips) | ALWAYS_SKIPPED | _skipped_for_one_float_leaf(args)
     assert set(report.skipped) == expected_skips, str(report)
     assert len(report.results) == len(CHECK_NAMES)
-    assert jaxext.gradcheck(op, args) is True
+    # The battery's gradcheck and gradgradcheck rows ran the public checks' work (the
+    # same gradient core, the same default tolerances): one op also goes through the
+    # public entry points, the others are not checked twice.
+    assert report.statuses["gradcheck"] == "PASS", str(report)
     if twice:
+        assert report.statuses["gradgradcheck"] == "PASS", str(report)
+    if name == PUBLIC_ENTRY_POINT_CASE:
+        assert jaxext.gradcheck(op, args) is True
         assert jaxext.gradgradcheck(op, args) is True
+
+
+# The correct op that also goes through `jaxext.gradcheck` and `jaxext.gradgradcheck`.
+PUBLIC_ENTRY_POINT_CASE = "perm_index"
 
 
 # Why each expected SKIP happens, as the report says it.
@@ -987,7 +998,7 @@ def test_saturated_verdicts_and_reports_are_the_same_in_every_engine(monkeypatch
     # verdicts as the reference path. (Not always the same count: the engines' programs
     # round differently, and here the rounding is what the differences measure, so an
     # entry near its bound can fall on either side.)
-    from jaxext._checks import _engine
+    from jaxext._checks import _engines as _engine
 
     x = _saturated_x("one_minus_tanh")
     op = _saturated_twin("one_minus_tanh", rel)

@@ -340,14 +340,15 @@ def test_buggy_op_rejected_by_the_right_check(name):
     "name",
     tiered(
         ["wrong_backward_value", "jvp_rule_cut_at_second_order", "eager_and_jit_differ"],
-        default=["wrong_backward_value"],
+        default=[],  # whole batteries, twice each: the smoke case below runs by default
     ),
 )
 def test_quick_compilation_changes_no_verdict(monkeypatch, name):
     # Small problems' programs compile with XLA's CPU optimisations off (jaxext._checks.
     # _quick): every check gives the verdict it gives with them on, for a buggy op and
     # for a correct one.
-    from jaxext._checks import _engine, _quick
+    from jaxext._checks import _engines as _engine
+    from jaxext._checks._engines import _quick
 
     assert _quick._options() is not None  # the CPU backend takes the options
     cases = [BUGGY_OPS[name][0](), (jaxext.linear, (f64(0, (4, 3)), f64(1, (2, 3)), f64(2, 2)))]
@@ -358,6 +359,44 @@ def test_quick_compilation_changes_no_verdict(monkeypatch, name):
             report = jaxext.opcheck(op, args, raise_exception=False)
             statuses.append(report.statuses)
         assert statuses[0] == statuses[1]
+
+
+def test_quick_compilation_changes_no_verdict_of_one_check(monkeypatch):
+    # The smoke case of the differential above: one check, with XLA's CPU optimisations
+    # off and on, for a buggy op (FAIL both ways) and a correct one (PASS both ways).
+    from jaxext._checks import _engines
+
+    cases = {
+        "FAIL": BUGGY_OPS["wrong_backward_value"][0](),
+        "PASS": (jaxext.linear, (f64(0, (4, 3)), f64(1, (2, 3)), f64(2, 2))),
+    }
+    for verdict, (op, args) in cases.items():
+        for limit in (_engines.QUICK_MAX_WORK, -1):
+            monkeypatch.setattr(_engines, "QUICK_MAX_WORK", limit)
+            report = jaxext.opcheck(op, args, checks=["gradcheck"], raise_exception=False)
+            assert report.statuses == {"gradcheck": verdict}, (verdict, limit)
+
+
+def test_plain_twin_runs_inner_calls_with_their_constants():
+    # The plain twin (custom rules stripped, JAX's own autodiff) opens a jit's body with
+    # the constants it closes over, and the custom rule inside it is gone: the gradient
+    # is the true one although the op's backward is 3x too large.
+    from jaxext._checks._opcheck._plain import strip_custom_rules
+
+    c = np.array([1.0, -2.0, 0.5])
+
+    @jax.custom_vjp
+    def scale(x):
+        return x * c
+
+    scale.defvjp(lambda x: (x * c, None), lambda _, g: (3.0 * g * c,))
+    op = jax.jit(lambda x: jnp.sin(scale(x)))
+    x = np.array([0.3, 0.1, -0.7])
+    plain = strip_custom_rules(op)
+    np.testing.assert_allclose(plain(x), np.sin(x * c), rtol=1e-6)
+    grad = jax.grad(lambda x: jnp.sum(plain(x)))(x)
+    np.testing.assert_allclose(grad, np.cos(x * c) * c, rtol=1e-6)
+    assert not np.allclose(jax.grad(lambda x: jnp.sum(op(x)))(x), grad)  # the rule is wrong
 
 
 def test_jit_reuse_runs_the_pattern_with_constants():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ._load import PathLike, _check_name, _plan, _source_paths
+from ._load import PathLike, build_plan, check_name, source_paths
 from ._prebuilt import write_prebuilt
 
 __all__ = ["build"]
@@ -59,9 +59,11 @@ def build(
         TypeError, ValueError, FileNotFoundError, CompilerNotFoundError, CompileError:
             as :func:`~jaxext.cpp_extension.load` does.
     """
-    _check_name(name)
-    paths = _source_paths(sources)
+    check_name(name)
+    paths = source_paths(sources)
     files = {path: path.read_text() for path in paths}
-    plan = _plan(name, files, False, extra_cflags, extra_ldflags, extra_include_paths, platform)
+    plan = build_plan(
+        name, files, False, extra_cflags, extra_ldflags, extra_include_paths, platform
+    )
     directory = paths[0].parent if output_directory is None else Path(output_directory)
     return write_prebuilt(plan, directory.expanduser().resolve(), verbose)

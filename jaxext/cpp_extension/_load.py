@@ -31,7 +31,7 @@ from ._prebuilt import find_prebuilt
 from ._registry import register_handlers
 from ._symbols import exported_c_functions
 
-__all__ = ["load", "load_inline"]
+__all__ = ["build_plan", "check_name", "load", "load_inline", "source_paths"]
 
 PathLike = str | os.PathLike
 _CPP_SUFFIXES = (".cc", ".cpp", ".cxx", ".c++", ".C")
@@ -148,8 +148,8 @@ def load(
         >>> ext.negate(x, result_shape_dtypes=x)
         Array([-0., -1., -2.], dtype=float32)
     """
-    _check_name(name)
-    paths = _source_paths(sources)
+    check_name(name)
+    paths = source_paths(sources)
     return _load(
         name,
         {path: path.read_text() for path in paths},
@@ -242,7 +242,7 @@ def load_inline(
         >>> jax.jit(lambda x: ext.square(x, result_shape_dtypes=x))(x)
         Array([0., 1., 4., 9.], dtype=float32)
     """
-    _check_name(name)
+    check_name(name)
     cpp = _joined(cpp_sources, "cpp_sources")
     files = {f"{name}.cc": cpp}
     if cuda_sources is not None:
@@ -282,7 +282,7 @@ def _load(
     ``files``: ``{source path: its text}``, or for ``inline``, ``{file name: text}``
     (written into the cache, see ``_build.write_inline``).
     """
-    plan = _plan(
+    plan = build_plan(
         name, files, inline, extra_cflags, extra_ldflags, extra_include_paths, platform
     )  # fmt: skip
     wanted = None if functions is None else _functions(functions)
@@ -300,7 +300,7 @@ def _load(
     return Extension(name, library, built, plan.platform, targets, rules)
 
 
-def _plan(
+def build_plan(
     name: str,
     files: Mapping[Path | str, str],
     inline: bool,
@@ -433,7 +433,7 @@ def _partition_rules(
     return {name: check_rule(rule) for name, rule in partition.items()}
 
 
-def _check_name(name: object) -> None:
+def check_name(name: object) -> None:
     if not isinstance(name, str):
         raise TypeError(f"`name` must be a string; got {type(name).__name__}.")
     if not _NAME.fullmatch(name):
@@ -442,7 +442,7 @@ def _check_name(name: object) -> None:
         )
 
 
-def _source_paths(sources: object) -> list[Path]:
+def source_paths(sources: object) -> list[Path]:
     items = [sources] if isinstance(sources, (str, os.PathLike)) else sources
     if not isinstance(items, Sequence):
         raise TypeError(f"`sources` must be a list of file paths; got {type(sources).__name__}.")

@@ -25,9 +25,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._battery import Skip, _fresh, _vjp
-from ._battery import _first_line as _message_line
-from ._gradcheck import Settings
+from .._settings import Settings
+from ._common import Skip
+from ._common import first_line as _message_line
+from ._common import fresh as _fresh
+from ._common import vjp as _vjp
 from ._kernels import kernel_targets, target_platforms
 from ._op import CheckFailed, OpUnderTest
 
