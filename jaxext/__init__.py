@@ -15,6 +15,7 @@ from ._validation import check_array as check_array
 # isort: split
 from ._checks import CheckResult as CheckResult
 from ._checks import GradcheckError as GradcheckError
+from ._checks import GradcheckUnresolvedWarning as GradcheckUnresolvedWarning
 from ._checks import OpcheckError as OpcheckError
 from ._checks import OpcheckReport as OpcheckReport
 from ._checks import gradcheck as gradcheck

@@ -2,7 +2,8 @@
 
 Each check takes the op under test and the settings, and returns a short
 detail for the report, raises ``Skip`` with the reason it does not apply, or
-raises ``CheckFailed`` with the diagnostic. Cheap structural checks run first.
+raises ``CheckFailed`` with the diagnostic (``Unresolved`` where finite differences
+cannot resolve entries none of which is wrong). Cheap structural checks run first.
 Comparisons of two float64 programs that compute the same math (jit against
 eager, vmap against a loop, checkpointed against plain ...) use ``TIGHT``, a
 normwise relative tolerance far above float64 rounding and far below any bug.
@@ -46,7 +47,7 @@ from ._op import (
 )
 from ._plain import jax_limit, same_failure, strip_custom_rules
 
-__all__ = ["CHECKS", "TIGHT", "Skip"]
+__all__ = ["CHECKS", "TIGHT", "Skip", "Unresolved"]
 
 _BATCH = 3
 _POLICIES = {
@@ -60,6 +61,11 @@ _POLICIES = {
 
 class Skip(Exception):
     """Raised by a check that does not apply to the op, with the reason."""
+
+
+class Unresolved(CheckFailed):
+    """Raised by a finite-difference check whose differences cannot resolve some entries,
+    none wrong (``_fd_error``): neither PASS nor FAIL, with the entries named."""
 
 
 def _require_forward_mode(op: OpUnderTest) -> None:
@@ -224,7 +230,8 @@ def _gradient_check(
             if error.mode != mode:  # the other mode failed first: run this one alone
                 results[mode] = _run_gradient_check(op, settings, order, (mode,), inner)
     if results[mode] is not None:
-        raise CheckFailed(str(results[mode]))
+        failure = Unresolved if results[mode].kind == "unresolved" else CheckFailed
+        raise failure(str(results[mode]))
 
 
 def _run_gradient_check(op: OpUnderTest, settings: Settings, order, modes, inner):

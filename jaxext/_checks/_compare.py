@@ -84,6 +84,10 @@ class Mismatch:
     # Set where the pair's gradients are all below 1 in magnitude and ``atol`` was scaled by
     # the largest of them (``allowed`` then holds ``atol * atol_scale``): the report says so.
     atol_scale: float | None = None
+    # Set where no entry of the pair fails and the differences cannot resolve the ones
+    # that fail the plain test (``_fd_error``): the pair is neither PASS nor FAIL, and
+    # ``count`` counts those entries.
+    unresolved: bool = False
 
 
 class _Tally:
@@ -254,31 +258,35 @@ class _Tally:
             k = slice(offset, offset + int(asked.sum()))
             offset = k.stop
             expected, allowed = e.copy(), atol + rel
-            allowed_refined = np.where(
-                resolved[k],
-                atol + self.rtol * np.abs(estimate[k]) + fd_error[k],
-                self.atol + rel[asked],
-            )
+            tolerance = atol + self.rtol * np.abs(estimate[k])
+            allowed_refined = np.where(resolved[k], tolerance + fd_error[k], self.atol + rel[asked])
             expected_refined = np.where(resolved[k], estimate[k], e[asked])
-            passes = np.abs(a[asked] - expected_refined) <= allowed_refined
-            if not passes.any():
-                continue  # no entry passes: the plain mismatch stands, as reported
+            within = np.abs(a[asked] - expected_refined) <= allowed_refined
+            # Within its allowance, an entry passes where the differences resolve it to
+            # the tolerance asked; else they cannot tell: unresolved, as is an entry no
+            # step resolves that fails the plain test (never a FAIL).
+            passes = within & resolved[k] & (fd_error[k] <= tolerance)
+            passes |= within & ~resolved[k]
+            unresolved = np.zeros_like(fails)
+            unresolved[np.nonzero(asked)[0]] = ~passes & (~resolved[k] | within)
             fails[np.nonzero(asked)[0][passes]] = False
-            # A failing entry that was refined is reported with its refined difference.
-            expected[asked] = np.where(passes, expected[asked], expected_refined)
-            allowed[asked] = np.where(passes, allowed[asked], allowed_refined)
-            if not fails.any():
+            fails &= ~unresolved
+            # A refined entry is reported with its refined difference and allowance.
+            expected[asked] = expected_refined
+            allowed[asked] = allowed_refined
+            if not fails.any() and not unresolved.any():
                 del found[key]
                 continue
+            bad = fails if fails.any() else unresolved
             with np.errstate(invalid="ignore"):
                 excess = np.abs(a - expected) - allowed
-            w = worst_entry(excess, fails)
+            w = worst_entry(excess, bad)
             i, j = key
             found[key] = Mismatch(
                 i, j, int(p_rows[w] - self.out_starts[i]), int(p_cols[w] - self.in_starts[j]),
-                None, float(expected[w]), float(a[w]), float(allowed[w]), int(fails.sum()),
+                None, float(expected[w]), float(a[w]), float(allowed[w]), int(bad.sum()),
                 self.out_sizes[i] * self.in_sizes[j],
-                atol_scale=scale if 0.0 < scale < 1.0 else None,
+                atol_scale=scale if 0.0 < scale < 1.0 else None, unresolved=not fails.any(),
             )  # fmt: skip
 
     def _plain_mismatches(self) -> dict[tuple[int, int], Mismatch]:
@@ -539,14 +547,40 @@ def cotangent_mismatches(
     fd_error = np.where(resolved, fd_error, 0.0).reshape(shape)
     weight = np.abs(u[rows])
     expected_refined = estimate @ u[rows]
-    allowed_refined = allowed[cols] + rtol * (np.abs(estimate) @ weight) + fd_error @ weight
-    passes = np.abs(actual[cols] - expected_refined) <= allowed_refined
-    if not passes.any():
-        return found
+    tolerance = allowed[cols] + rtol * (np.abs(estimate) @ weight)
+    allowed_refined = tolerance + fd_error @ weight
+    within = np.abs(actual[cols] - expected_refined) <= allowed_refined
+    # As entrywise (``_Tally``): a column with an entry no step resolves, or resolved
+    # only beyond the tolerance, is unresolved where it is within its allowance (and
+    # where it is not, if an entry of it is not resolved); it fails otherwise.
+    unresolved_entry = (~resolved.reshape(shape) & (weight > 0)).any(axis=1)
+    passes = within & ~unresolved_entry & (fd_error @ weight <= tolerance)
+    unresolved = ~passes & (within | unresolved_entry)
     expected, allowed = expected.copy(), allowed.copy()
-    expected[cols[passes]] = expected_refined[passes]
-    allowed[cols[passes]] = allowed_refined[passes]
-    return block_mismatches(expected, actual, allowed, in_slices, on_inputs=True)
+    expected[cols] = expected_refined
+    allowed[cols] = np.where(passes | unresolved, np.inf, allowed_refined)
+    found = block_mismatches(expected, actual, allowed, in_slices, on_inputs=True)
+    if found or not unresolved.any():
+        return found
+    # No column fails: one unresolved record per input block with an unresolved column.
+    excess = np.full(actual.shape, -np.inf)
+    excess[cols[unresolved]] = (np.abs(actual[cols] - expected_refined) - allowed_refined)[
+        unresolved
+    ]
+    allowed[cols] = allowed_refined
+    records = []
+    for index, block in enumerate(in_slices):
+        bad = np.isfinite(excess[block])
+        if bad.any():
+            w = worst_entry(excess[block], bad)
+            e, a, tol = expected[block], actual[block], allowed[block]
+            records.append(
+                Mismatch(
+                    None, index, None, w, None, float(e[w]), float(a[w]), float(tol[w]),
+                    int(bad.sum()), int(bad.size), unresolved=True,
+                )
+            )  # fmt: skip
+    return records
 
 
 class Refiner:

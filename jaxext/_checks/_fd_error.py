@@ -44,12 +44,13 @@ import numpy as np
 
 from ._jacobians import FlatJacobians
 
-__all__ = ["RATIO", "RESOLVED", "SAFETY", "STEPS", "WIDTH", "refine"]
+__all__ = ["BELOW", "RATIO", "RESOLVED", "SAFETY", "STEPS", "WIDTH", "refine"]
 
 RATIO = 10.0**0.5  # between consecutive steps
-STEPS = 7  # steps h, ..., h * RATIO**6 (1000 h)
+STEPS = 9  # steps h / 10, ..., h * RATIO**6 (1000 h)
+BELOW = 2  # of them below the check's step h: the first step judged is h itself
 WIDTH = 2  # neighbours on each side that a step is compared with
-SAFETY = 2.0  # the error bound is this times the largest disagreement
+SAFETY = 2.0  # the error bound is this times the disagreement of the valid side
 RESOLVED = 0.1  # a step resolves an entry where its disagreement is at most this relative
 
 
@@ -58,7 +59,7 @@ def refine(
     rows: np.ndarray,
     cols: np.ndarray,
     eps: float | np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The refined numerical derivative of the entries ``(rows[i], cols[i])``.
 
     Args:
@@ -67,10 +68,19 @@ def refine(
         eps: the check's step, one for all inputs or one per input element.
 
     Returns:
-        ``(estimate, error, resolved)``: per entry, whether a step resolves it, the
-        difference at the step that resolves it best (at the check's own step where
-        none does) and ``SAFETY`` times its disagreement with its neighbours (infinite
-        where no step resolves it).
+        ``(estimate, error, resolved)``: per entry, the difference at the step that
+        resolves it best (at the check's own step where none does), ``SAFETY`` times its
+        disagreement with the steps on its valid side (infinite where no step resolves
+        it), and whether a step resolves it.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jaxext._checks._jacobians import FlatJacobians
+        >>> with jax.enable_x64(True):
+        ...     jac = FlatJacobians(lambda x: jnp.sin(3000.0 * x), jnp.array([0.25]))
+        ...     estimate, error, resolved = refine(jac, np.array([0]), np.array([0]), 1e-6)
+        >>> bool(resolved[0]), bool(error[0] < 1e-5 * abs(estimate[0]))  # not 1e-2
+        (True, True)
     """
     rows = np.asarray(rows, np.int64)
     cols = np.asarray(cols, np.int64)
@@ -87,7 +97,7 @@ def refine(
         picked = np.nonzero(mine)[0]
         at = (where[picked], rows[picked])
         differences = np.stack(
-            [jac.numerical(chunk, base * RATIO**j)[0][at] for j in range(STEPS)]
+            [jac.numerical(chunk, base * RATIO ** (j - BELOW))[0][at] for j in range(STEPS)]
         )  # (STEPS, entries of this chunk)
         estimate[picked], error[picked], resolved[picked] = _best(differences)
     return estimate, error, resolved
@@ -95,17 +105,21 @@ def refine(
 
 def _best(differences: np.ndarray) -> tuple[np.ndarray, ...]:
     """``(estimate, error, resolved)`` from the differences at each step (shape
-    ``(STEPS, entries)``); see ``refine``."""
+    ``(STEPS, entries)``, the check's own step at ``BELOW``); see ``refine``."""
     steps, count = differences.shape
-    usable = np.isfinite(differences) & (differences != 0)
+    usable = np.isfinite(differences)
     best_error = np.full(count, np.inf)
-    best = differences[0].copy()  # where no step resolves the entry: the check's own
-    for j in range(WIDTH, steps - WIDTH):
-        window = range(j - WIDTH, j + WIDTH + 1)
-        ok = np.logical_and.reduce([usable[i] for i in window])
+    best = differences[BELOW].copy()  # where no step resolves the entry: the check's own
+    for j in range(max(WIDTH, BELOW), steps - WIDTH):
+        sides = []
+        for side in (range(j - WIDTH, j), range(j + 1, j + WIDTH + 1)):
+            with np.errstate(invalid="ignore"):
+                disagreement = np.max([np.abs(differences[j] - differences[i]) for i in side], 0)
+            ok = np.logical_and.reduce([usable[i] for i in side])
+            sides.append(np.where(ok & usable[j], disagreement, np.inf))
+        worst = np.minimum(*sides)  # the valid side: the one that agrees better
         with np.errstate(invalid="ignore"):
-            worst = np.max([np.abs(differences[j] - differences[i]) for i in window], axis=0)
-            better = ok & (worst < best_error) & (worst <= RESOLVED * np.abs(differences[j]))
+            better = (worst < best_error) & (worst <= RESOLVED * np.abs(differences[j]))
         best_error = np.where(better, worst, best_error)
         best = np.where(better, differences[j], best)
     return best, SAFETY * best_error, np.isfinite(best_error)

@@ -38,6 +38,7 @@ from ._backward import (
 )
 from ._compare import Mismatch, directional_mismatches, entry_mismatches
 from ._gradcheck_report import GradcheckError as GradcheckError
+from ._gradcheck_report import GradcheckUnresolvedWarning as GradcheckUnresolvedWarning
 from ._gradcheck_report import dtype_error, gradcheck_error
 from ._jacobians import FlatJacobians
 from ._leaves import FloatLeaves, private_copies
@@ -48,6 +49,7 @@ __all__ = [
     "FULL_MAX_ENTRIES",
     "STEP_SCALE",
     "GradcheckError",
+    "GradcheckUnresolvedWarning",
     "Settings",
     "check_gradients",
     "gradcheck",
@@ -221,6 +223,7 @@ def gradcheck(
     error = check_gradients(
         func, args, order=1, settings=settings, undefined=undefined, batched=batched, dtypes=dtypes
     )
+    error = _warn_unresolved(error)
     if error is not None and raise_exception:
         raise error
     return error is None
@@ -308,9 +311,19 @@ def gradgradcheck(
         func, args, order=2, settings=settings, undefined=undefined, batched=batched,
         grad_outputs=grad_outputs,
     )  # fmt: skip
+    error = _warn_unresolved(error)
     if error is not None and raise_exception:
         raise error
     return error is None
+
+
+def _warn_unresolved(error: GradcheckError | None) -> GradcheckError | None:
+    """``error``, or ``None`` after a ``GradcheckUnresolvedWarning`` where it is the
+    unresolved entries' report (no failure)."""
+    if error is not None and error.kind == "unresolved":
+        warnings.warn(GradcheckUnresolvedWarning(error), stacklevel=3)
+        return None
+    return error
 
 
 # -- settings ------------------------------------------------------------------------------
@@ -586,12 +599,19 @@ def _check(
         if found:
             return error("primal", mode, None, found)
     for mode in settings.modes:
-        if results[mode]:
-            return error("jacobian", mode, method, results[mode])
-    if results.get("rev_cotangent"):
-        return error("random_cotangent", "rev", None, results["rev_cotangent"])
+        if any(not m.unresolved for m in results[mode]):
+            return error("jacobian", mode, method, [m for m in results[mode] if not m.unresolved])
+    if any(not m.unresolved for m in results.get("rev_cotangent", ())):
+        found = [m for m in results["rev_cotangent"] if not m.unresolved]
+        return error("random_cotangent", "rev", None, found)
+    # Pairs the differences cannot resolve fail nothing: reported where nothing else fails.
+    unresolved = None
+    for mode in (*settings.modes, "rev_cotangent"):
+        if results.get(mode) and unresolved is None:
+            which = ("rev", None) if mode == "rev_cotangent" else (mode, method)
+            unresolved = error("unresolved", *which, results[mode])
     if "rev" not in settings.modes:
-        return None
+        return unresolved
     rng = np.random.default_rng(settings.seed)
 
     def blocks(flat):
@@ -619,7 +639,7 @@ def _check(
             return gradcheck_error(problem, "batched_grad", "rev", None, [], cause=found)
         if found:
             return error("batched_grad", "rev", None, found)
-    return None
+    return unresolved
 
 
 def step_sizes(x0: np.ndarray, in_slices: Sequence[slice], eps: float) -> np.ndarray:

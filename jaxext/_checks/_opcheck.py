@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._battery import CHECKS, Skip
+from ._battery import CHECKS, Skip, Unresolved
 from ._gradcheck import Settings, _as_args
 from ._kernels import checking_mode
 from ._op import CheckFailed, OpUnderTest
@@ -226,6 +226,8 @@ def _run(name: str, op: OpUnderTest, settings: Settings) -> CheckResult:
             detail, status = _ALL_CHECKS[name](op, settings), "PASS"
     except Skip as reason:
         detail, status = str(reason), "SKIP"
+    except Unresolved as reason:
+        detail, status = str(reason), "UNRESOLVED"
     except Exception as err:  # noqa: BLE001 -- an op raising inside a check fails that check
         if isinstance(err, CheckFailed):
             detail, status = str(err), "FAIL"
