@@ -13,7 +13,9 @@ while for outputs of order one the term is about 1e-9 and changes nothing. (A
 true zero of the Jacobian needs no allowance: ``_jacobians`` makes it exact.)
 That term sees only the rounding of ``|f(x)|`` itself: an entry that fails is
 judged again with the differences' own error, estimated from differences at
-several steps (``_fd_error``; ``_Tally.mismatches`` and ``cotangent_mismatches``).
+several steps (``_fd_error``; ``_Tally.mismatches`` and ``cotangent_mismatches``);
+where they cannot resolve it to the tolerance asked, it is *unresolved*
+(``Mismatch.unresolved``), neither passed nor failed.
 
 ``full_mismatches`` compares the full Jacobians without ever holding them (the
 reference path, the counterpart of PyTorch's ``_slow_gradcheck``): it walks the
@@ -84,9 +86,8 @@ class Mismatch:
     # Set where the pair's gradients are all below 1 in magnitude and ``atol`` was scaled by
     # the largest of them (``allowed`` then holds ``atol * atol_scale``): the report says so.
     atol_scale: float | None = None
-    # Set where no entry of the pair fails and the differences cannot resolve the ones
-    # that fail the plain test (``_fd_error``): the pair is neither PASS nor FAIL, and
-    # ``count`` counts those entries.
+    # Set where no entry fails and the differences cannot resolve some (``_Tally``):
+    # neither PASS nor FAIL; ``count`` counts those entries.
     unresolved: bool = False
 
 
@@ -103,9 +104,13 @@ class _Tally:
     An entry that fails this plain test is judged again with the finite differences'
     own error (``_fd_error.refine``, given to ``mismatches``): it fails only where
     ``|a - D| > atol + rtol |D| + error`` too, ``D`` being the difference at the
-    step that resolves the entry best and ``error`` its estimated error; where no
-    step resolves it (``_fd_error``), with the caller's ``atol``, never scaled, as
-    PyTorch holds every entry. For that, the entries that could fail (over ``rel``
+    step that resolves the entry best and ``error`` its estimated error. Within
+    that, it passes where ``error <= atol + rtol |D|`` (the differences resolve it to
+    the tolerance asked), and is *unresolved* where the error is larger (an
+    ill-conditioned function). An entry no step resolves (``_fd_error``) passes
+    within the caller's ``atol``, never scaled, as PyTorch holds every entry, and is
+    unresolved beyond it. A pair with unresolved entries and no failing one is a
+    ``Mismatch`` with ``unresolved`` set. For that, the entries that could fail (over ``rel``
     by more than half the smallest ``atol`` they can get, as the screened engine's
     screen) are kept with their positions, up to ``_KEPT`` per pair; a pair with
     more keeps its plain verdict.
@@ -528,7 +533,10 @@ def cotangent_mismatches(
     ``u^T N``, with the allowance summed from the entries' plain allowances; an input
     element that fails that is judged again with the finite differences' own error
     (``_fd_error.refine`` of its whole column: ``u^T`` times the refined differences,
-    and ``sum_i |u_i| error_i`` more allowed), up to ``REFINE_MAX_ENTRIES`` entries."""
+    and ``sum_i |u_i| error_i`` more allowed), up to ``REFINE_MAX_ENTRIES`` entries.
+    A column with an entry no step resolves, or whose error exceeds the tolerance, is
+    unresolved rather than failed or passed (``_Tally``); with no failing column, the
+    unresolved ones are returned, one ``Mismatch`` per input block, ``unresolved`` set."""
     u, expected, allowed = linear
     actual = jac.vjp(u)[1]
     found = block_mismatches(expected, actual, allowed, in_slices, on_inputs=True)
@@ -562,25 +570,16 @@ def cotangent_mismatches(
     found = block_mismatches(expected, actual, allowed, in_slices, on_inputs=True)
     if found or not unresolved.any():
         return found
-    # No column fails: one unresolved record per input block with an unresolved column.
-    excess = np.full(actual.shape, -np.inf)
-    excess[cols[unresolved]] = (np.abs(actual[cols] - expected_refined) - allowed_refined)[
-        unresolved
-    ]
+    # No column fails: the unresolved ones, one record per input block.
+    allowed[cols] = np.where(unresolved, -1.0, np.inf)  # flags exactly the unresolved
+    records = block_mismatches(expected, actual, allowed, in_slices, on_inputs=True)
     allowed[cols] = allowed_refined
-    records = []
-    for index, block in enumerate(in_slices):
-        bad = np.isfinite(excess[block])
-        if bad.any():
-            w = worst_entry(excess[block], bad)
-            e, a, tol = expected[block], actual[block], allowed[block]
-            records.append(
-                Mismatch(
-                    None, index, None, w, None, float(e[w]), float(a[w]), float(tol[w]),
-                    int(bad.sum()), int(bad.size), unresolved=True,
-                )
-            )  # fmt: skip
-    return records
+    return [
+        dataclasses.replace(
+            m, allowed=float(allowed[in_slices[m.in_block]][m.in_element]), unresolved=True
+        )
+        for m in records
+    ]
 
 
 class Refiner:

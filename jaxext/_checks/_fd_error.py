@@ -13,25 +13,37 @@ derivative by two errors:
 
 Neither can be known beforehand; both show in how the differences at several
 steps disagree. ``refine`` evaluates the central differences of the entries it
-is asked about at ``STEPS`` steps ``H_j = h * RATIO**j`` (``h`` the check's step;
-the steps are not powers of two apart, so that values rounded to the same grid
-cannot agree exactly by accident) and, for each window of ``2 * WIDTH + 1``
-consecutive steps whose differences are all finite and nonzero (a zero
-difference means the step resolved nothing), takes the largest disagreement of
-the middle one with the others, ``e_j = max |D(H_j) - D(H_i)|``. That bounds
-both errors of ``D(H_j)`` (truncation grows and rounding shrinks from step to
-step, so a neighbour differs from it by at least its error, up to the neighbour's
-own). Of the windows where ``e_j <= RESOLVED * |D(H_j)|``, the one with the
-smallest ``e_j`` gives the estimate ``D(H_j)`` and its error ``SAFETY * e_j``:
-the step where the function's values resolve its derivative best, and how well.
+is asked about at ``STEPS`` steps ``H_j = h * RATIO**(j - BELOW)``, from ``h / 10``
+to ``1000 h`` (``h`` the check's step; the steps are not powers of two apart, so
+that values rounded to the same grid cannot agree exactly by accident). Each step
+from ``h`` to ``100 h`` is judged against its ``WIDTH`` neighbours on each side:
+the disagreement of a side is ``max |D(H_j) - D(H_i)|`` over its steps (all
+finite). Only the steps on one side are *valid* for the entry: those where its
+error shrinks, the smaller steps where truncation dominates, the larger where
+rounding does. There the disagreement bounds the error of ``D(H_j)`` (up to the
+neighbours' own, a factor ``RATIO`` or ``RATIO**2`` smaller per step); on the
+other side the error grows by at least ``RATIO`` per step, so its disagreement is
+larger than the error, by up to ``RATIO**4 = 100`` for truncation. So the side
+that agrees better is the valid one, and its disagreement is ``e_j``. Of the
+steps where ``e_j <= RESOLVED * |D(H_j)|``, the one with the smallest ``e_j``
+gives the estimate ``D(H_j)`` and its error ``SAFETY * e_j``: the step where the
+function's values resolve its derivative best, and how well. The check's own step
+is one of them, so the error is never larger than what the differences resolve
+there: a derivative wrong by more than that always fails. (Taking the largest
+disagreement over both sides, as before issue #43, let the truncation of steps
+100 times larger excuse a 3% error of ``sin(3000 x)``'s derivative, which the
+differences at ``h`` resolve to ``1.5e-6``.)
 
-An entry with no such window is *unresolved*: its differences are zero or not
-finite, or disagree by more than a tenth, at every step. Its values do not change
-within ``RATIO**STEPS`` steps, or leave the function's domain, or jump: a
-derivative that jumps at ``x`` (``jnp.max`` at a tie, differentiated twice) gives
-differences that grow as ``1 / H``, like rounding, but of the size of the values
-themselves, and no step agrees with its neighbours. See ``_compare._Tally`` for
-the test of such an entry (the caller's ``atol``, unscaled).
+An entry with no such step is *unresolved*: its differences are not finite, or
+disagree by more than a tenth, on both sides of every step. Its values leave the
+function's domain, or jump: a derivative that jumps at ``x`` (``jnp.max`` at a
+tie, differentiated twice) gives differences that grow as ``1 / H``, like
+rounding, but of the size of the values themselves, and no step agrees with its
+neighbours. (Differences that are exactly zero at every step resolve a zero
+derivative: the values do not change.) See ``_compare._Tally`` for the verdicts:
+an entry resolved only beyond the tolerance asked (an ill-conditioned function),
+or not at all, is *unresolved*, neither PASS nor FAIL, unless it is wrong by more
+than the differences resolve.
 
 Only entries that fail the plain test (``_compare``) are refined, a chunk of
 columns at a time through the check's own program for the differences: a

@@ -39,7 +39,7 @@ from ._backward import (
 from ._compare import Mismatch, directional_mismatches, entry_mismatches
 from ._gradcheck_report import GradcheckError as GradcheckError
 from ._gradcheck_report import GradcheckUnresolvedWarning as GradcheckUnresolvedWarning
-from ._gradcheck_report import dtype_error, gradcheck_error
+from ._gradcheck_report import dtype_error, gradcheck_error, warn_unresolved
 from ._jacobians import FlatJacobians
 from ._leaves import FloatLeaves, private_copies
 from ._precision import float64_numerics
@@ -104,21 +104,17 @@ def gradcheck(
     ``x = 10`` is ``4e-9`` but carries the ulp of ``tanh(x)``, ``1e-16``: its central
     difference at ``h = 1e-6`` is off by ``1e-10``, 1% of its derivative). So an
     entry that fails is judged again with the finite differences' own error,
-    estimated from the function's evaluations (full method): central differences at
-    steps ``h * 10**(j / 2)``, ``j = 0 .. 6``; the step whose difference disagrees
-    least with those at the two steps on each side (by at most a tenth of it) gives
-    the estimate ``D``, and twice that disagreement its error ``E`` (truncation grows
-    with the step, rounding shrinks with it). The entry passes if
-    ``|analytical - D| <= atol + rtol * |D| + E``. An entry that no step resolves
-    (differences zero, not finite, or disagreeing by more than a tenth at every
-    step, as where the derivative jumps) is held to the caller's ``atol``, unscaled,
-    as in PyTorch.
+    ``E`` estimated from central differences at steps ``h / 10 .. 1000 h`` (full
+    method; ``_fd_error``: each step's error comes from the steps on the side where it
+    shrinks; ``h`` is one of them, so a derivative wrong by more than the differences
+    resolve at ``h`` always fails). It fails if ``|analytical - D| > atol + rtol|D| + E``
+    (``D`` the best-resolved difference), passes if not and ``E <= atol + rtol|D|``;
+    else it, or an entry no step resolves (a jump) beyond the unscaled ``atol``, is
+    *unresolved* (a correct solve with a 5x5 Hilbert matrix): no failure; where nothing
+    fails, the check returns ``True`` with a ``jaxext.GradcheckUnresolvedWarning``.
     Only input elements with a failing entry pay for these differences, and only
     where ``func`` computes in float64 (an output that is not float64, or in
-    gradgradcheck a float32 gradient, keeps the plain test). A correct
-    saturated function passes; a derivative wrong by more than the differences
-    resolve still fails (at ``x = 10``, ``1 - tanh`` is resolved to about ``1e-5``
-    relative).
+    gradgradcheck a float32 gradient, keeps the plain test).
 
     * Full method (up to ``FULL_MAX_ENTRIES = 2**30`` Jacobian entries, about
       1.07e9, e.g. 41,000 inputs by 25,000 outputs; it costs ``2 n`` calls of
@@ -191,8 +187,8 @@ def gradcheck(
         seed: seed of those directions and of random cotangents.
 
     Returns:
-        ``True`` if every check passed; ``False`` on failure when
-        ``raise_exception=False``.
+        ``True`` if no check failed (unresolved entries: ``GradcheckUnresolvedWarning``);
+        ``False`` on failure when ``raise_exception=False``.
 
     Raises:
         GradcheckError: on failure, naming the check (``kind``), the output,
@@ -223,7 +219,7 @@ def gradcheck(
     error = check_gradients(
         func, args, order=1, settings=settings, undefined=undefined, batched=batched, dtypes=dtypes
     )
-    error = _warn_unresolved(error)
+    error = warn_unresolved(error)
     if error is not None and raise_exception:
         raise error
     return error is None
@@ -281,8 +277,8 @@ def gradgradcheck(
         seed: as for ``gradcheck``.
 
     Returns:
-        ``True`` if every check passed; ``False`` on failure when
-        ``raise_exception=False``.
+        ``True`` if no check failed (unresolved entries: ``GradcheckUnresolvedWarning``);
+        ``False`` on failure when ``raise_exception=False``.
 
     Raises:
         GradcheckError: on failure. ``input_index`` counts ``grad_outputs``
@@ -311,19 +307,10 @@ def gradgradcheck(
         func, args, order=2, settings=settings, undefined=undefined, batched=batched,
         grad_outputs=grad_outputs,
     )  # fmt: skip
-    error = _warn_unresolved(error)
+    error = warn_unresolved(error)
     if error is not None and raise_exception:
         raise error
     return error is None
-
-
-def _warn_unresolved(error: GradcheckError | None) -> GradcheckError | None:
-    """``error``, or ``None`` after a ``GradcheckUnresolvedWarning`` where it is the
-    unresolved entries' report (no failure)."""
-    if error is not None and error.kind == "unresolved":
-        warnings.warn(GradcheckUnresolvedWarning(error), stacklevel=3)
-        return None
-    return error
 
 
 # -- settings ------------------------------------------------------------------------------
@@ -521,7 +508,8 @@ def check_gradients(
             tangents); ``settings.modes`` says how it is differentiated.
 
     Returns:
-        ``None`` if all pass, else the error describing the first failure.
+        ``None`` if all pass, else the error describing the first failure (where none:
+        ``kind="unresolved"`` for entries the finite differences cannot resolve).
     """
     with float64_numerics():
         problem, low, low_out = first_order(func, args)
@@ -598,18 +586,16 @@ def _check(
         found = entry_mismatches(y_call, y, out_slices, on_inputs=False, **tolerances)
         if found:
             return error("primal", mode, None, found)
+    failing = {mode: [m for m in found if not m.unresolved] for mode, found in results.items()}
     for mode in settings.modes:
-        if any(not m.unresolved for m in results[mode]):
-            return error("jacobian", mode, method, [m for m in results[mode] if not m.unresolved])
-    if any(not m.unresolved for m in results.get("rev_cotangent", ())):
-        found = [m for m in results["rev_cotangent"] if not m.unresolved]
-        return error("random_cotangent", "rev", None, found)
-    # Pairs the differences cannot resolve fail nothing: reported where nothing else fails.
-    unresolved = None
-    for mode in (*settings.modes, "rev_cotangent"):
-        if results.get(mode) and unresolved is None:
-            which = ("rev", None) if mode == "rev_cotangent" else (mode, method)
-            unresolved = error("unresolved", *which, results[mode])
+        if failing[mode]:
+            return error("jacobian", mode, method, failing[mode])
+    if failing.get("rev_cotangent"):
+        return error("random_cotangent", "rev", None, failing["rev_cotangent"])
+    # Entries the differences cannot resolve fail nothing: reported where nothing fails.
+    late = [(m, method, results[m]) for m in settings.modes]
+    late.append(("rev", None, results.get("rev_cotangent")))
+    unresolved = next((error("unresolved", *u) for u in late if u[2]), None)
     if "rev" not in settings.modes:
         return unresolved
     rng = np.random.default_rng(settings.seed)

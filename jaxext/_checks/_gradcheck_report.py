@@ -4,6 +4,7 @@ check, output, input, how far off), built from the ``Mismatch`` records of the c
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -11,7 +12,13 @@ import numpy as np
 from ._compare import Mismatch, unravel
 from ._problem import Problem, Segment
 
-__all__ = ["GradcheckError", "GradcheckUnresolvedWarning", "dtype_error", "gradcheck_error"]
+__all__ = [
+    "GradcheckError",
+    "GradcheckUnresolvedWarning",
+    "dtype_error",
+    "gradcheck_error",
+    "warn_unresolved",
+]
 
 _MODE_NAMES = {"rev": "reverse mode (VJP)", "fwd": "forward mode (JVP)"}
 
@@ -84,6 +91,15 @@ class GradcheckUnresolvedWarning(UserWarning):
     def __init__(self, error: GradcheckError) -> None:
         super().__init__(str(error))
         self.error = error
+
+
+def warn_unresolved(error: GradcheckError | None) -> GradcheckError | None:
+    """``error``, or ``None`` after a ``GradcheckUnresolvedWarning`` where it reports
+    unresolved entries (no failure), warned at the caller of ``gradcheck``."""
+    if error is not None and error.kind == "unresolved":
+        warnings.warn(GradcheckUnresolvedWarning(error), stacklevel=3)
+        return None
+    return error
 
 
 _ERROR_FIELDS = [
