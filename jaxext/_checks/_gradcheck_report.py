@@ -144,9 +144,9 @@ _KIND_EXPLANATIONS = {
 _KIND_TITLES["unresolved"] = "Unresolved gradient elements for a random cotangent"
 # What an unresolved entry is, in the report's words (see ``_fd_error``).
 _UNRESOLVED = (
-    "neither PASS nor FAIL: no finite-difference step resolves them to the tolerance asked "
-    "(their differences disagree from step to step by more than it: an ill-conditioned or "
-    "non-smooth function), and the analytical values are within what the differences allow"
+    "neither PASS nor FAIL: the finite differences cannot resolve them to the tolerance asked "
+    "(at every step they disagree with the neighbouring steps by more than it: an "
+    "ill-conditioned or non-smooth function), and none is wrong by more than they resolve"
 )
 _KIND_EXPLANATIONS["unresolved"] = _UNRESOLVED
 
