@@ -356,7 +356,15 @@ class KnownCheckerDefect(Exception):
 
 
 # Verdicts the checkers get wrong today: name -> (the checks that FAIL, why).
-WRONG_VERDICTS: dict[str, tuple[set[str], str]] = {}
+WRONG_VERDICTS: dict[str, tuple[set[str], str]] = {
+    # low_precision holds float32 to 16 eps of float64, but rounding phases of up to 3000
+    # to float32 moves sin(w x) by about 4e-5: the correct op's float32 run is as good as
+    # float32 gets (issue #43's "each op in its own precision", another part of it).
+    **{
+        f"fourier_{name}": ({"low_precision"}, "float32 phases of sin(w x) judged at 16 eps")
+        for name in FOURIER_BANDS
+    },
+}
 
 
 # Issue #35's ops: the full battery on each is the exhaustive tier's (about 10 s each);
