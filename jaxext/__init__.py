@@ -17,6 +17,7 @@ from ._validation import check_array as check_array
 from ._checks import CHECK_NAMES as CHECK_NAMES
 from ._checks import CheckResult as CheckResult
 from ._checks import GradcheckError as GradcheckError
+from ._checks import GradcheckUnresolvedWarning as GradcheckUnresolvedWarning
 from ._checks import OpcheckError as OpcheckError
 from ._checks import OpcheckReport as OpcheckReport
 from ._checks import gradcheck as gradcheck

@@ -34,6 +34,7 @@ One idea per module; data flows down this list:
 """
 
 from ._gradcheck import GradcheckError as GradcheckError
+from ._gradcheck import GradcheckUnresolvedWarning as GradcheckUnresolvedWarning
 from ._gradcheck import gradcheck as gradcheck
 from ._gradcheck import gradgradcheck as gradgradcheck
 from ._opcheck import CHECK_NAMES as CHECK_NAMES

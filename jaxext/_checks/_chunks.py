@@ -20,7 +20,7 @@ import numpy as np
 
 from ._jacobians import FlatJacobians
 
-__all__ = ["ChunkSource", "Columns", "HeldColumns", "ReferenceChunks", "Tile"]
+__all__ = ["ChunkSource", "Columns", "HeldColumns", "ReferenceChunks", "Tile", "overlaps"]
 
 
 @dataclasses.dataclass
@@ -137,3 +137,14 @@ class HeldColumns:
             numerical[:, offset : offset + chunk.shape[0]] = chunk[:, first:stop].T
             offset += chunk.shape[0]
         return numerical
+
+
+def overlaps(starts: np.ndarray, stops: np.ndarray, first: int, count: int):
+    """``(block, lo, hi)`` for each block ``[starts[k], stops[k])`` that meets the chunk
+    ``[first, first + count)``: where it lies in the chunk, relative to ``first``."""
+    for k in range(np.searchsorted(starts, first, side="right") - 1, len(starts)):
+        lo, hi = max(starts[k], first) - first, min(stops[k], first + count) - first
+        if lo >= count:
+            break
+        if hi > lo:
+            yield k, lo, hi

@@ -4,16 +4,14 @@ An entry passes when ``|analytical - numerical| <= allowed`` with
 
     allowed = atol + rtol * |numerical| + NOISE_ULPS * eps64 * |f(x)| / step
 
-The last term is the rounding noise of the finite difference itself: both
-``f(x + h)`` and ``f(x - h)`` carry a few ulps of ``|f(x)|``, and dividing their
-difference by the step magnifies that. It is what makes the check scale-aware:
-an output of 1e6 differenced with a step of 2e-6 cannot resolve a derivative to
-better than about 1e-3, so no correct function fails for lack of resolution,
-while for outputs of order one the term is about 1e-9 and changes nothing. (A
-true zero of the Jacobian needs no allowance: ``_jacobians`` makes it exact.)
-That term sees only the rounding of ``|f(x)|`` itself: an entry that fails is
-judged again with the differences' own error, estimated from differences at
-several steps (``_fd_error``; ``Tally.mismatches`` and ``cotangent_mismatches``).
+The last term is the finite difference's rounding noise (``f(x + h)`` and ``f(x - h)``
+carry a few ulps of ``|f(x)|``, magnified by dividing by the step): an output of 1e6
+differenced with a step of 2e-6 resolves a derivative to about 1e-3 at best, while for
+outputs of order one the term is about 1e-9. (A true zero of the Jacobian needs no
+allowance: ``_jacobians`` makes it exact.) An entry that fails is judged again with the
+differences' own error, estimated from several steps (``_fd_error``; ``Tally.mismatches``,
+``cotangent_mismatches``); where they cannot resolve it to the tolerance asked, it is
+*unresolved* (``Mismatch.unresolved``), neither passed nor failed.
 
 ``full_mismatches`` compares the full Jacobians without ever holding them (the
 reference path, the counterpart of PyTorch's ``_slow_gradcheck``): it walks the
@@ -35,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ._chunks import ChunkSource, ReferenceChunks
+from ._chunks import ChunkSource, ReferenceChunks, overlaps
 from ._fd_error import refine
 from ._jacobians import FlatJacobians, unit_blocks
 
@@ -53,7 +51,6 @@ __all__ = [
     "entry_mismatches",
     "full_mismatches",
     "leaf_mismatches",
-    "overlaps",
     "tolerated",
     "unravel",
     "widened",
@@ -89,6 +86,9 @@ class Mismatch:
     # Set where the pair's gradients are all below 1 in magnitude and ``atol`` was scaled by
     # the largest of them (``allowed`` then holds ``atol * atol_scale``): the report says so.
     atol_scale: float | None = None
+    # Set where no entry fails and the differences cannot resolve some (``Tally``):
+    # neither PASS nor FAIL; ``count`` counts those entries.
+    unresolved: bool = False
 
 
 class Tally:
@@ -104,9 +104,13 @@ class Tally:
     An entry that fails this plain test is judged again with the finite differences'
     own error (``_fd_error.refine``, given to ``mismatches``): it fails only where
     ``|a - D| > atol + rtol |D| + error`` too, ``D`` being the difference at the
-    step that resolves the entry best and ``error`` its estimated error; where no
-    step resolves it (``_fd_error``), with the caller's ``atol``, never scaled, as
-    PyTorch holds every entry. For that, the entries that could fail (over ``rel``
+    step that resolves the entry best and ``error`` its estimated error. Within
+    that, it passes where ``error <= atol + rtol |D|`` (the differences resolve it to
+    the tolerance asked), and is *unresolved* where the error is larger (an
+    ill-conditioned function). An entry no step resolves (``_fd_error``) passes
+    within the caller's ``atol``, never scaled, as PyTorch holds every entry, and is
+    unresolved beyond it. A pair with unresolved entries and no failing one is a
+    ``Mismatch`` with ``unresolved`` set. For that, the entries that could fail (over ``rel``
     by more than half the smallest ``atol`` they can get, as the screened engine's
     screen) are kept with their positions, up to ``_KEPT`` per pair; a pair with
     more keeps its plain verdict.
@@ -259,31 +263,35 @@ class Tally:
             k = slice(offset, offset + int(asked.sum()))
             offset = k.stop
             expected, allowed = e.copy(), atol + rel
-            allowed_refined = np.where(
-                resolved[k],
-                atol + self.rtol * np.abs(estimate[k]) + fd_error[k],
-                self.atol + rel[asked],
-            )
+            tolerance = atol + self.rtol * np.abs(estimate[k])
+            allowed_refined = np.where(resolved[k], tolerance + fd_error[k], self.atol + rel[asked])
             expected_refined = np.where(resolved[k], estimate[k], e[asked])
-            passes = np.abs(a[asked] - expected_refined) <= allowed_refined
-            if not passes.any():
-                continue  # no entry passes: the plain mismatch stands, as reported
+            within = np.abs(a[asked] - expected_refined) <= allowed_refined
+            # Within its allowance, an entry passes where the differences resolve it to
+            # the tolerance asked; else they cannot tell: unresolved, as is an entry no
+            # step resolves that fails the plain test (never a FAIL).
+            passes = within & resolved[k] & (fd_error[k] <= tolerance)
+            passes |= within & ~resolved[k]
+            unresolved = np.zeros_like(fails)
+            unresolved[np.nonzero(asked)[0]] = ~passes & (~resolved[k] | within)
             fails[np.nonzero(asked)[0][passes]] = False
-            # A failing entry that was refined is reported with its refined difference.
-            expected[asked] = np.where(passes, expected[asked], expected_refined)
-            allowed[asked] = np.where(passes, allowed[asked], allowed_refined)
-            if not fails.any():
+            fails &= ~unresolved
+            # A refined entry is reported with its refined difference and allowance.
+            expected[asked] = expected_refined
+            allowed[asked] = allowed_refined
+            if not fails.any() and not unresolved.any():
                 del found[key]
                 continue
+            bad = fails if fails.any() else unresolved
             with np.errstate(invalid="ignore"):
                 excess = np.abs(a - expected) - allowed
-            w = worst_entry(excess, fails)
+            w = worst_entry(excess, bad)
             i, j = key
             found[key] = Mismatch(
                 i, j, int(p_rows[w] - self.out_starts[i]), int(p_cols[w] - self.in_starts[j]),
-                None, float(expected[w]), float(a[w]), float(allowed[w]), int(fails.sum()),
+                None, float(expected[w]), float(a[w]), float(allowed[w]), int(bad.sum()),
                 self.out_sizes[i] * self.in_sizes[j],
-                atol_scale=scale if 0.0 < scale < 1.0 else None,
+                atol_scale=scale if 0.0 < scale < 1.0 else None, unresolved=not fails.any(),
             )  # fmt: skip
 
     def _plain_mismatches(self) -> dict[tuple[int, int], Mismatch]:
@@ -309,17 +317,6 @@ class Tally:
                 total, atol_scale=scale,
             )  # fmt: skip
         return found
-
-
-def overlaps(starts: np.ndarray, stops: np.ndarray, first: int, count: int):
-    """``(block, lo, hi)`` for each block ``[starts[k], stops[k])`` that meets the chunk
-    ``[first, first + count)``: where it lies in the chunk, relative to ``first``."""
-    for k in range(np.searchsorted(starts, first, side="right") - 1, len(starts)):
-        lo, hi = max(starts[k], first) - first, min(stops[k], first + count) - first
-        if lo >= count:
-            break
-        if hi > lo:
-            yield k, lo, hi
 
 
 def tolerated(expected, atol: float, rtol: float, noise) -> np.ndarray:
@@ -533,7 +530,10 @@ def cotangent_mismatches(
     ``u^T N``, with the allowance summed from the entries' plain allowances; an input
     element that fails that is judged again with the finite differences' own error
     (``_fd_error.refine`` of its whole column: ``u^T`` times the refined differences,
-    and ``sum_i |u_i| error_i`` more allowed), up to ``REFINE_MAX_ENTRIES`` entries."""
+    and ``sum_i |u_i| error_i`` more allowed), up to ``REFINE_MAX_ENTRIES`` entries.
+    A column with an entry no step resolves, or whose error exceeds the tolerance, is
+    unresolved rather than failed or passed (``Tally``); with no failing column, the
+    unresolved ones are returned, one ``Mismatch`` per input block, ``unresolved`` set."""
     u, expected, allowed = linear
     actual = jac.vjp(u)[1]
     found = block_mismatches(expected, actual, allowed, in_slices, on_inputs=True)
@@ -552,14 +552,31 @@ def cotangent_mismatches(
     fd_error = np.where(resolved, fd_error, 0.0).reshape(shape)
     weight = np.abs(u[rows])
     expected_refined = estimate @ u[rows]
-    allowed_refined = allowed[cols] + rtol * (np.abs(estimate) @ weight) + fd_error @ weight
-    passes = np.abs(actual[cols] - expected_refined) <= allowed_refined
-    if not passes.any():
-        return found
+    tolerance = allowed[cols] + rtol * (np.abs(estimate) @ weight)
+    allowed_refined = tolerance + fd_error @ weight
+    within = np.abs(actual[cols] - expected_refined) <= allowed_refined
+    # As entrywise (``Tally``): a column with an entry no step resolves, or resolved
+    # only beyond the tolerance, is unresolved where it is within its allowance (and
+    # where it is not, if an entry of it is not resolved); it fails otherwise.
+    unresolved_entry = (~resolved.reshape(shape) & (weight > 0)).any(axis=1)
+    passes = within & ~unresolved_entry & (fd_error @ weight <= tolerance)
+    unresolved = ~passes & (within | unresolved_entry)
     expected, allowed = expected.copy(), allowed.copy()
-    expected[cols[passes]] = expected_refined[passes]
-    allowed[cols[passes]] = allowed_refined[passes]
-    return block_mismatches(expected, actual, allowed, in_slices, on_inputs=True)
+    expected[cols] = expected_refined
+    allowed[cols] = np.where(passes | unresolved, np.inf, allowed_refined)
+    found = block_mismatches(expected, actual, allowed, in_slices, on_inputs=True)
+    if found or not unresolved.any():
+        return found
+    # No column fails: the unresolved ones, one record per input block.
+    allowed[cols] = np.where(unresolved, -1.0, np.inf)  # flags exactly the unresolved
+    records = block_mismatches(expected, actual, allowed, in_slices, on_inputs=True)
+    allowed[cols] = allowed_refined
+    return [
+        dataclasses.replace(
+            m, allowed=float(allowed[in_slices[m.in_block]][m.in_element]), unresolved=True
+        )
+        for m in records
+    ]
 
 
 class Refiner:

@@ -103,7 +103,8 @@ def check_gradients(
             tangents); ``settings.modes`` says how it is differentiated.
 
     Returns:
-        ``None`` if all pass, else the error describing the first failure.
+        ``None`` if all pass, else the error describing the first failure (where none:
+        ``kind="unresolved"`` for entries the finite differences cannot resolve).
     """
     with float64_numerics():
         problem, low, low_out = first_order(func, args)
@@ -180,13 +181,18 @@ def _check(
         found = entry_mismatches(y_call, y, out_slices, on_inputs=False, **tolerances)
         if found:
             return error("primal", mode, None, found)
+    failing = {mode: [m for m in found if not m.unresolved] for mode, found in results.items()}
     for mode in settings.modes:
-        if results[mode]:
-            return error("jacobian", mode, method, results[mode])
-    if results.get("rev_cotangent"):
-        return error("random_cotangent", "rev", None, results["rev_cotangent"])
+        if failing[mode]:
+            return error("jacobian", mode, method, failing[mode])
+    if failing.get("rev_cotangent"):
+        return error("random_cotangent", "rev", None, failing["rev_cotangent"])
+    # Entries the differences cannot resolve fail nothing: reported where nothing fails.
+    late = [(m, method, results[m]) for m in settings.modes]
+    late.append(("rev", None, results.get("rev_cotangent")))
+    unresolved = next((error("unresolved", *u) for u in late if u[2]), None)
     if "rev" not in settings.modes:
-        return None
+        return unresolved
     rng = np.random.default_rng(settings.seed)
 
     def blocks(flat):
@@ -214,7 +220,7 @@ def _check(
             return gradcheck_error(problem, "batched_grad", "rev", None, [], cause=found)
         if found:
             return error("batched_grad", "rev", None, found)
-    return None
+    return unresolved
 
 
 def step_sizes(x0: np.ndarray, in_slices: Sequence[slice], eps: float) -> np.ndarray:

@@ -46,8 +46,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._chunks import Columns
-from .._compare import Tally, overlaps
+from .._chunks import Columns, overlaps
+from .._compare import Tally
 from .._jacobians import padded, perturbed, pullback_rows
 from ._quick import Program, QuickJacobians
 

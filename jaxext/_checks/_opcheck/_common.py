@@ -1,10 +1,12 @@
 """What the rows of several families share.
 
-``Skip`` (a row that does not apply), the op behind a fresh Python function, one VJP, the
-pairing of a cotangent with an output, several computations jitted together, the first
-line of an error, and ``gradient_check``: the run against finite differences that
-``gradcheck`` and ``jvp`` (first order) and ``gradgradcheck`` and ``fwd_over_rev`` (second
-order) share, one run for both modes where both are selected.
+``Skip`` (a row that does not apply), ``Unresolved`` (finite differences that cannot
+resolve entries none of which is wrong: neither PASS nor FAIL), the op behind a fresh
+Python function, one VJP, the pairing of a cotangent with an output, several
+computations jitted together, the first line of an error, and ``gradient_check``: the
+run against finite differences that ``gradcheck`` and ``jvp`` (first order) and
+``gradgradcheck`` and ``fwd_over_rev`` (second order) share, one run for both modes where
+both are selected.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ._op import (
 
 __all__ = [
     "Skip",
+    "Unresolved",
     "first_line",
     "fresh",
     "gradient_check",
@@ -39,6 +42,11 @@ __all__ = [
 
 class Skip(Exception):
     """Raised by a check that does not apply to the op, with the reason."""
+
+
+class Unresolved(CheckFailed):
+    """Raised by a finite-difference check whose differences cannot resolve some entries,
+    none wrong (``_fd_error``): neither PASS nor FAIL, with the entries named."""
 
 
 def require_forward_mode(op: OpUnderTest) -> None:
@@ -118,7 +126,8 @@ def gradient_check(
             if error.mode != mode:  # the other mode failed first: run this one alone
                 results[mode] = _run_gradient_check(op, settings, order, (mode,), inner)
     if results[mode] is not None:
-        raise CheckFailed(str(results[mode]))
+        failure = Unresolved if results[mode].kind == "unresolved" else CheckFailed
+        raise failure(str(results[mode]))
 
 
 def _run_gradient_check(op: OpUnderTest, settings: Settings, order, modes, inner):

@@ -16,7 +16,7 @@ from typing import Any
 from .._precision import float64_numerics
 from .._settings import Settings, as_args
 from . import ALL_CHECKS, CHECK_NAMES, CHECKS
-from ._common import Skip
+from ._common import Skip, Unresolved
 from ._kernels import checking_mode
 from ._op import CheckFailed, OpUnderTest
 from ._plain import jax_limit, underlying_error
@@ -225,6 +225,8 @@ def _run(name: str, op: OpUnderTest, settings: Settings) -> CheckResult:
             detail, status = ALL_CHECKS[name](op, settings), "PASS"
     except Skip as reason:
         detail, status = str(reason), "SKIP"
+    except Unresolved as reason:
+        detail, status = str(reason), "UNRESOLVED"
     except Exception as err:  # noqa: BLE001 -- an op raising inside a check fails that check
         if isinstance(err, CheckFailed):
             detail, status = str(err), "FAIL"
