@@ -9,13 +9,14 @@ import sys
 import jax
 import numpy as np
 import pytest
+from helpers import importorskip_extra
 
 import jaxext
 from jaxext import __main__ as main_module
 from jaxext._checks import CHECK_NAMES
 
-pytest.importorskip("optax")
-pytest.importorskip("sklearn")
+importorskip_extra("optax", "demo")
+importorskip_extra("sklearn", "demo")
 
 
 def _accuracy_line(text: str) -> float:
