@@ -41,6 +41,11 @@ _DEMO_INSTALL = "pip install 'jaxext[demo]'"
 # The demo's optional dependencies: import name -> the package that provides it.
 _DEMO_PACKAGES = {"optax": "optax", "sklearn": "scikit-learn"}
 _PLOT_PACKAGES = {"matplotlib": "matplotlib"}
+# Where to read on: the guides for writing kernels and for using jaxext inside other libraries.
+_GUIDES = (
+    "guides/pallas_kernels.md (Pallas kernels)",
+    "guides/libraries.md (Equinox, diffrax, Flax)",
+)
 
 
 def _missing_packages(plot: bool) -> list[str]:
@@ -105,6 +110,7 @@ def _report_environment() -> None:
     print(f"layers: jaxext.nnx: {_layer_names(jaxext.nnx)}")
     print(f"        jaxext.linen: {_layer_names(jaxext.linen)}")
     print(f"rms_norm on {backend}: {_rms_norm_placement(backend)}")
+    print(f"guides (in the repository's docs/): {', '.join(_GUIDES)}")
 
 
 def _run_opchecks() -> bool:

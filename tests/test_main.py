@@ -37,6 +37,10 @@ def test_main_job_prints_opcheck_tables_and_reaches_95_percent(capsys, tmp_path)
     assert "\n        jaxext.linen: Dense, MulConstant, RMSNorm\n" in out
     placement = {"cpu": "plain XLA"}.get(jax.default_backend(), "its Pallas kernels")
     assert f"\nrms_norm on {jax.default_backend()}: {placement}" in out
+    guides = re.search(r"^guides \(in the repository's docs/\): (.*)$", out, flags=re.MULTILINE)
+    for guide in ("guides/pallas_kernels.md", "guides/libraries.md"):
+        assert guide in guides[1]
+        assert (pathlib.Path(__file__).parents[1] / "docs" / guide).is_file(), guide
     for op in ("linear", "mul_constant", "rms_norm"):
         table = out.split(f"opcheck {op}\n", 1)[1].split("\n\n", 1)[0]
         rows = dict(re.findall(r"^(\w+) +(PASS|FAIL|SKIP) ", table, flags=re.MULTILINE))
