@@ -9,6 +9,7 @@ defect (the first check to fail, named in the error), never by a crash.
 
 from __future__ import annotations
 
+import re
 import sys
 
 import jax
@@ -709,7 +710,7 @@ def test_a_pallas_row_that_lowered_no_kernel_fails(block, per_platform, expected
         if status == "PASS":
             assert "Pallas kernels lowered to" in detail and "custom calls (forward 1" in detail
         elif not per_platform:
-            assert "hold a Pallas kernel but lowered none for" in detail, detail
+            assert re.search("holds? a Pallas kernel but lowered none for", detail), detail
         else:
             assert "not lower for" in detail and "power of 2" in detail, detail
 
