@@ -490,8 +490,8 @@ def test_backward_keeps_x_weight_and_the_per_row_factor_only():
 
 def test_shard_map_with_rows_split_on_one_device():
     # The multi-device cases are in tests/test_sharding.py (slow tier). Here, one device:
-    # run in interpret mode (check_vma=False, see the guide) and lowered for TPU with
-    # check_vma=True (the kernel results carry the mesh axes their operands vary over).
+    # the kernels run in interpret mode (check_vma=False, see the guide) and are lowered for
+    # TPU with check_vma=True (the kernel results carry the mesh axes their operands vary over).
     mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     x, w = jnp.asarray(rand(0, (8, 5))), jnp.asarray(rand(1, (5,)) + 1.0)
 
@@ -504,9 +504,10 @@ def test_shard_map_with_rows_split_on_one_device():
         )
         return jax.jit(jax.grad(mapped, (0, 1)))
 
-    got = grad_of(jaxext.rms_norm, False)(x, w)
     want = in_float64(grad_of(reference, False), x, w)
-    for a, b in zip(got, want, strict=True):
-        assert_close_to_float64(a, b, n=40)
+    # The kernels in interpret mode, and the default (XLA on CPU), which takes check_vma.
+    for got in (grad_of(kernels, False)(x, w), grad_of(jaxext.rms_norm, True)(x, w)):
+        for a, b in zip(got, want, strict=True):
+            assert_close_to_float64(a, b, n=40)
     exported = jax.export.export(grad_of(jaxext.rms_norm, True), platforms=["tpu"])(x, w)
     assert exported.mlir_module().count("tpu_custom_call") == 2
