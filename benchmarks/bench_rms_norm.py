@@ -70,13 +70,16 @@ def _linen_step(cls: Any, x: jax.Array) -> tuple[Callable, Any]:
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), params
 
 
-def run(settings: argparse.Namespace) -> dict[str, Any]:
+def run(settings: argparse.Namespace, save: Callable[[dict], Any] | None = None) -> dict[str, Any]:
     backend = jax.default_backend()
     device = jax.devices()[0]
     print(f"device: {device.device_kind} ({backend}), float32")
     rows_out = []
     start = time.perf_counter()
-    for size in QUICK_SIZES if settings.quick else SIZES:
+    sizes = QUICK_SIZES if settings.quick else SIZES
+    if settings.size:
+        sizes = [tuple(int(n) for n in size.split("x")) for size in settings.size]
+    for size in sizes:
         x = jax.random.normal(jax.random.key(1), size, jnp.float32)
         steps = {
             "jaxext.nnx": _nnx_step(jaxext.nnx.RMSNorm, size[-1]),
@@ -117,6 +120,12 @@ def run(settings: argparse.Namespace) -> dict[str, Any]:
                 f"[{ratio['p25']:.3f}, {ratio['p75']:.3f}]  err {errs[api]:.1e}"
             )
         rows_out.append(row)
+        if save is not None:  # after each size: a long run interrupted keeps what it measured
+            save(_results(settings, backend, device, start, rows_out))
+    return _results(settings, backend, device, start, rows_out)
+
+
+def _results(settings, backend, device, start, rows_out) -> dict[str, Any]:
     return {
         "benchmark": "rms_norm",
         "device": device.device_kind,
@@ -179,18 +188,25 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--note", default="", help="stored with the results")
+    parser.add_argument(
+        "--size", action="append", help="ROWSxFEATURES, repeatable (default: all of SIZES)"
+    )
     settings = parser.parse_args(argv)
     if settings.rounds is None:
         settings.rounds = 3 if settings.quick else 20
     settings.target_s = 0.002 if settings.quick else 0.05
     settings.budget_s = 0.5 if settings.quick else 30.0
-    results = run(settings)
     settings.out.mkdir(parents=True, exist_ok=True)
-    stem = f"rms_norm_{results['backend']}" + ("_quick" if settings.quick else "")
-    path = settings.out / f"{stem}.json"
-    path.write_text(json.dumps(results, indent=1) + "\n")
-    (settings.out / f"{stem}.md").write_text(render(results))
-    print(f"wrote {path} and {stem}.md")
+
+    def save(results: dict[str, Any]) -> Path:
+        stem = f"rms_norm_{results['backend']}" + ("_quick" if settings.quick else "")
+        path = settings.out / f"{stem}.json"
+        path.write_text(json.dumps(results, indent=1) + "\n")
+        (settings.out / f"{stem}.md").write_text(render(results))
+        return path
+
+    path = save(run(settings, save))
+    print(f"wrote {path} and its .md")
     return path
 
 
