@@ -54,6 +54,7 @@ from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from ._avals import stand_in
 from ._jaxpr import call_body
 from ._rule_contracts import RuleTypeError, RuleValueError
+from ._value_transpose import by_values
 
 __all__ = [
     "DEFAULT_MAX_OUTPUTS",
@@ -149,33 +150,46 @@ def tangent_from_backward(
 
     examples = [stand_in(a) for a in lin.ct_avals]
     failures: list[BaseException] = []
-    for way in (_transposed, _transposed_linearization):
+    try:  # the same values, with derivative-changing operations read by their values
+        ways = [(w, by_values(backward, [examples])) for w in (_transposed, _transposed_linearization)]
+    except (RuleTypeError, RuleValueError):
+        raise
+    except Exception as err:  # noqa: BLE001 -- the backward cannot be traced: row by row
+        failures.append(err)
+        ways = []
+    for way, fn in ways:
         try:
-            return [jnp.asarray(o) for o in way(backward, examples, t_in)]
+            return [jnp.asarray(o) for o in way(fn, examples, t_in)]
         except (RuleTypeError, RuleValueError):
             raise
         except Exception as err:  # noqa: BLE001 -- the next way, or the error below
             failures.append(err)
     n = _basis_size(lin.ct_avals)
     limit = lin.op.spec.forward_mode_max_outputs
-    if n > limit:
-        raise _no_forward_mode(
-            lin,
-            failures[0],
+    if n <= limit:
+        try:
+            return _row_by_row(backward, lin.ct_avals, t_in)
+        except (RuleTypeError, RuleValueError):
+            raise
+        except Exception as err:  # noqa: BLE001 -- the last way, or the error below
+            row_problem = (
+                f"evaluating the backward once per output element failed too "
+                f"({type(err).__name__}: {_first_line(err)})"
+            )
+            row_error: BaseException = err
+    else:
+        row_problem = (
             f"evaluating the backward once per output element would take {n} backward "
-            f"passes, more than the op's forward_mode_max_outputs={limit}",
-        ) from failures[0]
-    try:
-        return _row_by_row(backward, lin.ct_avals, t_in)
+            f"passes, more than the op's forward_mode_max_outputs={limit}"
+        )
+        row_error = failures[0]
+    try:  # trusted: custom rules of calls inside the backward whose values JAX cannot transpose
+        return [jnp.asarray(o) for o in _transposed_linearization(backward, examples, t_in)]
     except (RuleTypeError, RuleValueError):
         raise
-    except Exception as err:  # noqa: BLE001 -- re-raised with the way out
-        raise _no_forward_mode(
-            lin,
-            failures[0],
-            f"evaluating the backward once per output element failed too "
-            f"({type(err).__name__}: {_first_line(err)})",
-        ) from err
+    except Exception:  # noqa: BLE001 -- reported through the first failure below
+        pass
+    raise _no_forward_mode(lin, failures[0], row_problem) from row_error
 
 
 def _transposed(backward: Callable[..., Any], examples: list[Any], t_in: Sequence[Any]) -> Any:
@@ -236,7 +250,12 @@ def _row_by_row(
 
     def entry(i: Any) -> Any:
         grads = backward(unit(i))
-        terms = [jnp.real(jnp.sum(g * t)) for g, t in zip(grads, t_in, strict=True)]
+        # A zero tangent entry contributes zero, also against a non-finite row entry: entry
+        # (k, i) of jacfwd is then exactly bwd(e_k)[i], jacrev's.
+        terms = [
+            jnp.real(jnp.sum(jnp.where(t == 0, jnp.zeros_like(g * t), g * t)))
+            for g, t in zip(grads, t_in, strict=True)
+        ]
         return sum(terms) if terms else jnp.zeros((), jnp.float32)
 
     indices = jnp.arange(n)

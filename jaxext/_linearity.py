@@ -80,6 +80,8 @@ _LINEAR_IN_FIRST = {
     "optimization_barrier",
     "select_and_scatter_add",
     "reduce_window_sum",
+    # The identity in value (what forward mode transposes: see ``_value_transpose``).
+    "stop_gradient",
 }
 # Bilinear: linear when exactly one operand depends on the inputs.
 _BILINEAR = {"mul", "dot_general", "conv_general_dilated"}
@@ -137,6 +139,30 @@ _NONLINEAR = {
     "rem",
     "lgamma",
     "digamma",
+    "reduce_prod",
+    "cumprod",
+    "cummax",
+    "cummin",
+    "cumlogsumexp",
+    "top_k",
+    "scatter-mul",
+    "scatter_mul",
+    "scatter-min",
+    "scatter_min",
+    "scatter-max",
+    "scatter_max",
+}
+# Sums in two operands (the first two), with the rest (indices) not depending on the inputs:
+# a scatter writes or adds its updates into its operand, a dynamic_update_slice writes one
+# into the other, a pad surrounds its operand with its padding value.
+_ADDITIVE_IN_TWO = {
+    "scatter",
+    "scatter-add",
+    "scatter_add",
+    "scatter-sub",
+    "scatter_sub",
+    "dynamic_update_slice",
+    "pad",
 }
 
 
@@ -216,6 +242,21 @@ def _rule(eqn: Any, ins: Sequence[tuple[Kind, str]]) -> list[tuple[Kind, str]]:
         zero = zero or (name in _ADDITIVE and all(k == Kind.ZERO for k in kinds))
         return [(Kind.ZERO if zero else Kind.CONST, "")] * n_out
     here = f"`{name}`"
+    if name == "convert_element_type" and not _is_inexact(eqn.params["new_dtype"]):
+        return [(Kind.NONLINEAR, here)] * n_out  # rounded to an integer or a bool
+    if name == "sort":  # JAX linearizes sort in its payload operands; the keys must not vary
+        n_keys = eqn.params["num_keys"]
+        if any(k >= Kind.LINEAR for k in kinds[:n_keys]):
+            return [(Kind.NONLINEAR, here)] * n_out
+        return [ins[i] if kinds[i] >= Kind.LINEAR else (Kind.CONST, "") for i in range(n_out)]
+    if name in _ADDITIVE_IN_TWO:
+        if any(k >= Kind.LINEAR for k in kinds[2:]):
+            return [(Kind.NONLINEAR, here)] * n_out
+        return [_sum_of(ins[:2], here)] * n_out
+    if name == "while":
+        return _while(eqn, ins, here)
+    if name == "scan":
+        return _scan(eqn, ins, here)
     if name in _ADDITIVE:
         if any(k == Kind.CONST for k in kinds) and any(k >= Kind.LINEAR for k in kinds):
             if Kind.UNKNOWN in kinds:
@@ -256,3 +297,73 @@ def _rule(eqn: Any, ins: Sequence[tuple[Kind, str]]) -> list[tuple[Kind, str]]:
     if body is not None:
         return _walk(body.jaxpr, kinds, body.consts)
     return [(Kind.UNKNOWN, "")] * n_out
+
+
+def _is_inexact(dtype: Any) -> bool:
+    return bool(np.issubdtype(np.dtype(dtype), np.inexact))
+
+
+def _sum_of(ins: Sequence[tuple[Kind, str]], here: str) -> tuple[Kind, str]:
+    """The kind of a sum of terms of kinds ``ins`` (as ``_ADDITIVE``)."""
+    kinds = [k for k, _ in ins]
+    if any(k == Kind.CONST for k in kinds) and any(k >= Kind.LINEAR for k in kinds):
+        if Kind.UNKNOWN in kinds:
+            return (Kind.UNKNOWN, "")
+        return (Kind.AFFINE, here)
+    if all(k == Kind.ZERO for k in kinds):
+        return (Kind.ZERO, "")
+    return _worst(ins)
+
+
+def _join(a: tuple[Kind, str], b: tuple[Kind, str], here: str) -> tuple[Kind, str]:
+    """The kind of a value that is of kind ``a`` or ``b`` (by a loop's trip count)."""
+    if a[0] == Kind.ZERO:
+        return b
+    if b[0] == Kind.ZERO:
+        return a
+    return _sum_of([a, b], here)
+
+
+def _fixpoint(
+    step: Callable[[list[tuple[Kind, str]]], list[tuple[Kind, str]]],
+    carry: list[tuple[Kind, str]],
+    here: str,
+) -> list[tuple[Kind, str]]:
+    """The kinds a loop's carry takes over any number of iterations of ``step``."""
+    for _ in range(len(Kind) * len(carry) + 1):  # kinds only grow: this many steps suffice
+        new = [_join(c, o, here) for c, o in zip(carry, step(carry), strict=True)]
+        if [k for k, _ in new] == [k for k, _ in carry]:
+            return carry
+        carry = new
+    return carry
+
+
+def _while(eqn: Any, ins: Sequence[tuple[Kind, str]], here: str) -> list[tuple[Kind, str]]:
+    """A ``while_loop``: the trip count must not depend on the inputs."""
+    n_cond, n_body = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    cond, body = eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]
+    cond_consts, body_consts = list(ins[:n_cond]), list(ins[n_cond : n_cond + n_body])
+    carry = list(ins[n_cond + n_body :])
+
+    def step(carry: list[tuple[Kind, str]]) -> list[tuple[Kind, str]]:
+        return _walk(body.jaxpr, [k for k, _ in body_consts + carry], body.consts)
+
+    carry = _fixpoint(step, carry, here)
+    (pred,) = _walk(cond.jaxpr, [k for k, _ in cond_consts + carry], cond.consts)
+    if pred[0] >= Kind.LINEAR:
+        return [(Kind.NONLINEAR, here)] * len(carry)
+    return carry
+
+
+def _scan(eqn: Any, ins: Sequence[tuple[Kind, str]], here: str) -> list[tuple[Kind, str]]:
+    """A ``scan``: its carry over any number of iterations, and its stacked outputs."""
+    n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    body = eqn.params["jaxpr"]
+    consts, xs = list(ins[:n_consts]), list(ins[n_consts + n_carry :])
+    carry = list(ins[n_consts : n_consts + n_carry])
+
+    def walk(carry: list[tuple[Kind, str]]) -> list[tuple[Kind, str]]:
+        return _walk(body.jaxpr, [k for k, _ in consts + carry + xs], body.consts)
+
+    carry = _fixpoint(lambda c: walk(c)[:n_carry], carry, here)
+    return carry + walk(carry)[n_carry:]
