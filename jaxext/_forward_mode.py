@@ -151,7 +151,8 @@ def tangent_from_backward(
     examples = [stand_in(a) for a in lin.ct_avals]
     failures: list[BaseException] = []
     try:  # the same values, with derivative-changing operations read by their values
-        ways = [(w, by_values(backward, [examples])) for w in (_transposed, _transposed_linearization)]
+        values = by_values(backward, [examples])
+        ways = [(way, values) for way in (_transposed, _transposed_linearization)]
     except (RuleTypeError, RuleValueError):
         raise
     except Exception as err:  # noqa: BLE001 -- the backward cannot be traced: row by row

@@ -93,8 +93,9 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], linear: Sequen
         return (atom.val, False) if isinstance(atom, Literal) else env[atom]
 
     for eqn in jaxpr.eqns:
-        vals, flags = zip(*(read(a) for a in eqn.invars)) if eqn.invars else ((), ())
-        outs = _eval_eqn(eqn, list(vals), list(flags))
+        read_in = [read(a) for a in eqn.invars]
+        vals, flags = [v for v, _ in read_in], [f for _, f in read_in]
+        outs = _eval_eqn(eqn, vals, flags)
         dependent = any(flags)
         for v, o in zip(eqn.outvars, outs, strict=True):
             env[v] = (o, dependent)
