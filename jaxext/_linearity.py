@@ -152,7 +152,7 @@ _NONLINEAR = {
     "scatter-max",
     "scatter_max",
 }
-# Sums in two operands (the first two), with the rest (indices) not depending on the inputs:
+# Sums in two operands, with the rest (indices) not depending on the inputs:
 # a scatter writes or adds its updates into its operand, a dynamic_update_slice writes one
 # into the other, a pad surrounds its operand with its padding value.
 _ADDITIVE_IN_TWO = {
@@ -250,9 +250,11 @@ def _rule(eqn: Any, ins: Sequence[tuple[Kind, str]]) -> list[tuple[Kind, str]]:
             return [(Kind.NONLINEAR, here)] * n_out
         return [ins[i] if kinds[i] >= Kind.LINEAR else (Kind.CONST, "") for i in range(n_out)]
     if name in _ADDITIVE_IN_TWO:
-        if any(k >= Kind.LINEAR for k in kinds[2:]):
+        # scatter(operand, indices, updates); dynamic_update_slice(operand, update, *indices)
+        summed = (0, 2) if name.startswith("scatter") else (0, 1)
+        if any(k >= Kind.LINEAR for i, k in enumerate(kinds) if i not in summed):
             return [(Kind.NONLINEAR, here)] * n_out
-        return [_sum_of(ins[:2], here)] * n_out
+        return [_sum_of([ins[i] for i in summed], here)] * n_out
     if name == "while":
         return _while(eqn, ins, here)
     if name == "scan":
@@ -339,7 +341,8 @@ def _fixpoint(
 
 
 def _while(eqn: Any, ins: Sequence[tuple[Kind, str]], here: str) -> list[tuple[Kind, str]]:
-    """A ``while_loop``: the trip count must not depend on the inputs."""
+    """A ``while_loop``: its carry over any number of iterations; ``UNKNOWN`` where its trip
+    count depends on the inputs."""
     n_cond, n_body = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
     cond, body = eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]
     cond_consts, body_consts = list(ins[:n_cond]), list(ins[n_cond : n_cond + n_body])
@@ -351,7 +354,9 @@ def _while(eqn: Any, ins: Sequence[tuple[Kind, str]], here: str) -> list[tuple[K
     carry = _fixpoint(step, carry, here)
     (pred,) = _walk(cond.jaxpr, [k for k, _ in cond_consts + carry], cond.consts)
     if pred[0] >= Kind.LINEAR:
-        return [(Kind.NONLINEAR, here)] * len(carry)
+        # A trip count that depends on the inputs: an iterative solver run to a tolerance,
+        # linear to that tolerance. Not provably linear, not provably not: trusted.
+        return [c if c[0] >= Kind.AFFINE else (Kind.UNKNOWN, "") for c in carry]
     return carry
 
 
