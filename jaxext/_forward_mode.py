@@ -8,17 +8,26 @@ holds the ways it does so, tried in order of cost until one works
 1. **Transposing the backward** (``jax.linear_transpose``): one backward's worth of work.
 2. **Transposing its linearization at zero** (``jax.vjp`` of the backward at ``g = 0``,
    applied to ``t``): the same map for a linear backward, and what makes the backward
-   transposable when it calls another op whose own rules JAX must use to transpose it (a
+   transposable when it calls an op JAX can differentiate but not transpose (a
    ``jaxext.Function`` with a ``vmap`` staticmethod, which lowers through
-   ``jax.custom_batching.custom_vmap``; any ``jaxext.custom_vjp`` op whose primal JAX
-   cannot transpose). About twice the work of 1.
+   ``jax.custom_batching.custom_vmap``). About twice the work of 1.
 3. **The backward row by row**: the rows of ``J`` are ``bwd(e_i)`` for the unit
    cotangents ``e_i``, so ``J t = [<bwd(e_i), t>]_i``; batched with ``vmap`` in chunks
    (or one at a time where the backward cannot be batched). This works for any backward
    JAX can evaluate (a ``while_loop``, a host callback, an FFI kernel) and costs one
    backward per output element (real and imaginary parts of a complex output count
    twice), so it runs only up to the op's ``forward_mode_max_outputs``
-   (:data:`DEFAULT_MAX_OUTPUTS`).
+   (:data:`DEFAULT_MAX_OUTPUTS`). A zero tangent entry contributes zero, so entry
+   ``(k, i)`` of ``jacfwd`` is exactly ``bwd(e_k)[i]``, reverse mode's, NaN included.
+4. **Transposing the linearization through the custom rules of the calls inside**: where a
+   call inside the backward has a primal JAX cannot transpose (a ``jaxext.custom_vjp`` op
+   around a host callback) and the output is too large for 3; those rules are trusted.
+
+Ways 1 and 2 transpose the backward **by its values** (:func:`by_values`, in
+``_value_transpose``): ``stop_gradient`` as the identity, ``custom_jvp``/``custom_vjp``
+calls as their primal, products by a coefficient independent of ``g`` zero-safe. So each
+way gives the map the backward computes, reverse mode's numbers: ``jax.jacfwd`` equals the
+transpose of ``jax.jacrev`` entrywise, or forward mode raises the error below.
 
 Beyond that limit, or where no way works, :func:`tangent_from_backward` raises a
 ``TypeError`` naming the op and the two remedies: a ``jvp`` rule, or the
@@ -33,9 +42,10 @@ when to); and :func:`batched_outputs`, which tells the tangent's batching rule w
 output tangents a ``vmap`` batch reaches (an output the batch does not reach keeps an
 unbatched tangent, as its primal does).
 
-Caveat of way 2: a backward is taken to be linear in ``g`` (``_linearity`` refuses the
-nonlinear operations it can see); an op inside it that is nonlinear in ``g`` and opaque
-to that walk would be linearized at ``g = 0`` rather than refused.
+Linearity: a backward is taken to be linear in ``g`` where ``_linearity`` cannot prove
+otherwise; what that walk cannot see into (host callbacks, FFI and Pallas kernels, unknown
+primitives, a ``while_loop`` whose trip count depends on ``g``) is trusted, and listed in
+``docs/limitations.md``.
 """
 
 from __future__ import annotations
@@ -150,7 +160,7 @@ def tangent_from_backward(
 
     examples = [stand_in(a) for a in lin.ct_avals]
     failures: list[BaseException] = []
-    try:  # the same values, with derivative-changing operations read by their values
+    try:  # ways 1 and 2, on the backward read by its values (``_value_transpose``)
         values = by_values(backward, [examples])
         ways = [(way, values) for way in (_transposed, _transposed_linearization)]
     except (RuleTypeError, RuleValueError):
@@ -184,7 +194,7 @@ def tangent_from_backward(
             f"passes, more than the op's forward_mode_max_outputs={limit}"
         )
         row_error = failures[0]
-    try:  # trusted: custom rules of calls inside the backward whose values JAX cannot transpose
+    try:  # way 4 (trusted): the custom rules of calls whose values JAX cannot transpose
         return [jnp.asarray(o) for o in _transposed_linearization(backward, examples, t_in)]
     except (RuleTypeError, RuleValueError):
         raise

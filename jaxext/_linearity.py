@@ -198,12 +198,21 @@ def _walk(
             return (Kind.ZERO if _is_zero(atom.val) else Kind.CONST, "")
         return env.get(atom, (Kind.CONST, ""))
 
+    # Values fixed when the function is written: functions of literals and NumPy constants.
+    fixed = {v for v, value in zip(jaxpr.constvars, consts, strict=True) if _is_numpy(value)}
     for eqn in jaxpr.eqns:
         ins = [read(a) for a in eqn.invars]
-        outs = _rule(eqn, ins)
+        known = [isinstance(a, jax.extend.core.Literal) or a in fixed for a in eqn.invars]
+        outs = _rule(eqn, ins, known)
         for v, k in zip(eqn.outvars, outs, strict=True):
             env[v] = k
+        if all(known):
+            fixed.update(eqn.outvars)
     return [read(v) for v in jaxpr.outvars]
+
+
+def _is_numpy(value: Any) -> bool:
+    return isinstance(value, (np.ndarray, np.generic))
 
 
 def _is_zero_constant(value: Any) -> bool:
@@ -228,7 +237,11 @@ def _worst(ins: Sequence[tuple[Kind, str]]) -> tuple[Kind, str]:
     return max(ins, key=lambda kr: kr[0], default=(Kind.CONST, ""))
 
 
-def _rule(eqn: Any, ins: Sequence[tuple[Kind, str]]) -> list[tuple[Kind, str]]:
+def _rule(
+    eqn: Any, ins: Sequence[tuple[Kind, str]], known: Sequence[bool] = ()
+) -> list[tuple[Kind, str]]:
+    """The kinds of ``eqn``'s outputs; ``known`` flags operands fixed when the function is
+    written (of literals and NumPy constants), as opposed to residuals."""
     n_out = len(eqn.outvars)
     name = eqn.primitive.name
     kinds = [k for k, _ in ins]
@@ -254,7 +267,12 @@ def _rule(eqn: Any, ins: Sequence[tuple[Kind, str]]) -> list[tuple[Kind, str]]:
         summed = (0, 2) if name.startswith("scatter") else (0, 1)
         if any(k >= Kind.LINEAR for i, k in enumerate(kinds) if i not in summed):
             return [(Kind.NONLINEAR, here)] * n_out
-        return [_sum_of([ins[i] for i in summed], here)] * n_out
+        out = _sum_of([ins[i] for i in summed], here)
+        if out[0] == Kind.AFFINE and not all(known[i] for i in summed if kinds[i] == Kind.CONST):
+            # Written into a residual: a buffer of zeros (``zeros.at[ids].add(g)``, the
+            # common way to scatter a gradient) or not, unknown here: trusted.
+            out = (Kind.UNKNOWN, "")
+        return [out] * n_out
     if name == "while":
         return _while(eqn, ins, here)
     if name == "scan":

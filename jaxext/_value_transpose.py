@@ -114,8 +114,12 @@ def _eval_eqn(eqn: Any, vals: list[Any], flags: list[bool]) -> list[Any]:
             body = call_body(eqn)
             if body is not None:
                 return _eval(body.jaxpr, list(body.consts), vals, flags)
-    subfuns, params = eqn.primitive.get_bind_params(eqn.params)
-    out = eqn.primitive.bind(*subfuns, *vals, **params)
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns: Sequence[Any] = ()
+    if isinstance(params, tuple):  # (subfuns, params) in older JAX
+        subfuns, params = params
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*subfuns, *vals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
