@@ -9,6 +9,7 @@ checker with PyTorch-style diagnostics, Flax layers built on the ops, and a
 from . import _custom_vjp, _eager_cache
 from ._custom_vjp import custom_vjp as custom_vjp
 from ._grad_type import grad_type as grad_type
+from ._rule_contracts import ClosedOverValueError as ClosedOverValueError
 from ._rule_contracts import RuleTypeError as RuleTypeError
 from ._rule_contracts import RuleValueError as RuleValueError
 from ._validation import check_array as check_array

@@ -710,7 +710,7 @@ class Steps:
         )
         staged = _trace_state.staged(in_leaves, res_arrays, t_in)
         if t_in and staged and op.spec.hoist_closures:
-            res_arrays = [*res_arrays, *lin.hoist(res_arrays)]  # staged: see _TangentMap.hoist
+            res_arrays = [*res_arrays, *lin.hoist(res_arrays, t_in)]  # see _TangentMap.hoist
         if t_in and op.spec.differentiate_fwd and op.spec.jvp is None:
             res_arrays = [*res_arrays, *lin.fwd_operands(in_leaves, staged)]
         float_tangents = iter(tangent_p.bind(*res_arrays, *t_in, lin=lin) if t_in else [])
@@ -801,7 +801,7 @@ class _TangentMap:
 
     # -- the backward: cotangents of the float outputs -> gradients of perturbed inputs --
 
-    def hoist(self, res_arrays: Sequence[Any]) -> list[Any]:
+    def hoist(self, res_arrays: Sequence[Any], t_in_traced: Sequence[Any] = ()) -> list[Any]:
         """Makes the tracers ``bwd`` and ``jvp`` close over explicit operands; returns them.
 
         The tangent primitive runs ``bwd`` (transposed) or ``jvp`` when it is evaluated or
@@ -809,16 +809,21 @@ class _TangentMap:
         rules close over (a traced scale under ``jit``, a ``scan`` carry) would be stale
         there, so they travel as operands, after the residuals, as ``jax.closure_convert``
         arranges. A rule that cannot be traced abstractly (Python control flow on a
-        residual's value) is left as it is.
+        residual's value) is left as it is. ``t_in_traced``: the JVP rule's tangents.
         """
         cts = [jnp.zeros(a.shape, a.dtype) for a in self.ct_avals]
         t_in = [jnp.zeros(a.shape, a.dtype) for a in self.t_avals]
         own = list(res_arrays)
         consts: list[Any] = []
-        try:
-            bwd, bwd_consts = _forward_mode.closure_convert(self.own_backward, own, cts)
-        except Exception:  # noqa: BLE001 -- a dry run: the rule itself runs (and raises) later
-            bwd, bwd_consts = None, []
+        bwd, bwd_consts = None, []
+        # A bwd with symbolic zeros, in a linearization (reverse mode), is traced only as
+        # jax.custom_vjp traces it: when transposed, with the cotangents' symbolic zeros
+        # (not dense ones here: Equinox's checkpointed loop does other work for them).
+        if not (self.op.spec.symbolic_zeros and _trace_state.linearizing(t_in_traced)):
+            try:
+                bwd, bwd_consts = _forward_mode.closure_convert(self.own_backward, own, cts)
+            except Exception:  # noqa: BLE001 -- a dry run: the rule runs (and raises) later
+                bwd, bwd_consts = None, []
         self.traced_bwd = bwd  # reverse mode reuses it (see backward)
         if bwd_consts:
             self.hoisted_bwd, self.n_bwd_consts = bwd, len(bwd_consts)
@@ -871,17 +876,24 @@ class _TangentMap:
         # what bwd does can depend on the split (a C++ kernel's partition rule reads it)
         whole = not split_over_devices([*res_arrays[: self.n_own], *cts])
         if self.traced_bwd is not None and dense and plain and whole:
-            return self.staged_backward(res_arrays, cts, self.traced_bwd)
+            return self.hoisted_backward(res_arrays, cts, self.traced_bwd)
         return self.own_backward(res_arrays[: self.n_own], cts)
 
-    def staged_backward(
+    def staged_backward(self, res_arrays: Sequence[Any], cts: Sequence[Any]) -> list[jax.Array]:
+        """``bwd`` for forward mode, which may run after the trace: with hoisted closures,
+        each gradient of its input's tangent dtype (``bwd`` may give another float dtype,
+        as ``jax.custom_vjp`` accepts: see ``check_leaf``)."""
+        grads = self.hoisted_backward(res_arrays, cts)
+        return [
+            g if dtype_of(g) == a.dtype else jnp.asarray(g).astype(a.dtype)
+            for g, a in zip(grads, self.t_avals, strict=True)
+        ]
+
+    def hoisted_backward(
         self, res_arrays: Sequence[Any], cts: Sequence[Any], traced: Any = None
     ) -> list[jax.Array]:
-        """``bwd`` for forward mode, which may run after the trace: with hoisted closures.
-
-        ``traced``: a closure-converted ``bwd`` to run (:meth:`hoist`'s), when not
-        ``hoisted_bwd``.
-        """
+        """``bwd`` with the closures :meth:`hoist` made operands (``traced``: a
+        closure-converted ``bwd`` to run (:meth:`hoist`'s), when not ``hoisted_bwd``)."""
         traced = traced or self.hoisted_bwd
         if traced is None:
             return self.own_backward(res_arrays[: self.n_own], cts)
@@ -1071,10 +1083,11 @@ def _tangent_batch(args: Sequence[Any], dims: Sequence[Any], *, lin: _TangentMap
     entry = batch_entry([r for r, d in zip(res, res_dims, strict=True) if d is not None] + t)
     t = [with_batch_entry(x, entry) for x in t]
     outs = tangent_p.bind(*res, *t, lin=_Batched(lin, size, res_axes, entry))
-    if all(d is not None for d in t_dims):
-        return outs, [0] * len(outs)
     # An output tangent that varies with no batched operand stays unbatched, as its primal
-    # output does (vmap's out_axes=None, and JAX's merge of primal and tangent batching).
+    # output does (vmap's out_axes=None, and JAX's merge of primal and tangent batching),
+    # even where every tangent operand is batched: an output that passes an unbatched,
+    # unperturbed input through has a zero tangent, and a batched one would batch the
+    # primal output after JAX batched the caller's jaxpr with it unbatched.
     res_avals = [
         jax.typeof(r) if d is None else unbatched_aval(r)
         for r, d in zip(res, res_dims, strict=True)
