@@ -209,3 +209,37 @@ def test_the_closure_error_is_also_a_rule_type_error_with_jaxext_message():
         jax.grad(jax.jit(f))(jnp.float32(2.0))
     assert isinstance(err.value, jaxext.RuleTypeError)
     assert "closed-over value" in str(err.value)  # JAX's sentence is kept
+
+
+# -- JAX's own Pallas kernel op: megablox.gmm, in interpret mode on CPU ----------------------
+
+
+@pytest.mark.exhaustive  # interpret-mode Pallas: tens of seconds on a shared CPU
+def test_megablox_gmm_values_and_gradients_equal_jax_and_forward_mode_is_named():
+    """``gmm`` returns a gradient for ``existing_out`` even when it is None; with jaxext its
+    rules give JAX's values and gradients, and forward mode (its backward is a Pallas
+    kernel JAX cannot transpose, with more outputs than row by row allows) raises the
+    error that names the op and the remedies, never a number."""
+    ops = pytest.importorskip("jax.experimental.pallas.ops.tpu.megablox.ops")
+    swapped = jaxext.custom_vjp(ops.gmm.fun, nondiff_argnums=ops.gmm.nondiff_argnums)
+    swapped.defvjp(ops.gmm.fwd, ops.gmm.bwd)
+    keys = jax.random.split(jax.random.key(0), 2)
+    lhs = jax.random.normal(keys[0], (128, 128), jnp.float32)
+    rhs = jax.random.normal(keys[1], (2, 128, 128), jnp.float32)
+    sizes = jnp.array([48, 80], jnp.int32)
+
+    def loss(gmm):
+        return lambda lhs, rhs: (gmm(lhs, rhs, sizes, jnp.float32, interpret=True) ** 2).sum()
+
+    value, grads = jax.value_and_grad(loss(swapped), (0, 1))(lhs, rhs)
+    ref_value, ref_grads = jax.value_and_grad(loss(ops.gmm), (0, 1))(lhs, rhs)
+    # the same float32 kernels on the same operands: equal to rounding
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    for g, ref in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-3)
+    # against a float64 reference: rows 0..47 use rhs[0], the rest rhs[1]
+    l64, r64 = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
+    out = np.concatenate([l64[:48] @ r64[0], l64[48:] @ r64[1]])
+    np.testing.assert_allclose(value, (out**2).sum(), rtol=1e-4)
+    with pytest.raises(TypeError, match=r"`gmm`: forward-mode.*jvp=jvp"):
+        jax.jvp(loss(swapped), (lhs, rhs), (lhs, rhs))
