@@ -101,8 +101,8 @@ class custom_vjp(BwdVariants, Generic[ReturnValue]):  # noqa: N801 -- mirrors ja
     * residuals may hold Python values (flags, dtypes, shapes): they are kept as
       static data, never traced;
     * ``bwd`` may return ``None`` for an input (a zero gradient) and extra
-      trailing ``None``; a missing gradient, or one of the wrong shape, dtype or
-      structure, is a clear error at trace time naming the op and the input
+      trailing ``None``; a missing gradient, or one of the wrong shape or structure,
+      is a clear error at trace time naming the op and the input
       (:class:`jaxext.RuleTypeError` / :class:`jaxext.RuleValueError`);
     * inside ``shard_map``, a gradient that varies over mesh axes its input does
       not vary over is summed over them, as autodiff does.
