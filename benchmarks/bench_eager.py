@@ -15,7 +15,13 @@ returns ``g @ w.T, x.T @ g, g.sum(0)``), sizes ``B x I -> O``:
   (target: at most 1.2x, issue 19 item 7);
 * ``jvp``: un-jitted ``jax.jvp`` of ``f`` (all inputs perturbed) through
   ``jaxext.custom_vjp`` (forward mode derived from ``bwd``) against plain autodiff's
-  ``jax.jvp`` of ``x @ w + b`` (target: at most 1.5x).
+  ``jax.jvp`` of ``x @ w + b`` (target: at most 1.5x);
+* ``Function grad`` and ``Function jvp``: the same two calls with the same rules
+  written as a ``jaxext.Function`` (``forward`` saves ``x`` and ``w``), against the
+  ``jaxext.custom_vjp`` op (target: at most 1.5x, issue 41);
+* ``linearize``: an eager call of the function ``jax.linearize`` returns (in ``x``),
+  through ``jaxext.linear`` (``w`` of shape ``O x I``) against plain autodiff's of
+  ``x @ w.T + b`` (target: at most 2x, issue 41).
 
 Memory: the resident set size (``VmRSS``) over eager calls each with a new Python
 constant, of ``jaxext.mul_constant(x, c)``, of ``jax.jvp`` through it (which goes
@@ -56,7 +62,8 @@ sys.path.insert(0, str(HERE))
 import benchlib  # noqa: E402
 import report  # noqa: E402
 
-TARGETS = {"grad": 1.2, "jvp": 1.5}  # jaxext / reference, issue 19 item 7
+# jaxext / reference: issue 19 item 7 (grad, jvp) and issue 41 (Function, linearize)
+TARGETS = {"grad": 1.2, "jvp": 1.5, "Function grad": 1.5, "Function jvp": 1.5, "linearize": 2.0}
 SIZES = [(32, 64, 64), (256, 512, 512)]
 
 
@@ -76,8 +83,31 @@ def _linear(decorator: Callable[..., Any]) -> Callable[..., Any]:
     return linear
 
 
+class _LinearFunction(jaxext.Function):
+    """``_linear``'s rules as a ``jaxext.Function``."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        return x @ w + b
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w.T, x.T @ g, g.sum(0)
+
+
 def _plain(x, w, b):
     return x @ w + b
+
+
+def _linearized(f: Callable[..., Any], args: tuple[jax.Array, ...]) -> Callable[[], Any]:
+    """An eager call of ``jax.linearize``'s function of ``f`` in ``x`` (``w`` is ``O x I``)."""
+    x, w, b = args
+    w = w.T
+    _, f_jvp = jax.linearize(lambda v: f(v, w, b), x)
+    t = jnp.ones_like(x)
+    return lambda: jax.block_until_ready(f_jvp(t))
 
 
 def _args(size: tuple[int, int, int]) -> tuple[jax.Array, ...]:
@@ -105,9 +135,25 @@ def bench_time(args: argparse.Namespace, log: Callable[[str], None]) -> list[dic
     rows = []
     for size in SIZES:
         a = _args(size)
+        function = _LinearFunction.apply
         groups = {
             "grad": ({"jaxext": _grad(ext, a), "reference": _grad(ref, a)}, "jax.custom_vjp"),
             "jvp": ({"jaxext": _jvp(ext, a), "reference": _jvp(_plain, a)}, "plain autodiff"),
+            "Function grad": (
+                {"jaxext": _grad(function, a), "reference": _grad(ext, a)},
+                "jaxext.custom_vjp",
+            ),
+            "Function jvp": (
+                {"jaxext": _jvp(function, a), "reference": _jvp(ext, a)},
+                "jaxext.custom_vjp",
+            ),
+            "linearize": (
+                {
+                    "jaxext": _linearized(jaxext.linear, a),
+                    "reference": _linearized(lambda x, w, b: x @ w.T + b, a),
+                },
+                "plain autodiff",
+            ),
         }
         for mode, (fns, against) in groups.items():
             err = benchlib.max_rel_err(fns["jaxext"](), fns["reference"]())

@@ -823,7 +823,10 @@ def render_eager(results: dict[str, Any]) -> str:
         "`grad`: `jax.grad` of `sum(linear(x, w, b))` w.r.t. x, w, b, with the same "
         "`fwd`/`bwd` on `jaxext.custom_vjp` and on `jax.custom_vjp`. `jvp`: `jax.jvp` of "
         "`linear` (all inputs perturbed) through `jaxext.custom_vjp` (forward mode derived "
-        "from `bwd`) against plain autodiff of `x @ w + b`. Ratio = median of per-round time "
+        "from `bwd`) against plain autodiff of `x @ w + b`. `Function grad`/`Function jvp`: the "
+        "same calls with the same rules as a `jaxext.Function`, against the `jaxext.custom_vjp` "
+        "op. `linearize`: an eager call of the function `jax.linearize` returns (in x) through "
+        "`jaxext.linear` against plain autodiff of `x @ w.T + b`. Ratio = median of per-round time "
         "ratios of interleaved measurements [25th-75th percentile]; `min ratio` divides the "
         "fastest measurements. The machine is shared: compare ratios, not milliseconds.",
         "",

@@ -1,8 +1,11 @@
 """jaxext: PyTorch's "Extending PyTorch" toolkit, done the JAX way.
 
-Custom differentiable ops written as ``jax.custom_vjp`` functions, a gradient
-checker with PyTorch-style diagnostics, Flax layers built on the ops, and a
-``Function`` class for porting ``torch.autograd.Function`` code.
+``custom_vjp``, a drop-in for ``jax.custom_vjp`` that adds forward mode (``jvp``,
+``jacfwd``, ``hessian``) derived from the hand-written backward; ops built on it
+(``linear``, ``mul_constant``, and ``rms_norm`` with Pallas kernels); ``gradcheck``,
+``gradgradcheck`` and ``opcheck`` with PyTorch-style diagnostics; Flax NNX and Linen
+layers on the ops; ``Function`` for porting ``torch.autograd.Function`` code; and
+``cpp_extension`` for C++ (XLA FFI) kernels compiled at first use.
 """
 
 # The op-writing API first: the ops below are built on it (`from jaxext import ...`).
@@ -15,8 +18,10 @@ from ._rule_contracts import RuleValueError as RuleValueError
 from ._validation import check_array as check_array
 
 # isort: split
+from ._checks import CHECK_NAMES as CHECK_NAMES
 from ._checks import CheckResult as CheckResult
 from ._checks import GradcheckError as GradcheckError
+from ._checks import GradcheckUnresolvedWarning as GradcheckUnresolvedWarning
 from ._checks import OpcheckError as OpcheckError
 from ._checks import OpcheckReport as OpcheckReport
 from ._checks import gradcheck as gradcheck

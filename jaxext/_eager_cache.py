@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import jaxpr_as_fun
 
+from . import _linearized_cache
 from ._avals import is_differentiable
 from ._custom_vjp import Steps
 from ._trace_state import at_top_level, eagerly
@@ -191,8 +192,9 @@ class CachedSteps(Steps):
         return expected
 
     def tangent(self, lin: Any, args: Sequence[Any]) -> list[jax.Array]:
-        """Eager ``J t``: compiled once per abstract signature seen twice (see ``_tangent``)."""
-        compiled = _tangent(args, lin)
+        """Eager ``J t``: compiled once per abstract signature seen twice (see ``_tangent``),
+        or per tangent map, for a linearized function called again (``_linearized_cache``)."""
+        compiled = _linearized_cache.program(lin, args, _flags()) or _tangent(args, lin)
         if compiled is None:
             return super().tangent(lin, args)
         return list(compiled(*args))

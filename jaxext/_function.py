@@ -1,10 +1,16 @@
 """`Function`: PyTorch's ``torch.autograd.Function`` pattern, built on ``jaxext.custom_vjp``.
 
-``Function.apply`` builds one ``jaxext.custom_vjp`` per call. Array arguments are
-its differentiable inputs; every other argument (numbers, strings, ``None``,
-tuples of ints ...) is closed over as a static constant, so it never needs to
-be hashable, and ``jit`` retraces exactly when the caller's own static
-arguments change. ``CustomVJPPrimal.perturbed`` becomes ``ctx.needs_input_grad``.
+``Function.apply`` lowers a class to a ``jaxext.custom_vjp`` once per argument
+pattern (number of arguments, positions of the arrays) and calls it. Array
+arguments are its differentiable inputs; every other argument (numbers,
+strings, ``None``, tuples of ints ...) is static: the tuple of them is the op's
+one nondiff argument, which never needs to be hashable (``jit`` retraces exactly
+when the caller's own static arguments change) and which the eager cache keys
+like any nondiff value (a value it cannot key takes the uncached path). As for
+any ``jaxext.custom_vjp`` (and under ``jax.jit``), eager calls then take the
+rules to be functions of their arguments: a Python number they read elsewhere
+(a class attribute reassigned between calls) is read when a call signature's
+program is built. ``CustomVJPPrimal.perturbed`` becomes ``ctx.needs_input_grad``.
 
 In PyTorch ``ctx`` is one graph node that lives from the forward to the
 backward. In JAX the two are separate traces (``fwd`` and ``bwd`` of the
@@ -367,7 +373,10 @@ class Function:
                 cls, args, diff_positions, diff_values, (False,) * len(args)
             )
             return tuple(outputs) if tuple_output else outputs[0]
-        return _Lowered(cls, args, diff_positions).op(*diff_values)
+        # The static arguments reach the op as one nondiff argument (see _Lowered).
+        statics = tuple(arg for i, arg in enumerate(args) if i not in diff_positions)
+        lowered = _lowered(cls, len(args), diff_positions, _closes_over_tracers(cls))
+        return lowered.op(*diff_values, statics)
 
 
 def _overrides(cls: type[Function], method: str) -> bool:
@@ -383,13 +392,71 @@ class _Meta(NamedTuple):
     tuple_output: bool
 
 
-class _Lowered:
-    """The rules of one ``Function.apply`` call, as the ``jaxext.custom_vjp`` :attr:`op`.
+_METHODS = ("forward", "setup_context", "backward", "jvp", "vmap")
 
-    Built per call from the class and the call's static arguments; each rule of ``op``
-    is one method: :meth:`primal` (forward alone), :meth:`fwd`, :meth:`bwd`,
-    :meth:`jvp` (when the class defines ``jvp``) and :meth:`vmap` (when it defines a
-    ``vmap`` staticmethod).
+
+def _same(kept: tuple[Any, ...], methods: tuple[Any, ...]) -> bool:
+    """Whether the class's methods are the very objects it was lowered with."""
+    # (`==` for a classmethod, which is bound afresh at each lookup)
+    return all(a is b or a == b for a, b in zip(kept, methods, strict=True))
+
+
+def _lowered(
+    cls: type[Function], n_args: int, diff_positions: tuple[int, ...], hoist: bool
+) -> _Lowered:
+    """The class's :class:`_Lowered` for this argument pattern, built at its first call.
+
+    Kept in the class's own ``__dict__`` (a subclass gets its own), as PyTorch builds an
+    op's autograd kernel once: no ``custom_vjp`` is built after the first call of a
+    pattern, so the eager cache, which keeps its entries per ``custom_vjp``, serves later
+    calls. ``hoist``: whether the rules visibly close over tracers (see
+    :func:`_closes_over_tracers`), which only picks the entry.
+
+    Raises:
+        TypeError: if the class both defines ``vmap`` and sets ``generate_vmap_rule``, or
+            defines ``vmap`` without ``setup_context`` (checked once per class).
+    """
+    # A method assigned anew (a class patched between calls) is a new set of rules, as a
+    # new `defvjp` is for a custom_vjp: checked and lowered afresh.
+    methods = (*(getattr(cls, m) for m in _METHODS), cls.generate_vmap_rule)
+    kept = cls.__dict__.get("__jaxext_lowered__")
+    if kept is None or not _same(kept[0], methods):
+        _check_class(cls)
+        kept = (methods, {})
+        cls.__jaxext_lowered__ = kept  # type: ignore[attr-defined]
+    built = kept[1]
+    key = (n_args, diff_positions, hoist)
+    lowered = built.get(key)
+    if lowered is None:
+        lowered = built[key] = _Lowered(cls, n_args, diff_positions, hoist)
+    return lowered
+
+
+def _check_class(cls: type[Function]) -> None:
+    """Raises where the class's ``vmap`` staticmethod breaks PyTorch's rules for it."""
+    name = cls.__name__
+    if _overrides(cls, "vmap") and cls.generate_vmap_rule:
+        raise TypeError(
+            f"`{name}` both defines a `vmap` staticmethod and sets "
+            "generate_vmap_rule=True; choose one (as PyTorch requires)."
+        )
+    if _overrides(cls, "vmap") and not _overrides(cls, "setup_context"):
+        raise TypeError(
+            f"`{name}` defines a `vmap` staticmethod, so it must use the setup_context "
+            "style (`forward(*args)` without ctx, plus `setup_context(ctx, inputs, "
+            "output)`), as PyTorch requires for its transforms."
+        )
+
+
+class _Lowered:
+    """A ``Function``'s rules for one argument pattern, as the ``jaxext.custom_vjp`` :attr:`op`.
+
+    Built once per class, number of arguments and positions of the array arguments (see
+    :func:`_lowered`). :attr:`op` takes the array arguments, then ``statics``, the tuple
+    of the other (static) arguments in their order, as its one nondiff argument: the
+    eager cache keys it as it keys any nondiff value. Each rule of ``op`` is one method:
+    :meth:`primal` (forward alone), :meth:`fwd`, :meth:`bwd`, :meth:`jvp` (when the class
+    defines ``jvp``) and :meth:`vmap` (when it defines a ``vmap`` staticmethod).
 
     As PyTorch runs ``forward`` under ``no_grad``, :meth:`fwd` runs it on inputs cut
     from any outer derivative, and hands its outputs out through :attr:`attached`, a
@@ -398,14 +465,12 @@ class _Lowered:
     Function's own: differentiated again (a second or higher order), the outputs get
     their derivatives from ``backward``/``jvp``, as in PyTorch, even for a ``forward``
     JAX cannot differentiate.
-
-    Raises:
-        TypeError: if the class both defines ``vmap`` and sets
-            ``generate_vmap_rule``, or defines ``vmap`` without ``setup_context``.
     """
 
-    def __init__(self, cls: type[Function], args: tuple[Any, ...], diff_positions: tuple[int, ...]):
-        self.cls, self.args, self.diff_positions = cls, args, diff_positions
+    def __init__(
+        self, cls: type[Function], n_args: int, diff_positions: tuple[int, ...], hoist: bool
+    ):
+        self.cls, self.n_args, self.diff_positions = cls, n_args, diff_positions
         self.name = name = cls.__name__
         # With @once_differentiable, the message of the error any derivative of backward
         # raises.
@@ -418,17 +483,6 @@ class _Lowered:
             else None
         )
         self.batching_rule = _overrides(cls, "vmap")
-        if self.batching_rule and cls.generate_vmap_rule:
-            raise TypeError(
-                f"`{name}` both defines a `vmap` staticmethod and sets "
-                "generate_vmap_rule=True; choose one (as PyTorch requires)."
-            )
-        if self.batching_rule and not _overrides(cls, "setup_context"):
-            raise TypeError(
-                f"`{name}` defines a `vmap` staticmethod, so it must use the setup_context "
-                "style (`forward(*args)` without ctx, plus `setup_context(ctx, inputs, "
-                "output)`), as PyTorch requires for its transforms."
-            )
         options: dict[str, Any] = {
             "forward_mode_hint": (
                 f"define a static method `jvp(ctx, *grad_inputs)` on `{name}`, reading what "
@@ -437,11 +491,13 @@ class _Lowered:
             "no_derivatives_message": self.once,
             # The rules run once per differentiation, as in torch: they are dry-run to hoist
             # the tracers they close over only where they visibly close over some.
-            "hoist_closures": _closes_over_tracers(cls),
+            "hoist_closures": hoist,
         }
         has_jvp = _overrides(cls, "jvp")
-        # `attached(values, outputs)` returns `outputs` (computed by forward) unchanged.
-        self.attached: custom_vjp = custom_vjp(lambda values, outputs: list(outputs), **options)
+        # `attached(values, outputs, statics)` returns `outputs` (computed by forward).
+        self.attached: custom_vjp = custom_vjp(
+            lambda values, outputs, statics: list(outputs), nondiff_argnums=(2,), **options
+        )
         self.attached.defvjp(
             self.attached_fwd,
             self.attached_bwd,
@@ -449,40 +505,62 @@ class _Lowered:
             jvp=self.attached_jvp if has_jvp else None,
         )
         self.op: custom_vjp = custom_vjp(
-            _named(self.primal, name, origin=(cls, diff_positions)), **options
+            _named(self.primal, name, origin=(cls, diff_positions)),
+            nondiff_argnums=(len(diff_positions),),
+            **options,
         )
         self.op.defvjp(self.fwd, self.bwd, symbolic_zeros=True, jvp=self.jvp if has_jvp else None)
         if self.batching_rule:
             self.op.def_vmap(self.vmap)
 
+    def full_args(self, statics: tuple[Any, ...]) -> list[Any]:
+        """Forward's arguments with ``statics`` in place and ``None`` at the array positions."""
+        it = iter(statics)
+        diff = set(self.diff_positions)
+        return [None if i in diff else next(it) for i in range(self.n_args)]
+
     def run_forward(
         self,
+        statics: tuple[Any, ...],
         diff_values: Sequence[Any],
         needs_input_grad: tuple[bool, ...],
         evaluate: Callable[..., Any] | None = None,
     ) -> tuple[FunctionCtx, list[jax.Array], bool, tuple[bool, ...]]:
-        """:func:`_run_forward` with this call's class and static arguments."""
+        """:func:`_run_forward` with this pattern's class and the call's static arguments."""
         return _run_forward(
-            self.cls, self.args, self.diff_positions, diff_values, needs_input_grad, evaluate
+            self.cls,
+            self.full_args(statics),
+            self.diff_positions,
+            diff_values,
+            needs_input_grad,
+            evaluate,
         )
 
-    def primal(self, *diff_values: Any) -> Any:
-        """Forward alone (no derivative asked for)."""
-        _, outputs, tuple_output, _ = self.run_forward(diff_values, (False,) * len(self.args))
+    def primal(self, *args: Any) -> Any:
+        """Forward alone (no derivative asked for): ``args`` are the arrays, then ``statics``."""
+        *diff_values, statics = args
+        _, outputs, tuple_output, _ = self.run_forward(statics, diff_values, (False,) * self.n_args)
         return tuple(outputs) if tuple_output else outputs[0]
 
-    def vmap(self, axis_size: int, in_batched: Sequence[bool], *diff_values: Any) -> Any:
+    def vmap(self, axis_size: int, in_batched: Sequence[bool], *args: Any) -> Any:
         """The class's ``vmap`` staticmethod as ``custom_vjp.def_vmap``'s rule."""
-        full, in_dims = list(self.args), [None] * len(self.args)
-        for i, value, batched in zip(self.diff_positions, diff_values, in_batched, strict=True):
+        *diff_values, statics = args
+        full, in_dims = self.full_args(statics), [None] * self.n_args
+        for i, value, batched in zip(
+            self.diff_positions, diff_values, in_batched[: len(diff_values)], strict=True
+        ):
             full[i], in_dims[i] = value, (0 if batched else None)
         result = self.cls.vmap(VmapInfo(axis_size, "error"), tuple(in_dims), *full)
         return _batch_first(self.name, result)
 
-    def fwd(self, *primals: CustomVJPPrimal) -> tuple[Any, tuple[_CtxState, _Meta]]:
-        """Forward on frozen inputs; outputs through :attr:`attached`; ``ctx`` as residuals."""
+    def fwd(self, *args: Any) -> tuple[Any, tuple[_CtxState, _Meta]]:
+        """Forward on frozen inputs; outputs through :attr:`attached`; ``ctx`` as residuals.
+
+        ``args``: the arrays (as ``CustomVJPPrimal``), then ``statics``.
+        """
+        *primals, statics = args
         values = [p.value for p in primals]
-        needs = [False] * len(self.args)
+        needs = [False] * self.n_args
         for i, p in zip(self.diff_positions, primals, strict=True):
             needs[i] = bool(p.perturbed)
         values = [v if isinstance(v, jax.Array) else jnp.asarray(v) for v in values]
@@ -492,9 +570,11 @@ class _Lowered:
         # (JAX arrays: forward then receives these very objects, which the relinking needs.)
         frozen = [jax.lax.stop_gradient(jnp.asarray(v)) for v in values]
         # With a vmap rule, the outputs come from the op itself, so that vmap uses the rule.
-        evaluate = self.op if self.batching_rule else None
-        ctx, outputs, tuple_output, non_diff = self.run_forward(frozen, tuple(needs), evaluate)
-        inputs = [type(arg).__name__ for arg in self.args]
+        evaluate = (lambda *v: self.op(*v, statics)) if self.batching_rule else None
+        ctx, outputs, tuple_output, non_diff = self.run_forward(
+            statics, frozen, tuple(needs), evaluate
+        )
+        inputs = [type(arg).__name__ for arg in self.full_args(statics)]
         for i, value in zip(self.diff_positions, values, strict=True):
             inputs[i] = (value.shape, value.dtype)
         meta = _Meta(
@@ -503,14 +583,17 @@ class _Lowered:
             tuple((o.shape, o.dtype, nd) for o, nd in zip(outputs, non_diff, strict=True)),
             tuple_output,
         )
-        live = self.attached(values, outputs)
+        live = self.attached(values, outputs, statics)
         # Outputs after inputs: an output that is an input as forward received it
         # (`return x`) is relinked to the output.
         state = _relinked(ctx._residuals(), [*frozen, *outputs], [*values, *live])
         return (tuple(live) if tuple_output else live[0]), (state, meta)
 
-    def bwd(self, residuals: tuple[_CtxState, _Meta], cotangents: Any) -> tuple[Any, ...]:
+    def bwd(
+        self, statics: tuple[Any, ...], residuals: tuple[_CtxState, _Meta], cotangents: Any
+    ) -> tuple[Any, ...]:
         """The user's ``backward``, one gradient per differentiable argument."""
+        del statics  # backward reads what forward kept on ctx
         state, meta = residuals
         cotangents = _materialize(
             meta, state.materialize_grads, cotangents if meta.tuple_output else (cotangents,)
@@ -534,13 +617,16 @@ class _Lowered:
             grads = _run_backward(self.cls, meta, state, cotangents)
         return tuple(grads[i] if meta.needs_input_grad[i] else None for i in self.diff_positions)
 
-    def jvp(self, residuals: tuple[_CtxState, _Meta], tangents: Sequence[Any]) -> Any:
+    def jvp(
+        self, statics: tuple[Any, ...], residuals: tuple[_CtxState, _Meta], tangents: Sequence[Any]
+    ) -> Any:
         """The user's ``jvp``: the output tangent(s), checked against the outputs."""
+        del statics  # jvp reads what forward kept on ctx
         name = self.name
         state, meta = residuals
         ctx = FunctionCtx._restore(name, meta.needs_input_grad, state, for_jvp=True)
         # As in PyTorch: None for static and integer inputs, a (maybe zero) array for floats.
-        grad_inputs: list[Any] = [None] * len(self.args)
+        grad_inputs: list[Any] = [None] * self.n_args
         for i, tangent in zip(self.diff_positions, tangents, strict=True):
             if jnp.issubdtype(meta.inputs[i][1], jnp.inexact):
                 grad_inputs[i] = tangent
@@ -562,20 +648,24 @@ class _Lowered:
     # differentiable inputs and `outputs` (forward's, already computed) as none.
 
     def attached_fwd(
-        self, values: list[CustomVJPPrimal], outputs: Any
+        self, values: list[CustomVJPPrimal], outputs: Any, statics: tuple[Any, ...]
     ) -> tuple[list[Any], tuple[_CtxState, _Meta]]:
-        out, residuals = self.fwd(*values)
+        out, residuals = self.fwd(*values, statics)
         return list(out) if isinstance(out, tuple) else [out], residuals
 
     def attached_bwd(
-        self, residuals: tuple[_CtxState, _Meta], cotangents: list[Any]
+        self, statics: tuple[Any, ...], residuals: tuple[_CtxState, _Meta], cotangents: list[Any]
     ) -> tuple[list[Any], list[None]]:
         _, meta = residuals
-        grads = self.bwd(residuals, tuple(cotangents) if meta.tuple_output else cotangents[0])
+        grads = self.bwd(
+            statics, residuals, tuple(cotangents) if meta.tuple_output else cotangents[0]
+        )
         return list(grads), [None] * len(cotangents)
 
-    def attached_jvp(self, residuals: tuple[_CtxState, _Meta], tangents: Any) -> list[Any]:
-        out = self.jvp(residuals, tuple(tangents[0]))
+    def attached_jvp(
+        self, statics: tuple[Any, ...], residuals: tuple[_CtxState, _Meta], tangents: Any
+    ) -> list[Any]:
+        out = self.jvp(statics, residuals, tuple(tangents[0]))
         return list(out) if isinstance(out, tuple) else [out]
 
 
@@ -617,9 +707,10 @@ def _named(
     """``method`` as a plain function called ``name`` (the op's name in errors and jaxprs).
 
     With ``origin``, ``(cls, diff_positions)``: the function stands for ``cls.forward``
-    called with its arguments at ``diff_positions``; it carries their names as its
-    signature, and ``forward`` as ``_jaxext_origin``, so that an error raised while JAX
-    traces it names the user's ``forward`` and arguments.
+    called with its arguments at ``diff_positions``, then the tuple of its static ones
+    (see :class:`_Lowered`); it carries their names (and ``statics``) as its signature,
+    and ``forward`` as ``_jaxext_origin``, so that an error raised while JAX traces it
+    names the user's ``forward`` and arguments.
     """
 
     def call(*args: Any) -> Any:
@@ -640,10 +731,20 @@ def _named(
         ]
         if len(set(names)) == len(names) and all(n.isidentifier() for n in names):
             call.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-                [inspect.Parameter(n, inspect.Parameter.POSITIONAL_ONLY) for n in names]
+                [
+                    inspect.Parameter(n, inspect.Parameter.POSITIONAL_ONLY)
+                    for n in [*names, _unused_name("statics", names)]
+                ]
             )
         call._jaxext_origin = cls.forward  # type: ignore[attr-defined]
     return call
+
+
+def _unused_name(name: str, taken: Sequence[str]) -> str:
+    """``name``, with underscores prepended until it is not among ``taken``."""
+    while name in taken:
+        name = f"_{name}"
+    return name
 
 
 def _relinked(state: _CtxState, stale: Sequence[Any], live: Sequence[Any]) -> _CtxState:
@@ -741,26 +842,26 @@ def _check_grads(cls, meta: _Meta, grads: Any) -> list[Any]:
         )
     checked = []
     for i, (g, spec) in enumerate(zip(grads[:n], meta.inputs, strict=True)):
-        label = _arg_label(cls, i)
+        label = functools.partial(_arg_label, cls, i)  # made for an error only: reads forward
         if g is not None and isinstance(spec, str):
             raise TypeError(
-                f"`{name}.backward` returned a gradient for {label}, but that argument is "
+                f"`{name}.backward` returned a gradient for {label()}, but that argument is "
                 f"static (a {spec}, not an array); return None for it."
             )
         if g is not None and not _is_array(g):
             raise TypeError(
-                f"`{name}.backward`: the gradient for {label} must be an array or None; "
+                f"`{name}.backward`: the gradient for {label()} must be an array or None; "
                 f"got {type(g).__name__}."
             )
         if g is None and not isinstance(spec, str) and meta.needs_input_grad[i]:
-            _warn_missing_gradient(name, label, i, spec[1])
+            _warn_missing_gradient(name, label(), i, spec[1])
         if g is None or isinstance(spec, str):
             checked.append(None)
             continue
         shape, dtype = spec
         if g.shape != shape:
             raise ValueError(
-                f"`{name}.backward`: the gradient for {label} must have the input's shape "
+                f"`{name}.backward`: the gradient for {label()} must have the input's shape "
                 f"{shape}; got shape {g.shape}."
             )
         if not jnp.issubdtype(dtype, jnp.inexact):  # integer/bool input: never differentiated
@@ -771,7 +872,7 @@ def _check_grads(cls, meta: _Meta, grads: Any) -> list[Any]:
         )
         if not jnp.issubdtype(g.dtype, jnp.inexact) or complex_to_real:
             raise TypeError(
-                f"`{name}.backward`: the gradient for {label} must be a floating array "
+                f"`{name}.backward`: the gradient for {label()} must be a floating array "
                 f"matching the input's dtype {dtype}; got dtype {g.dtype}."
             )
         checked.append(jnp.asarray(g).astype(dtype))

@@ -23,8 +23,8 @@ __all__ = ["Body", "call_body", "inner_jaxprs"]
 
 # The parameters under which a call-like equation keeps the jaxpr it runs, in the order
 # they are tried: jit/pjit/closed_call/checkpoint, then custom_jvp_call/custom_vjp_call/
-# custom_vmap_call, then the older custom rules' name.
-_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+# then the older custom rules' name, then custom_vmap_call's.
+_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr", "call")
 
 
 class Body(NamedTuple):
@@ -35,12 +35,16 @@ class Body(NamedTuple):
 
 
 def _as_body(value: Any) -> Body | None:
-    """``value`` as a :class:`Body` where it is a ``Jaxpr`` or ``ClosedJaxpr``, else ``None``."""
-    if hasattr(value, "eqns"):
-        return Body(value, ())
+    """``value`` as a :class:`Body` where it is a ``Jaxpr`` or ``ClosedJaxpr``, else ``None``.
+
+    A ``ClosedJaxpr`` is unwrapped first: it has ``eqns`` too, and its constants belong
+    to the body (a ``jit`` of a function that closes over an array holds them there).
+    """
     inner = getattr(value, "jaxpr", None)
     if inner is not None and hasattr(inner, "eqns"):
         return Body(inner, tuple(getattr(value, "consts", ())))
+    if hasattr(value, "eqns"):
+        return Body(value, ())
     return None
 
 

@@ -23,6 +23,93 @@ def positive(seed, shape):
     return 0.5 + np.abs(f64(seed, shape))
 
 
+# -- custom_vjp variants of linear and elementwise ops, for gradcheck and its engines -------
+# (tests/test_gradcheck.py, tests/test_engines.py)
+
+
+def make_linear(bwd_rule, primal_offset=0.0):
+    """A custom_vjp ``x @ w.T`` whose backward is ``bwd_rule(x, w, g)``.
+
+    ``primal_offset`` is added to the primal returned by the forward rule only.
+    """
+
+    @jax.custom_vjp
+    def op(x, w):
+        return jnp.matmul(x, jnp.transpose(w))
+
+    def op_fwd(x, w):
+        return op(x, w) + primal_offset, (x, w)
+
+    def op_bwd(residuals, g):
+        x, w = residuals
+        return bwd_rule(x, w, g)
+
+    op.defvjp(op_fwd, op_bwd)
+    return op
+
+
+def grad_x(x, w, g):
+    return jnp.matmul(g, w)
+
+
+def grad_w(x, w, g):
+    return jnp.matmul(jnp.transpose(g), x)
+
+
+CORRECT = make_linear(lambda x, w, g: (grad_x(x, w, g), grad_w(x, w, g)))
+
+
+# name -> (backward rule, index of the first wrong input)
+BROKEN_BACKWARDS = {
+    "scale_1pct": (lambda x, w, g: (grad_x(x, w, g), 1.01 * grad_w(x, w, g)), 1),
+    "wrong_sign": (lambda x, w, g: (-grad_x(x, w, g), grad_w(x, w, g)), 0),
+    "transposed": (lambda x, w, g: (grad_x(x, w, g), grad_w(x, w, g).T), 1),
+    "swapped": (lambda x, w, g: (grad_w(x, w, g), grad_x(x, w, g)), 0),
+    "ignores_cotangent": (
+        lambda x, w, g: (grad_x(x, w, jnp.ones_like(g)), grad_w(x, w, g)),
+        0,
+    ),
+    "one_element": (
+        lambda x, w, g: (grad_x(x, w, g), grad_w(x, w, g).at[0, 0].multiply(1.01)),
+        1,
+    ),
+}
+
+
+def square_with_wrong_jvp():
+    """``x**2`` with a ``custom_jvp`` rule 1% too large: only forward mode sees it."""
+
+    @jax.custom_jvp
+    def square(x):
+        return x**2
+
+    @square.defjvp
+    def square_jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        return square(x), 2.02 * x * t  # 1% too large
+
+    return square
+
+
+def elementwise_op(fn, derivative, *, scale=1.0, bump=0.0):
+    """A custom_vjp ``fn`` whose backward is ``g * derivative(x)``, times ``scale``,
+    with ``bump`` added to the first element of the gradient (wrong unless 1 and 0)."""
+
+    @jax.custom_vjp
+    def op(x):
+        return fn(x)
+
+    def op_fwd(x):
+        return fn(x), x
+
+    def op_bwd(x, g):
+        grad = scale * g * derivative(x)
+        return (grad.reshape(-1).at[0].add(bump).reshape(grad.shape),)
+
+    op.defvjp(op_fwd, op_bwd)
+    return op
+
+
 # -- correct ops ---------------------------------------------------------------------------
 
 

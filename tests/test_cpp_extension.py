@@ -11,6 +11,7 @@ import hashlib
 import math
 import os
 import re
+import subprocess
 import threading
 from pathlib import Path
 
@@ -1007,9 +1008,11 @@ def test_ahead_of_time_build_used_without_a_compiler(
     assert data.count(marker) == 1
     (copy / library.name).write_bytes(data.replace(marker, f"jaxlib={other};".encode()))
     (copy / "aot_ext.json").write_text((package / "aot_ext.json").read_text())
-    (copy / "factor.h").write_text("#define FACTOR 2.0f\n")  # recorded relative to the library
+    # The sources and headers are recorded relative to the library: the copy moves whole.
+    (copy / "factor.h").write_text("#define FACTOR 2.0f\n")
+    (copy / "kernel.cc").write_text(source.read_text())
     with pytest.raises(cpp_extension.ExtensionError) as info:
-        cpp_extension.load("aot_ext", [source], prebuilt_directory=copy, build_directory=cache)
+        cpp_extension.load("aot_ext", [copy / "kernel.cc"], build_directory=cache)
     message = str(info.value)
     assert f"built against jaxlib {other}" in message
     assert f"jaxlib {jaxlib.__version__}" in message and "XLA FFI API" in message
@@ -1117,8 +1120,155 @@ def test_depfile_names_with_spaces_and_continuations(tmp_path):
     depfile.write_text(
         f"{tmp_path}/x.o: {tmp_path}/x.cc \\\n {tmp_path}/a\\ dir/h.h /usr/include/stdio.h\n"
     )
-    assert read_depfile(depfile) == [
-        tmp_path / "x.cc",
-        tmp_path / "a dir" / "h.h",
-        Path("/usr/include/stdio.h").resolve(),
+    assert read_depfile(depfile) == [  # as written: a symbolic link is not resolved
+        f"{tmp_path}/x.cc",
+        f"{tmp_path}/a dir/h.h",
+        "/usr/include/stdio.h",
     ]
+
+
+# -- the five ways a build went stale: each load must run what the compiler reads now ----
+
+
+def _kernel(directory, header="factor.h"):
+    """``kernel.cc`` in ``directory``, its FACTOR from ``#include "<header>"``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    source = directory / "kernel.cc"
+    source.write_text(AOT_SOURCE.replace('"factor.h"', f'"{header}"'))
+    return source
+
+
+def _factor(path, factor):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"#define FACTOR {factor}f\n")
+
+
+def test_an_identical_source_in_another_checkout_reads_its_own_header(tmp_path):
+    """Two checkouts, the same ``kernel.cc``, each with its own ``factor.h`` beside it."""
+    cache, x = tmp_path / "cache", jnp.arange(4.0)
+    first, second = _kernel(tmp_path / "one"), _kernel(tmp_path / "two")
+    _factor(tmp_path / "one" / "factor.h", 2.0)
+    _factor(tmp_path / "two" / "factor.h", 3.0)
+    one = cpp_extension.load("checkout_ext", [first], build_directory=cache)
+    np.testing.assert_array_equal(_times(one, x), 2 * np.arange(4.0))
+    two = cpp_extension.load("checkout_ext", [second], build_directory=cache)
+    np.testing.assert_array_equal(_times(two, x), 3 * np.arange(4.0))
+    assert two.built and two.path != one.path
+
+
+def test_a_header_found_through_cplus_include_path_follows_the_variable(tmp_path, monkeypatch):
+    """``factor.h`` found through ``$CPLUS_INCLUDE_PATH``; the variable names another
+    directory with another ``factor.h``."""
+    cache, x = tmp_path / "cache", jnp.arange(4.0)
+    source = _kernel(tmp_path / "src")
+    _factor(tmp_path / "a" / "factor.h", 2.0)
+    _factor(tmp_path / "b" / "factor.h", 3.0)
+    monkeypatch.setenv("CPLUS_INCLUDE_PATH", str(tmp_path / "a"))
+    first = cpp_extension.load("env_ext", [source], build_directory=cache)
+    np.testing.assert_array_equal(_times(first, x), 2 * np.arange(4.0))
+    monkeypatch.setenv("CPLUS_INCLUDE_PATH", str(tmp_path / "b"))
+    second = cpp_extension.load("env_ext", [source], build_directory=cache)
+    np.testing.assert_array_equal(_times(second, x), 3 * np.arange(4.0))
+    assert second.built
+
+
+def test_a_prebuilt_library_is_passed_over_for_other_include_paths(tmp_path):
+    """Built ahead of time with ``-I a``; loaded with ``-I b``, whose ``factor.h`` differs."""
+    cache, x = tmp_path / "cache", jnp.arange(4.0)
+    source = _kernel(tmp_path / "pkg")
+    _factor(tmp_path / "a" / "factor.h", 2.0)
+    _factor(tmp_path / "b" / "factor.h", 3.0)
+    library = cpp_extension.build("paths_ext", [source], extra_include_paths=[tmp_path / "a"])
+    same = cpp_extension.load(
+        "paths_ext", [source], extra_include_paths=[tmp_path / "a"], build_directory=cache
+    )
+    assert not same.built and same.path == library
+    np.testing.assert_array_equal(_times(same, x), 2 * np.arange(4.0))
+    other = cpp_extension.load(
+        "paths_ext", [source], extra_include_paths=[tmp_path / "b"], build_directory=cache
+    )
+    np.testing.assert_array_equal(_times(other, x), 3 * np.arange(4.0))
+    assert other.built and other.path.is_relative_to(cache)
+
+
+def test_a_repointed_symlinked_header_builds_anew(tmp_path):
+    """``factor.h`` is a symbolic link; pointed at another file, that file is read."""
+    cache, x = tmp_path / "cache", jnp.arange(4.0)
+    source = _kernel(tmp_path / "src")
+    _factor(tmp_path / "src" / "two.h", 2.0)
+    _factor(tmp_path / "src" / "three.h", 3.0)
+    link = tmp_path / "src" / "factor.h"
+    link.symlink_to("two.h")
+    first = cpp_extension.load("link_ext", [source], build_directory=cache)
+    np.testing.assert_array_equal(_times(first, x), 2 * np.arange(4.0))
+    link.unlink()
+    link.symlink_to("three.h")
+    second = cpp_extension.load("link_ext", [source], build_directory=cache)
+    np.testing.assert_array_equal(_times(second, x), 3 * np.arange(4.0))
+    assert second.built
+
+
+def test_a_new_header_that_shadows_the_included_one_builds_anew(tmp_path, monkeypatch):
+    """``factor.h`` found through ``-I``; a new ``factor.h`` beside the source comes first
+    for ``#include "factor.h"``."""
+    cache, x = tmp_path / "cache", jnp.arange(4.0)
+    source = _kernel(tmp_path / "src")
+    _factor(tmp_path / "include" / "factor.h", 2.0)
+    includes = [tmp_path / "include"]
+
+    def load():
+        return cpp_extension.load(
+            "shadow_ext", [source], extra_include_paths=includes, build_directory=cache
+        )
+
+    first = load()
+    np.testing.assert_array_equal(_times(first, x), 2 * np.arange(4.0))
+    _factor(tmp_path / "src" / "factor.h", 3.0)
+    second = load()
+    np.testing.assert_array_equal(_times(second, x), 3 * np.arange(4.0))
+    assert second.built
+    (tmp_path / "src" / "factor.h").unlink()  # gone again: the first build fits again
+    with monkeypatch.context() as m:  # found by its manifest: no preprocessor, no compiler
+        m.setattr(subprocess, "run", _no_process)
+        back = load()
+    assert not back.built and back.path == first.path
+    np.testing.assert_array_equal(_times(back, x), 2 * np.arange(4.0))
+
+
+def _no_process(*args, **kwargs):
+    raise AssertionError(f"a cache hit ran a process: {args}")
+
+
+def test_a_prebuilt_library_moves_with_its_package(tmp_path, monkeypatch):
+    """Built into ``pkg/lib`` from ``pkg/csrc`` with ``-I pkg/include``: the paths are
+    recorded relative to ``pkg/lib``, so the package moved whole still fits; with
+    another ``factor.h`` it does not."""
+    package = tmp_path / "pkg"
+    source = _kernel(package / "csrc")
+    _factor(package / "include" / "factor.h", 2.0)
+    cpp_extension.build(
+        "moved_ext", [source], package / "lib", extra_include_paths=[package / "include"]
+    )
+    moved = tmp_path / "site-packages" / "pkg"
+    moved.parent.mkdir()
+    package.rename(moved)
+    x = jnp.arange(4.0)
+
+    def load():
+        return cpp_extension.load(
+            "moved_ext",
+            [moved / "csrc" / "kernel.cc"],
+            extra_include_paths=[moved / "include"],
+            prebuilt_directory=moved / "lib",
+            build_directory=tmp_path / "cache",
+        )
+
+    with monkeypatch.context() as m:
+        m.setattr(subprocess, "run", _no_process)
+        ext = load()
+    assert not ext.built and ext.path.parent == moved / "lib"
+    np.testing.assert_array_equal(_times(ext, x), 2 * np.arange(4.0))
+    _factor(moved / "include" / "factor.h", 3.0)
+    again = load()
+    assert again.built and again.path.is_relative_to(tmp_path / "cache")
+    np.testing.assert_array_equal(_times(again, x), 3 * np.arange(4.0))

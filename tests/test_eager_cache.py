@@ -406,3 +406,223 @@ def test_the_plain_steps_without_the_cache(monkeypatch):
             jax.grad(lambda v: wrong(v).sum())(x)
     for op in (f, scale, wrong):
         assert "_eager_cache" not in vars(op)  # nothing was cached
+
+
+# -- jaxext.Function and the function jax.linearize returns (issue 41) --------------------
+
+
+def _power_function(calls):
+    """``x ** power`` as a ``jaxext.Function`` with a static ``power``; ``forward`` records
+    each run (its static argument) in ``calls``."""
+
+    class Power(jaxext.Function):
+        @staticmethod
+        def forward(ctx, x, power):
+            calls.append(power)
+            ctx.save_for_backward(x)
+            ctx.power = power
+            return x**power
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return g * ctx.power * x ** (ctx.power - 1), None
+
+    return Power
+
+
+def _power_reference(x, power):
+    """Output, tangent (in direction ``x``) and gradient of ``sum(x ** power)``, in float64."""
+    out, t = in_float64(lambda v: jax.jvp(lambda u: u**power, (v,), (v,)), x)
+    return out, t, in_float64(jax.grad(lambda v: (v**power).sum()), x)
+
+
+def test_eager_jvp_of_a_function_is_served_by_the_cache():
+    """Each static value gets its own entry; once built, no call runs ``forward`` again."""
+    calls = []
+    power = _power_function(calls)
+    x = jnp.asarray(rand(30, (4,)))
+    refs = {p: _power_reference(x, p) for p in (2, 3)}
+    for _ in range(2):  # as is, then the compiled program is built
+        for p in (2, 3):
+            jax.jvp(lambda v, p=p: power.apply(v, p), (x,), (x,))
+    built = len(calls)
+    for _ in range(REPEAT):
+        for p in (2, 3):
+            out, t = jax.jvp(lambda v, p=p: power.apply(v, p), (x,), (x,))
+            assert out.dtype == t.dtype == jnp.float32
+            assert_close(out, refs[p][0])
+            assert_close(t, refs[p][1])
+    assert len(calls) == built  # served: forward ran in none of these calls
+
+
+def test_eager_grad_of_a_function_traces_its_primal_once():
+    """Eager grad runs ``forward`` once per call; the primal's output type is served."""
+    calls = []
+    power = _power_function(calls)
+    x = jnp.asarray(rand(31, (4,)))
+    ref = _power_reference(x, 3)[2]
+    jax.grad(lambda v: power.apply(v, 3).sum())(x)
+    for _ in range(REPEAT):
+        before = len(calls)
+        assert_close(jax.grad(lambda v: power.apply(v, 3).sum())(x), ref)
+        assert calls[before:] == [3]  # fwd's run alone: the primal is not traced again
+
+
+def test_a_static_argument_the_cache_cannot_key_runs_as_is():
+    """A static object (mutable, keyed by nothing) is read afresh at every call."""
+
+    class Scale:
+        def __init__(self, value):
+            self.value = value
+
+    calls = []
+
+    class Scaled(jaxext.Function):
+        @staticmethod
+        def forward(ctx, x, scale):
+            calls.append(1)
+            ctx.scale = scale.value
+            return x * scale.value
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * ctx.scale, None
+
+    x, scale = jnp.asarray(rand(32, (3,))), Scale(2.0)
+    for value in (2.0, -3.0, 0.5):
+        scale.value = value
+        for _ in range(REPEAT):
+            before = len(calls)
+            out, t = jax.jvp(lambda v: Scaled.apply(v, scale), (x,), (jnp.ones_like(x),))
+            assert_close(out, np.asarray(x, np.float64) * value)
+            assert_close(t, np.full(3, value))
+            assert len(calls) > before  # not served from a cache
+            assert_close(jax.grad(lambda v: Scaled.apply(v, scale).sum())(x), np.full(3, value))
+
+
+def test_a_function_whose_backward_is_reassigned_uses_the_new_one():
+    """A class patched between calls is lowered afresh, as ``defvjp`` anew is."""
+    power = _power_function([])
+    x = jnp.asarray(rand(33, (4,)))
+    t_ref = _power_reference(x, 3)[1]
+    for _ in range(REPEAT):
+        assert_close(jax.jvp(lambda v: power.apply(v, 3), (x,), (x,))[1], t_ref)
+    power.backward = staticmethod(lambda ctx, g: (7.0 * g, None))
+    for _ in range(REPEAT):
+        # forward mode transposes the (new) backward: J t = 7 t
+        assert_close(jax.jvp(lambda v: power.apply(v, 3), (x,), (x,))[1], 7.0 * np.asarray(x))
+
+
+def _typed_product(calls):
+    """``x * w`` whose residuals keep ``jaxext.grad_type`` results (static, not plain
+    Python values, as ``jaxext.linear`` keeps); ``bwd`` records each trace in ``calls``."""
+
+    @jaxext.custom_vjp
+    def f(x, w):
+        return x * w
+
+    def fwd(x, w):
+        return f(x, w), (x, w, jaxext.grad_type(x), jaxext.grad_type(w))
+
+    def bwd(res, g):
+        calls.append(1)
+        x, w, x_type, w_type = res
+        return (g * w).astype(x_type.dtype), (g * x).astype(w_type.dtype)
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def test_the_linearized_function_compiles_its_tangent_once():
+    """Eager calls of ``jax.linearize``'s function: ``bwd`` is not traced after the second."""
+    calls = []
+    f = _typed_product(calls)
+    x, w, tx, tw = (jnp.asarray(rand(k, (5,))) for k in (34, 35, 36, 37))
+    _, f_jvp = jax.linearize(f, x, w)
+    ref = in_float64(lambda *a: jax.linearize(lambda x, w: x * w, *a[:2])[1](*a[2:]), x, w, tx, tw)
+    for _ in range(2):
+        assert_close(f_jvp(tx, tw), ref)
+    traced = len(calls)
+    for _ in range(REPEAT):
+        assert_close(f_jvp(tx, tw), ref)
+    assert len(calls) == traced
+
+
+@pytest.mark.parametrize("wrt", ["x", "all"])
+def test_the_linearized_linear_against_float64(wrt):
+    """``jaxext.linear``'s linearized function, called eagerly, against float64 autodiff."""
+    x, w, b = (jnp.asarray(rand(k, s)) for k, s in ((38, (8, 6)), (39, (4, 6)), (40, (4,))))
+    t = tuple(jnp.asarray(rand(41 + k, a.shape)) for k, a in enumerate((x, w, b)))
+
+    def plain(x, w, b):
+        return x @ w.T + b
+
+    if wrt == "x":
+        _, f_jvp = jax.linearize(lambda v: jaxext.linear(v, w, b), x)
+        ref = in_float64(
+            lambda *a: jax.linearize(lambda v: plain(v, *a[1:3]), a[0])[1](a[3]), x, w, b, t[0]
+        )
+        call = lambda: f_jvp(t[0])  # noqa: E731
+    else:
+        _, f_jvp = jax.linearize(jaxext.linear, x, w, b)
+        ref = in_float64(lambda *a: jax.linearize(plain, *a[:3])[1](*a[3:]), x, w, b, *t)
+        call = lambda: f_jvp(*t)  # noqa: E731
+    for _ in range(REPEAT + 1):
+        got = call()
+        assert got.dtype == jnp.float32
+        assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_the_linearized_functions_programs_die_with_it():
+    """The compiled tangent lives as long as the linearized function, no longer."""
+    from jaxext import _linearized_cache
+
+    programs = _linearized_cache._PROGRAMS
+    earlier = weakref.WeakSet(programs.keys())
+    f = _typed_product([])
+    x = jnp.asarray(rand(44, (3,)))
+    _, f_jvp = jax.linearize(lambda v: f(v, x), x)
+    for _ in range(REPEAT):
+        assert_close(f_jvp(x), np.asarray(x, np.float64) ** 2)
+    (new,) = (weakref.ref(k) for k in list(programs.keys()) if k not in earlier)
+    assert any(callable(p) for p in programs[new()].values())  # compiled, and kept
+    del f_jvp
+    jax.clear_caches()  # JAX's own (bounded) caches of jaxprs hold their parameters too
+    gc.collect()
+    assert new() is None
+
+
+def test_a_linearized_bwd_reading_a_rebound_global_array_runs_afresh():
+    """A linearized function whose bwd reads an array from outside its arguments."""
+    state = {"w": jnp.full(3, 2.0)}
+
+    @jaxext.custom_vjp
+    def f(x):
+        return x * state["w"]
+
+    f.defvjp(lambda x: (f(x), None), lambda _, g: (g * state["w"],))
+    x = jnp.ones(3)
+    _, f_jvp = jax.linearize(f, x)
+    for value in (2.0, 5.0, -1.0):
+        state["w"] = jnp.full(3, value)
+        for _ in range(REPEAT):
+            assert_close(f_jvp(x), np.full(3, value))
+
+
+def test_the_linearized_function_without_the_cache(monkeypatch):
+    """With the eager cache off, a linearized function compiles nothing and keeps its values."""
+    from jaxext import _linearized_cache
+
+    monkeypatch.setattr(_custom_vjp, "STEPS", _custom_vjp.Steps())  # the caches off
+    earlier = weakref.WeakSet(_linearized_cache._PROGRAMS.keys())
+    calls = []
+    f = _typed_product(calls)
+    x, w = jnp.asarray(rand(45, (4,))), jnp.asarray(rand(46, (4,)))
+    _, f_jvp = jax.linearize(f, x, w)
+    ref = in_float64(lambda *a: a[0] * a[3] + a[2] * a[1], x, w, w, x)
+    for _ in range(REPEAT):
+        before = len(calls)
+        assert_close(f_jvp(w, x), ref)
+        assert len(calls) > before  # bwd transposed afresh at every call
+    assert all(k in earlier for k in list(_linearized_cache._PROGRAMS.keys()))

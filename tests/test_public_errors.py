@@ -21,6 +21,7 @@ PUBLIC_ERRORS = {
     "jaxext.RuleValueError": jaxext.RuleValueError,
     "jaxext.ClosedOverValueError": jaxext.ClosedOverValueError,
     "jaxext.GradcheckError": jaxext.GradcheckError,
+    "jaxext.GradcheckUnresolvedWarning": jaxext.GradcheckUnresolvedWarning,
     "jaxext.OpcheckError": jaxext.OpcheckError,
     "jaxext.cpp_extension.ExtensionError": cpp_extension.ExtensionError,
     "jaxext.cpp_extension.CompilerNotFoundError": cpp_extension.CompilerNotFoundError,
@@ -32,6 +33,7 @@ PUBLIC_ERRORS = {
 INTERNAL_ERRORS = {
     "CheckFailed": "opcheck records it as a FAIL row (OpcheckError reports the failures)",
     "Skip": "opcheck records it as a SKIP row",
+    "Unresolved": "opcheck records it as an UNRESOLVED row",
     "_Skip": "optimize_remat's signal inside run_fwd: fwd is then called as it is",
 }
 

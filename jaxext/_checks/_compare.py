@@ -4,16 +4,14 @@ An entry passes when ``|analytical - numerical| <= allowed`` with
 
     allowed = atol + rtol * |numerical| + NOISE_ULPS * eps64 * |f(x)| / step
 
-The last term is the rounding noise of the finite difference itself: both
-``f(x + h)`` and ``f(x - h)`` carry a few ulps of ``|f(x)|``, and dividing their
-difference by the step magnifies that. It is what makes the check scale-aware:
-an output of 1e6 differenced with a step of 2e-6 cannot resolve a derivative to
-better than about 1e-3, so no correct function fails for lack of resolution,
-while for outputs of order one the term is about 1e-9 and changes nothing. (A
-true zero of the Jacobian needs no allowance: ``_jacobians`` makes it exact.)
-That term sees only the rounding of ``|f(x)|`` itself: an entry that fails is
-judged again with the differences' own error, estimated from differences at
-several steps (``_fd_error``; ``_Tally.mismatches`` and ``cotangent_mismatches``).
+The last term is the finite difference's rounding noise (``f(x + h)`` and ``f(x - h)``
+carry a few ulps of ``|f(x)|``, magnified by dividing by the step): an output of 1e6
+differenced with a step of 2e-6 resolves a derivative to about 1e-3 at best, while for
+outputs of order one the term is about 1e-9. (A true zero of the Jacobian needs no
+allowance: ``_jacobians`` makes it exact.) An entry that fails is judged again with the
+differences' own error, estimated from several steps (``_fd_error``; ``Tally.mismatches``,
+``cotangent_mismatches``); where they cannot resolve it to the tolerance asked, it is
+*unresolved* (``Mismatch.unresolved``), neither passed nor failed.
 
 ``full_mismatches`` compares the full Jacobians without ever holding them (the
 reference path, the counterpart of PyTorch's ``_slow_gradcheck``): it walks the
@@ -35,21 +33,25 @@ from typing import Any
 
 import numpy as np
 
+from ._chunks import ChunkSource, ReferenceChunks, overlaps
 from ._fd_error import refine
 from ._jacobians import FlatJacobians, unit_blocks
 
 __all__ = [
+    "EPS64",
     "NOISE_ULPS",
     "REFINE_MAX_ENTRIES",
     "TILE_BYTES",
     "Mismatch",
     "Refiner",
+    "Tally",
     "block_mismatches",
     "cotangent_mismatches",
     "directional_mismatches",
     "entry_mismatches",
     "full_mismatches",
     "leaf_mismatches",
+    "tolerated",
     "unravel",
     "widened",
     "worst_entry",
@@ -57,7 +59,7 @@ __all__ = [
 
 NOISE_ULPS = 4.0
 TILE_BYTES = 2**27  # numerical-Jacobian columns held at once (128 MiB)
-_EPS64 = float(np.finfo(np.float64).eps)
+EPS64 = float(np.finfo(np.float64).eps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,9 +86,12 @@ class Mismatch:
     # Set where the pair's gradients are all below 1 in magnitude and ``atol`` was scaled by
     # the largest of them (``allowed`` then holds ``atol * atol_scale``): the report says so.
     atol_scale: float | None = None
+    # Set where no entry fails and the differences cannot resolve some (``Tally``):
+    # neither PASS nor FAIL; ``count`` counts those entries.
+    unresolved: bool = False
 
 
-class _Tally:
+class Tally:
     """Counts failing entries per block pair and keeps the worst of each.
 
     An entry fails when ``|a - n| > atol + rel`` (``rel = rtol |n| + noise``). Per
@@ -99,9 +104,13 @@ class _Tally:
     An entry that fails this plain test is judged again with the finite differences'
     own error (``_fd_error.refine``, given to ``mismatches``): it fails only where
     ``|a - D| > atol + rtol |D| + error`` too, ``D`` being the difference at the
-    step that resolves the entry best and ``error`` its estimated error; where no
-    step resolves it (``_fd_error``), with the caller's ``atol``, never scaled, as
-    PyTorch holds every entry. For that, the entries that could fail (over ``rel``
+    step that resolves the entry best and ``error`` its estimated error. Within
+    that, it passes where ``error <= atol + rtol |D|`` (the differences resolve it to
+    the tolerance asked), and is *unresolved* where the error is larger (an
+    ill-conditioned function). An entry no step resolves (``_fd_error``) passes
+    within the caller's ``atol``, never scaled, as PyTorch holds every entry, and is
+    unresolved beyond it. A pair with unresolved entries and no failing one is a
+    ``Mismatch`` with ``unresolved`` set. For that, the entries that could fail (over ``rel``
     by more than half the smallest ``atol`` they can get, as the screened engine's
     screen) are kept with their positions, up to ``_KEPT`` per pair; a pair with
     more keeps its plain verdict.
@@ -166,8 +175,8 @@ class _Tally:
     def _scale_relative(self, row0, col0, expected, actual, error, relative) -> None:
         """Per block pair in this chunk: the largest ``|n|``, and the entries over ``rel``."""
         rows, cols = expected.shape
-        for i, r0, r1 in _overlaps(self.out_starts, self.out_stops, row0, rows):
-            for j, c0, c1 in _overlaps(self.in_starts, self.in_stops, col0, cols):
+        for i, r0, r1 in overlaps(self.out_starts, self.out_stops, row0, rows):
+            for j, c0, c1 in overlaps(self.in_starts, self.in_stops, col0, cols):
                 e = expected[r0:r1, c0:c1]
                 finite = np.isfinite(e)
                 scale = float(np.max(np.abs(e), where=finite, initial=0.0))
@@ -254,31 +263,35 @@ class _Tally:
             k = slice(offset, offset + int(asked.sum()))
             offset = k.stop
             expected, allowed = e.copy(), atol + rel
-            allowed_refined = np.where(
-                resolved[k],
-                atol + self.rtol * np.abs(estimate[k]) + fd_error[k],
-                self.atol + rel[asked],
-            )
+            tolerance = atol + self.rtol * np.abs(estimate[k])
+            allowed_refined = np.where(resolved[k], tolerance + fd_error[k], self.atol + rel[asked])
             expected_refined = np.where(resolved[k], estimate[k], e[asked])
-            passes = np.abs(a[asked] - expected_refined) <= allowed_refined
-            if not passes.any():
-                continue  # no entry passes: the plain mismatch stands, as reported
+            within = np.abs(a[asked] - expected_refined) <= allowed_refined
+            # Within its allowance, an entry passes where the differences resolve it to
+            # the tolerance asked; else they cannot tell: unresolved, as is an entry no
+            # step resolves that fails the plain test (never a FAIL).
+            passes = within & resolved[k] & (fd_error[k] <= tolerance)
+            passes |= within & ~resolved[k]
+            unresolved = np.zeros_like(fails)
+            unresolved[np.nonzero(asked)[0]] = ~passes & (~resolved[k] | within)
             fails[np.nonzero(asked)[0][passes]] = False
-            # A failing entry that was refined is reported with its refined difference.
-            expected[asked] = np.where(passes, expected[asked], expected_refined)
-            allowed[asked] = np.where(passes, allowed[asked], allowed_refined)
-            if not fails.any():
+            fails &= ~unresolved
+            # A refined entry is reported with its refined difference and allowance.
+            expected[asked] = expected_refined
+            allowed[asked] = allowed_refined
+            if not fails.any() and not unresolved.any():
                 del found[key]
                 continue
+            bad = fails if fails.any() else unresolved
             with np.errstate(invalid="ignore"):
                 excess = np.abs(a - expected) - allowed
-            w = worst_entry(excess, fails)
+            w = worst_entry(excess, bad)
             i, j = key
             found[key] = Mismatch(
                 i, j, int(p_rows[w] - self.out_starts[i]), int(p_cols[w] - self.in_starts[j]),
-                None, float(expected[w]), float(a[w]), float(allowed[w]), int(fails.sum()),
+                None, float(expected[w]), float(a[w]), float(allowed[w]), int(bad.sum()),
                 self.out_sizes[i] * self.in_sizes[j],
-                atol_scale=scale if 0.0 < scale < 1.0 else None,
+                atol_scale=scale if 0.0 < scale < 1.0 else None, unresolved=not fails.any(),
             )  # fmt: skip
 
     def _plain_mismatches(self) -> dict[tuple[int, int], Mismatch]:
@@ -306,18 +319,7 @@ class _Tally:
         return found
 
 
-def _overlaps(starts: np.ndarray, stops: np.ndarray, first: int, count: int):
-    """``(block, lo, hi)`` for each block ``[starts[k], stops[k])`` that meets the chunk
-    ``[first, first + count)``: where it lies in the chunk, relative to ``first``."""
-    for k in range(np.searchsorted(starts, first, side="right") - 1, len(starts)):
-        lo, hi = max(starts[k], first) - first, min(stops[k], first + count) - first
-        if lo >= count:
-            break
-        if hi > lo:
-            yield k, lo, hi
-
-
-def _allowed(expected, atol: float, rtol: float, noise) -> np.ndarray:
+def tolerated(expected, atol: float, rtol: float, noise) -> np.ndarray:
     return atol + rtol * np.abs(expected) + noise
 
 
@@ -402,7 +404,7 @@ def entry_mismatches(
 ) -> list[Mismatch]:
     """Blocks of two flat vectors that differ by more than ``atol + rtol * |expected|``
     (a NaN on both sides is the same value); see ``block_mismatches``."""
-    allowed = _allowed(expected, atol, rtol, 0.0)
+    allowed = tolerated(expected, atol, rtol, 0.0)
     return block_mismatches(expected, actual, allowed, slices, on_inputs=on_inputs, nan_equal=True)
 
 
@@ -452,6 +454,7 @@ def full_mismatches(
     modes: Sequence[str],
     cotangent: np.ndarray | None = None,
     wide: Callable[[], bool] = lambda: True,
+    chunks: Callable[..., ChunkSource] | None = None,
 ) -> dict[str, list[Mismatch]]:
     """Entrywise comparison of the full Jacobians, per mode (``"rev"``, ``"fwd"``).
 
@@ -461,7 +464,11 @@ def full_mismatches(
     The numerical Jacobian is computed a chunk of columns at a time; forward mode's
     columns are compared as they come, and for reverse mode the columns are held until
     ``TILE_BYTES`` are held (or the last one comes), then compared with the VJP rows,
-    computed a chunk of rows at a time (``_stream_rows``).
+    computed a chunk of rows at a time (``_stream_rows``). Where the chunks come from
+    is ``chunks``'s business: ``ReferenceChunks`` (the default, the reference path), or
+    an engine's source that only makes it faster (``_engines._screened.ScreenedChunks``),
+    built with the keyword arguments ``jac, eps, noise, atol, rtol, modes, out_slices,
+    in_slices``.
 
     With a ``cotangent`` ``u`` (reverse mode), the rows of the numerical Jacobian are
     also summed into ``u^T J`` as they stream by, and compared with the VJP of ``u``
@@ -475,29 +482,32 @@ def full_mismatches(
         ``cotangent``, also ``"rev_cotangent"``: the input blocks whose VJP of it differs.
     """
     n, m = jac.n, jac.m
-    tallies = {mode: _Tally(out_slices, in_slices, atol, rtol) for mode in modes}
+    tallies = {mode: Tally(out_slices, in_slices, atol, rtol) for mode in modes}
     if n == 0 or m == 0:
         return {mode: [] for mode in modes}
     linear = None
     if cotangent is not None and "rev" in modes:
         linear = (np.asarray(cotangent, np.float64), np.zeros(n), np.zeros(n))
-    noise = NOISE_ULPS * _EPS64 * np.abs(y0)
+    noise = NOISE_ULPS * EPS64 * np.abs(y0)
     steps = np.empty(n)
-    held: list[np.ndarray] = []  # chunks of columns (transposed), from column `first` on
-    first, held_bytes = 0, 0
-    for start in range(0, n, jac.col_chunk):
-        stop = min(n, start + jac.col_chunk)
-        numerical, steps[start:stop] = jac.numerical(range(start, stop), eps)
-        if "fwd" in modes:
-            automatic = jac.forward(range(start, stop))[1]
-            relative = _allowed(numerical, 0.0, rtol, noise[None, :] / steps[start:stop, None])
-            tallies["fwd"].add(0, start, numerical.T, automatic.T, relative.T)
+    source = (chunks or ReferenceChunks)(
+        jac=jac, eps=eps, noise=noise, atol=atol, rtol=rtol, modes=modes,
+        out_slices=out_slices, in_slices=in_slices,
+    )  # fmt: skip
+    tile = source.tile(0)
+    for chunk in source.columns():
+        start, numerical = chunk.start, chunk.numerical
+        stop = start + numerical.shape[0]
+        steps[start:stop] = chunk.steps
+        source.seen(tallies.values(), chunk)
+        if chunk.forward is not None:
+            relative = tolerated(numerical, 0.0, rtol, noise[None, :] / chunk.steps[:, None])
+            tallies["fwd"].add(0, start, numerical.T, chunk.forward.T, relative.T)
         if "rev" in modes:
-            held.append(numerical)
-            held_bytes += numerical.nbytes
-            if held_bytes >= TILE_BYTES or stop == n:
-                _stream_rows(jac, first, held, steps, noise, atol, rtol, tallies["rev"], linear)
-                held, first, held_bytes = [], stop, 0
+            tile.hold(chunk)
+            if tile.nbytes >= TILE_BYTES or stop == n:
+                _stream_rows(source, tile, steps, noise, atol, rtol, tallies["rev"], linear)
+                tile = source.tile(stop)
     refine_fn = Refiner(jac, eps, wide)
     results = {mode: tally.mismatches(refine_fn) for mode, tally in tallies.items()}
     if linear is not None:
@@ -520,7 +530,10 @@ def cotangent_mismatches(
     ``u^T N``, with the allowance summed from the entries' plain allowances; an input
     element that fails that is judged again with the finite differences' own error
     (``_fd_error.refine`` of its whole column: ``u^T`` times the refined differences,
-    and ``sum_i |u_i| error_i`` more allowed), up to ``REFINE_MAX_ENTRIES`` entries."""
+    and ``sum_i |u_i| error_i`` more allowed), up to ``REFINE_MAX_ENTRIES`` entries.
+    A column with an entry no step resolves, or whose error exceeds the tolerance, is
+    unresolved rather than failed or passed (``Tally``); with no failing column, the
+    unresolved ones are returned, one ``Mismatch`` per input block, ``unresolved`` set."""
     u, expected, allowed = linear
     actual = jac.vjp(u)[1]
     found = block_mismatches(expected, actual, allowed, in_slices, on_inputs=True)
@@ -539,18 +552,35 @@ def cotangent_mismatches(
     fd_error = np.where(resolved, fd_error, 0.0).reshape(shape)
     weight = np.abs(u[rows])
     expected_refined = estimate @ u[rows]
-    allowed_refined = allowed[cols] + rtol * (np.abs(estimate) @ weight) + fd_error @ weight
-    passes = np.abs(actual[cols] - expected_refined) <= allowed_refined
-    if not passes.any():
-        return found
+    tolerance = allowed[cols] + rtol * (np.abs(estimate) @ weight)
+    allowed_refined = tolerance + fd_error @ weight
+    within = np.abs(actual[cols] - expected_refined) <= allowed_refined
+    # As entrywise (``Tally``): a column with an entry no step resolves, or resolved
+    # only beyond the tolerance, is unresolved where it is within its allowance (and
+    # where it is not, if an entry of it is not resolved); it fails otherwise.
+    unresolved_entry = (~resolved.reshape(shape) & (weight > 0)).any(axis=1)
+    passes = within & ~unresolved_entry & (fd_error @ weight <= tolerance)
+    unresolved = ~passes & (within | unresolved_entry)
     expected, allowed = expected.copy(), allowed.copy()
-    expected[cols[passes]] = expected_refined[passes]
-    allowed[cols[passes]] = allowed_refined[passes]
-    return block_mismatches(expected, actual, allowed, in_slices, on_inputs=True)
+    expected[cols] = expected_refined
+    allowed[cols] = np.where(passes | unresolved, np.inf, allowed_refined)
+    found = block_mismatches(expected, actual, allowed, in_slices, on_inputs=True)
+    if found or not unresolved.any():
+        return found
+    # No column fails: the unresolved ones, one record per input block.
+    allowed[cols] = np.where(unresolved, -1.0, np.inf)  # flags exactly the unresolved
+    records = block_mismatches(expected, actual, allowed, in_slices, on_inputs=True)
+    allowed[cols] = allowed_refined
+    return [
+        dataclasses.replace(
+            m, allowed=float(allowed[in_slices[m.in_block]][m.in_element]), unresolved=True
+        )
+        for m in records
+    ]
 
 
 class Refiner:
-    """The ``refine`` of ``_Tally.mismatches`` and ``cotangent_mismatches`` for a check:
+    """The ``refine`` of ``Tally.mismatches`` and ``cotangent_mismatches`` for a check:
     ``_fd_error.refine`` of its Jacobians at its step, a function of ``(rows, cols)``.
 
     ``on()`` says whether it applies: ``wide()`` (asked once, only where an entry
@@ -575,30 +605,25 @@ class Refiner:
 
 
 def _stream_rows(
-    jac, col0: int, held: list[np.ndarray], steps, noise, atol, rtol, tally: _Tally, linear
+    source: ChunkSource, tile: Any, steps, noise, atol, rtol, tally: Tally, linear
 ) -> None:
-    """Compares the columns ``held`` (chunks of the transposed numerical Jacobian, from
-    column ``col0`` on) with the VJP rows, a chunk of rows at a time; with ``linear = (u,
-    sum, allowance)``, adds ``u^T`` times the columns to ``sum`` and the ``|u|``-weighted
-    sum of their entries' allowances to ``allowance``."""
-    col1 = col0 + sum(chunk.shape[0] for chunk in held)
+    """Compares the columns held in ``tile`` with the VJP rows, a chunk of rows at a time
+    (``source.rows``; a chunk it finds clean needs no comparison on the host); with
+    ``linear = (u, sum, allowance)``, adds ``u^T`` times the tile to ``sum`` and the
+    ``|u|``-weighted sum of its entries' allowances to ``allowance``."""
+    col0, col1 = tile.start, tile.stop
     if linear is not None:
         # sum_i |u_i| (atol + rtol |n_ij| + noise_i / step_j), term by term.
         u, total, allowance = linear
-        weighted = np.concatenate([chunk @ u for chunk in held])
-        weighted_magnitude = np.concatenate([np.abs(chunk) @ np.abs(u) for chunk in held])
+        weighted, weighted_magnitude = tile.weighted(u)
         total[col0:col1] += weighted
         noise_share = np.abs(u) @ noise / steps[col0:col1]
         allowance[col0:col1] += atol * np.abs(u).sum() + rtol * weighted_magnitude + noise_share
-    for start in range(0, jac.m, jac.row_chunk):
-        stop = min(jac.m, start + jac.row_chunk)
-        numerical = np.empty((stop - start, col1 - col0))  # the rows of the columns held
-        offset = 0
-        for chunk in held:
-            numerical[:, offset : offset + chunk.shape[0]] = chunk[:, start:stop].T
-            offset += chunk.shape[0]
-        automatic = jac.reverse(range(start, stop))[1][:, col0:col1]
-        relative = _allowed(numerical, 0.0, rtol, noise[start:stop, None] / steps[None, col0:col1])
+    for start, numerical, automatic in source.rows(tile, steps, noise):
+        if automatic is None:  # passed a screen
+            continue
+        stop = start + numerical.shape[0]
+        relative = tolerated(numerical, 0.0, rtol, noise[start:stop, None] / steps[None, col0:col1])
         tally.add(start, col0, numerical, automatic, relative)
 
 
@@ -638,7 +663,7 @@ def directional_mismatches(
             tangent = jac.jvp(v_j)[1] if mode == "fwd" else None
             for i, out_block in enumerate(out_slices):
                 numerical[d, i, j] = u[out_block] @ diff[out_block] / step
-                noise = NOISE_ULPS * _EPS64 * (np.abs(u[out_block]) @ np.abs(y0[out_block]))
+                noise = NOISE_ULPS * EPS64 * (np.abs(u[out_block]) @ np.abs(y0[out_block]))
                 allowed[d, i, j] = atol + rtol * abs(numerical[d, i, j]) + noise / step
                 if tangent is not None:
                     automatic[d, i, j] = u[out_block] @ tangent[out_block]

@@ -11,55 +11,24 @@ for problems up to ``FULL_MAX_ENTRIES`` Jacobian entries; larger ones fall back
 
 The flow is one way: arguments -> ``_problem`` (the caller's function as a flat
 ``R^n -> R^m``) -> ``_jacobians`` (its Jacobians, a chunk at a time) -> ``_compare``
-(mismatches) -> ``_gradcheck_report`` (the error). ``_engine.choose`` picks the engine
+(mismatches) -> ``_gradcheck_report`` (the error). ``_engines.choose`` picks the engine
 that computes and compares them: the reference path, or one that only makes it faster.
+This module holds the two entry points only: their settings live in ``_settings``, the
+checks they run in ``_gradients``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
-import math
-import numbers
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax.numpy as jnp
-import numpy as np
-
-from . import _engine
-from ._backward import (
-    TIGHT,
-    batched_gradients,
-    gradient_dtypes,
-    reentrancy,
-    zero_cotangent,
-)
-from ._compare import Mismatch, directional_mismatches, entry_mismatches
 from ._gradcheck_report import GradcheckError as GradcheckError
-from ._gradcheck_report import dtype_error, gradcheck_error
-from ._jacobians import FlatJacobians
-from ._leaves import FloatLeaves, private_copies
-from ._precision import float64_numerics
-from ._problem import Problem, first_order, second_order, second_order_forward
+from ._gradcheck_report import GradcheckUnresolvedWarning as GradcheckUnresolvedWarning
+from ._gradcheck_report import warn_unresolved
+from ._gradients import check_gradients
+from ._settings import Settings, as_args, validated_flags
 
-__all__ = [
-    "FULL_MAX_ENTRIES",
-    "STEP_SCALE",
-    "GradcheckError",
-    "Settings",
-    "check_gradients",
-    "gradcheck",
-    "gradgradcheck",
-]
-
-# The full (entrywise) method covers Jacobians up to this many entries (1.07e9).
-FULL_MAX_ENTRIES = 2**30
-_BATCH = 3  # cotangents in the batched-gradient check
-_TINY = 2.0**-100  # smallest input scale the finite-difference step follows
-# Inputs whose entries are all below this in magnitude get a step scaled to them.
-STEP_SCALE = 0.01
+__all__ = ["GradcheckError", "GradcheckUnresolvedWarning", "gradcheck", "gradgradcheck"]
 
 
 def gradcheck(
@@ -102,21 +71,17 @@ def gradcheck(
     ``x = 10`` is ``4e-9`` but carries the ulp of ``tanh(x)``, ``1e-16``: its central
     difference at ``h = 1e-6`` is off by ``1e-10``, 1% of its derivative). So an
     entry that fails is judged again with the finite differences' own error,
-    estimated from the function's evaluations (full method): central differences at
-    steps ``h * 10**(j / 2)``, ``j = 0 .. 6``; the step whose difference disagrees
-    least with those at the two steps on each side (by at most a tenth of it) gives
-    the estimate ``D``, and twice that disagreement its error ``E`` (truncation grows
-    with the step, rounding shrinks with it). The entry passes if
-    ``|analytical - D| <= atol + rtol * |D| + E``. An entry that no step resolves
-    (differences zero, not finite, or disagreeing by more than a tenth at every
-    step, as where the derivative jumps) is held to the caller's ``atol``, unscaled,
-    as in PyTorch.
+    ``E`` estimated from central differences at steps ``h / 10 .. 1000 h`` (full
+    method; ``_fd_error``: each step's error comes from the steps on the side where it
+    shrinks; ``h`` is one of them, so a derivative wrong by more than the differences
+    resolve at ``h`` always fails). It fails if ``|analytical - D| > atol + rtol|D| + E``
+    (``D`` the best-resolved difference), passes if not and ``E <= atol + rtol|D|``;
+    else it, or an entry no step resolves (a jump) beyond the unscaled ``atol``, is
+    *unresolved* (a correct solve with a 5x5 Hilbert matrix): no failure; where nothing
+    fails, the check returns ``True`` with a ``jaxext.GradcheckUnresolvedWarning``.
     Only input elements with a failing entry pay for these differences, and only
     where ``func`` computes in float64 (an output that is not float64, or in
-    gradgradcheck a float32 gradient, keeps the plain test). A correct
-    saturated function passes; a derivative wrong by more than the differences
-    resolve still fails (at ``x = 10``, ``1 - tanh`` is resolved to about ``1e-5``
-    relative).
+    gradgradcheck a float32 gradient, keeps the plain test).
 
     * Full method (up to ``FULL_MAX_ENTRIES = 2**30`` Jacobian entries, about
       1.07e9, e.g. 41,000 inputs by 25,000 outputs; it costs ``2 n`` calls of
@@ -189,8 +154,8 @@ def gradcheck(
         seed: seed of those directions and of random cotangents.
 
     Returns:
-        ``True`` if every check passed; ``False`` on failure when
-        ``raise_exception=False``.
+        ``True`` if no check failed (unresolved entries: ``GradcheckUnresolvedWarning``);
+        ``False`` on failure when ``raise_exception=False``.
 
     Raises:
         GradcheckError: on failure, naming the check (``kind``), the output,
@@ -210,17 +175,20 @@ def gradcheck(
         >>> jaxext.gradcheck(jaxext.linear, (x, w), eps=1e-6, atol=1e-4)
         True
     """
-    args = _as_args(func, inputs)
+    args = as_args(func, inputs)
     settings = Settings.validate(
         eps=eps, atol=atol, rtol=rtol, nondet_tol=nondet_tol, fast_mode=fast_mode, modes=modes,
         forward=("check_forward_ad", check_forward_ad),
         backward=("check_backward_ad", check_backward_ad),
         num_directions=num_directions, seed=seed,
     )  # fmt: skip
-    undefined, batched, dtypes = _flags(check_undefined_grad, check_batched_grad, check_grad_dtypes)
+    undefined, batched, dtypes = validated_flags(
+        check_undefined_grad, check_batched_grad, check_grad_dtypes
+    )
     error = check_gradients(
         func, args, order=1, settings=settings, undefined=undefined, batched=batched, dtypes=dtypes
     )
+    error = warn_unresolved(error)
     if error is not None and raise_exception:
         raise error
     return error is None
@@ -278,8 +246,8 @@ def gradgradcheck(
         seed: as for ``gradcheck``.
 
     Returns:
-        ``True`` if every check passed; ``False`` on failure when
-        ``raise_exception=False``.
+        ``True`` if no check failed (unresolved entries: ``GradcheckUnresolvedWarning``);
+        ``False`` on failure when ``raise_exception=False``.
 
     Raises:
         GradcheckError: on failure. ``input_index`` counts ``grad_outputs``
@@ -296,399 +264,19 @@ def gradgradcheck(
         >>> jaxext.gradgradcheck(jaxext.mul_constant, (x, c))
         True
     """
-    args = _as_args(func, inputs)
+    args = as_args(func, inputs)
     settings = Settings.validate(
         eps=eps, atol=atol, rtol=rtol, nondet_tol=nondet_tol, fast_mode=fast_mode, modes=modes,
         forward=("check_fwd_over_rev", check_fwd_over_rev),
         backward=("check_rev_over_rev", check_rev_over_rev),
         num_directions=num_directions, seed=seed,
     )  # fmt: skip
-    undefined, batched, _ = _flags(check_undefined_grad, check_batched_grad, False)
+    undefined, batched, _ = validated_flags(check_undefined_grad, check_batched_grad, False)
     error = check_gradients(
         func, args, order=2, settings=settings, undefined=undefined, batched=batched,
         grad_outputs=grad_outputs,
     )  # fmt: skip
+    error = warn_unresolved(error)
     if error is not None and raise_exception:
         raise error
     return error is None
-
-
-# -- settings ------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """The validated numerics settings shared by gradcheck and gradgradcheck."""
-
-    eps: float
-    atol: float
-    rtol: float
-    nondet_tol: float
-    fast_mode: bool | None
-    modes: tuple[str, ...]
-    num_directions: int
-    seed: int
-
-    @classmethod
-    def validate(
-        cls,
-        *,
-        eps: Any,
-        atol: Any,
-        rtol: Any,
-        nondet_tol: Any,
-        fast_mode: Any,
-        modes: Any,
-        forward: tuple[str, Any],
-        backward: tuple[str, Any],
-        num_directions: Any,
-        seed: Any,
-    ) -> Settings:
-        """Checks each option; ``forward``/``backward`` are ``(caller's option name, value)``."""
-        (forward_name, forward), (backward_name, backward) = forward, backward
-        if fast_mode is not None and not isinstance(fast_mode, bool):
-            raise TypeError(f"`fast_mode` must be None, True or False; got {fast_mode!r}.")
-        modes = (modes,) if isinstance(modes, str) else tuple(modes)
-        if not modes or len(set(modes)) != len(modes) or not set(modes) <= {"rev", "fwd"}:
-            raise ValueError(f"`modes` must be distinct entries of ('rev', 'fwd'); got {modes!r}.")
-        for name, flag in ((forward_name, forward), (backward_name, backward)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"`{name}` must be True or False; got {flag!r}.")
-        if forward and "fwd" not in modes:
-            modes += ("fwd",)
-        if not backward:
-            modes = tuple(mode for mode in modes if mode != "rev")
-        if not modes:
-            raise ValueError(
-                f"nothing to check: `{backward_name}` is False and forward mode is not asked "
-                f"for (pass {forward_name}=True)."
-            )
-        for name, value in (("num_directions", num_directions), ("seed", seed)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise TypeError(f"`{name}` must be an int; got {type(value).__name__}.")
-        if num_directions < 1:
-            raise ValueError(f"`num_directions` must be at least 1; got {num_directions}.")
-        return cls(
-            eps=_as_tolerance(eps, "eps", allow_zero=False),
-            atol=_as_tolerance(atol, "atol", allow_zero=True),
-            rtol=_as_tolerance(rtol, "rtol", allow_zero=True),
-            nondet_tol=_as_tolerance(nondet_tol, "nondet_tol", allow_zero=True),
-            fast_mode=fast_mode,
-            modes=modes,
-            num_directions=int(num_directions),
-            seed=int(seed),
-        )
-
-
-def _as_tolerance(value: Any, name: str, *, allow_zero: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"`{name}` must be a real number; got {type(value).__name__}.")
-    value = float(value)
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        expected = "non-negative" if allow_zero else "positive"
-        raise ValueError(f"`{name}` must be a finite {expected} number; got {value!r}.")
-    return value
-
-
-def _as_args(func: Any, inputs: Any, *, argument: str = "inputs") -> tuple:
-    """``func``'s positional arguments: ``inputs`` unpacked if a tuple or list, else itself.
-
-    As ``torch.autograd.gradcheck`` takes a single tensor as its one input. Where
-    ``func`` has a signature, the count of arguments must fit it: a ``TypeError``
-    naming ``argument`` then, before ``func`` is called.
-    """
-    if not callable(func):
-        raise TypeError(f"`func` must be callable; got {type(func).__name__}.")
-    args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-    if not args:
-        raise ValueError(f"`{argument}` must hold at least one positional argument; got none.")
-    _check_arity(func, args, argument=argument, packed=isinstance(inputs, (tuple, list)))
-    return private_copies(args)
-
-
-def _check_arity(func: Any, args: tuple, *, argument: str, packed: bool) -> None:
-    try:
-        signature = inspect.signature(func)
-    except (TypeError, ValueError):  # no signature to read (some builtins): the call decides
-        return
-    params = list(signature.parameters.values())
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    required = [p for p in positional if p.default is p.empty]
-    variadic = any(p.kind is p.VAR_POSITIONAL for p in params)
-    n = len(args)
-    if len(required) <= n and (variadic or n <= len(positional)):
-        return
-    if variadic:
-        expected = f"at least {len(required)}"
-    elif len(required) == len(positional):
-        expected = f"{len(positional)}"
-    else:
-        expected = f"{len(required)} to {len(positional)}"
-    plural = "" if expected == "1" else "s"
-    plain = signature.replace(
-        parameters=[p.replace(annotation=p.empty) for p in params],
-        return_annotation=signature.empty,
-    )
-    name = getattr(func, "__name__", None) or type(func).__name__
-    hint = ""
-    if not packed:
-        example = ", ".join(p.name for p in required)
-        hint = (
-            f" (a {type(args[0]).__name__}, not a tuple or list, is the one argument; "
-            f"pass a tuple of them, e.g. `({example})`)"
-        )
-    raise TypeError(
-        f"`{argument}` must hold {expected} positional argument{plural} for "
-        f"`{name}{plain}`; got {n}{hint}."
-    )
-
-
-def _flags(undefined: Any, batched: Any, dtypes: Any) -> tuple[bool, bool, bool]:
-    names = ("check_undefined_grad", "check_batched_grad", "check_grad_dtypes")
-    for name, flag in zip(names, (undefined, batched, dtypes), strict=True):
-        if not isinstance(flag, bool):
-            raise TypeError(f"`{name}` must be True or False; got {flag!r}.")
-    return undefined, batched, dtypes
-
-
-def _warn_precision(upcast: list[str], low_outputs: list[str]) -> None:
-    """Warns, at the caller of gradcheck/gradgradcheck, about lower-precision floats."""
-    if upcast:
-        # complex inputs are named as such only where there are some
-        complex_ = any("complex" in entry for entry in upcast)
-        wide = "float64 (complex128 if complex)" if complex_ else "float64"
-        widened = "float64 (complex128)" if complex_ else "float64"
-        warnings.warn(
-            f"gradcheck: {', '.join(upcast)} not {wide}; upcasting to {widened} for the "
-            "check (finite differences in lower precision are unreliable). Pass "
-            f"{widened} arrays to silence this warning.",
-            UserWarning,
-            stacklevel=4,
-        )
-    if low_outputs:
-        warnings.warn(
-            f"gradcheck: {', '.join(low_outputs)} not float64 (complex128 if complex) although "
-            "the inputs are (`func` computes in lower precision); the numerical derivatives "
-            "will be imprecise.",
-            UserWarning,
-            stacklevel=4,
-        )
-
-
-# -- the checks -----------------------------------------------------------------------------
-
-
-def check_gradients(
-    func: Callable[..., Any],
-    args: tuple,
-    *,
-    order: int,
-    settings: Settings,
-    undefined: bool,
-    batched: bool,
-    dtypes: bool = False,
-    reentrant: bool = True,
-    grad_outputs: Any = None,
-    inner: str = "rev",
-) -> GradcheckError | None:
-    """The checks of ``gradcheck`` (``order=1``) or ``gradgradcheck`` (``order=2``).
-
-    Args:
-        func: the function.
-        args: its positional arguments.
-        order: 1 or 2.
-        settings: validated numerics settings (``Settings.validate``).
-        undefined: run the zero-cotangent check.
-        batched: run the batched-gradient check.
-        dtypes: run the gradient dtype/shape check (order 1).
-        reentrant: run the reentrancy check (two runs of the backward).
-        grad_outputs: cotangents for ``order=2`` (``None``: random).
-        inner: at ``order=2``, the first derivative differentiated: ``"rev"``
-            (the VJP, as gradgradcheck) or ``"fwd"`` (the JVP, with random
-            tangents); ``settings.modes`` says how it is differentiated.
-
-    Returns:
-        ``None`` if all pass, else the error describing the first failure.
-    """
-    with float64_numerics():
-        problem, low, low_out = first_order(func, args)
-        if order == 2 and inner == "fwd":
-            problem = second_order_forward(problem, len(args), settings.seed)
-        elif order == 2:
-            problem, low_ct = second_order(problem, grad_outputs, len(args), settings.seed)
-            low = low + low_ct
-        _warn_precision(low, low_out)
-
-        def wide() -> bool:
-            """Whether ``func`` computes in float64 (the differences' error is estimated)."""
-            if low_out:
-                return False
-            return order == 1 or inner != "rev" or not _narrow_gradients(func, args)
-
-        error = _check(problem, settings, undefined, batched, reentrant, wide)
-        if error is None and dtypes:
-            error = _grad_dtypes(func, args)
-    return error
-
-
-def _check(
-    problem: Problem,
-    settings: Settings,
-    undefined: bool,
-    batched: bool,
-    reentrant: bool,
-    wide: Callable[[], bool] = lambda: True,
-) -> GradcheckError | None:
-    """Runs the checks on the flat problem; the first failure becomes the error."""
-    in_slices = [segment.slice for segment in problem.inputs]
-    out_slices = [segment.slice for segment in problem.outputs]
-    engine, jac = _engine.jacobians(
-        problem.f, problem.x0, problem.vjp, full=settings.fast_mode is not True,
-        modes=settings.modes,
-    )  # fmt: skip
-    tolerances = {"atol": settings.atol, "rtol": settings.rtol}
-
-    def error(kind: str, mode: str, method: str | None, found: list[Mismatch]) -> GradcheckError:
-        return gradcheck_error(problem, kind, mode, method, found)
-
-    if jac.n == 0 or jac.m == 0:
-        return None  # an empty input or output: no derivative to check (as in PyTorch)
-    engine.compile_ahead(jac, forward="fwd" in settings.modes)
-    y_call = jac.value()
-    # Forward mode's primal output now (a function without forward mode raises here);
-    # reverse mode's once the Jacobians are computed, so that the differences run while
-    # the VJPs' program still compiles. Both are compared before the Jacobians' verdicts.
-    y_auto = {"fwd": _ad_primal(jac, "fwd")} if "fwd" in settings.modes else {}
-    method = _method(settings.fast_mode, jac.n, jac.m)
-    block_eps = step_sizes(jac.x0_host, in_slices, settings.eps)
-    if method == "full":
-        eps = np.concatenate(
-            [np.full(s.stop - s.start, e) for s, e in zip(in_slices, block_eps, strict=True)]
-        )
-        # A random cotangent too: one-hot ones cannot tell a backward linear in its
-        # cotangent from one that is not (|g| for g).
-        cotangent = np.random.default_rng(settings.seed + 1).standard_normal(jac.m)
-        results = engine.full_mismatches(
-            jac, y_call, out_slices, in_slices, eps=eps, modes=settings.modes,
-            cotangent=cotangent, wide=wide, **tolerances,
-        )  # fmt: skip
-    else:
-        results = {
-            mode: directional_mismatches(
-                jac, y_call, out_slices, in_slices, eps=block_eps, mode=mode,
-                num_directions=settings.num_directions, seed=settings.seed, **tolerances,
-            )
-            for mode in settings.modes
-        }  # fmt: skip
-    for mode in settings.modes:
-        y = y_auto[mode] if mode in y_auto else _ad_primal(jac, mode)
-        found = entry_mismatches(y_call, y, out_slices, on_inputs=False, **tolerances)
-        if found:
-            return error("primal", mode, None, found)
-    for mode in settings.modes:
-        if results[mode]:
-            return error("jacobian", mode, method, results[mode])
-    if results.get("rev_cotangent"):
-        return error("random_cotangent", "rev", None, results["rev_cotangent"])
-    if "rev" not in settings.modes:
-        return None
-    rng = np.random.default_rng(settings.seed)
-
-    def blocks(flat):
-        return [flat[block] for block in in_slices]
-
-    if undefined:
-        found = zero_cotangent(lambda u: blocks(jac.vjp(u)[1]), np.zeros(jac.m))
-        if found:
-            return error("undefined_grad", "rev", None, found)
-    cotangent = rng.standard_normal(jac.m)
-    # The backward's compiled program, run twice (opcheck's reentrancy also runs it eagerly).
-    if reentrant:
-        found = reentrancy({"": lambda: blocks(jac.vjp(cotangent)[1])}, settings.nondet_tol)
-        if found is not None:
-            return error("nondeterministic", "rev", None, found[1])
-    if batched:
-        cotangents = rng.standard_normal((_BATCH, jac.m))
-        found = batched_gradients(
-            lambda _, u: blocks(jac.vjp_fn(jac.x0)[1](u)),
-            None,
-            list(cotangents),
-            rtol=max(TIGHT, settings.rtol),
-        )
-        if isinstance(found, Exception):
-            return gradcheck_error(problem, "batched_grad", "rev", None, [], cause=found)
-        if found:
-            return error("batched_grad", "rev", None, found)
-    return None
-
-
-def step_sizes(x0: np.ndarray, in_slices: Sequence[slice], eps: float) -> np.ndarray:
-    """The finite-difference step of each input block: ``eps * min(1, max |x| / 0.01)``.
-
-    A step follows the scale of its input when that is below ``STEP_SCALE`` (0.01):
-    normalising vectors of norm 2e-5 with a step of 1e-6 would move them by 5% and
-    fail a correct function on truncation error alone. Such an input is moved by
-    at most ``eps / STEP_SCALE`` of its largest entry (1e-4 at the default ``eps``).
-    Larger inputs (and all-zero ones) keep ``eps`` itself, as in PyTorch: a smaller
-    step would only magnify the rounding of a function computed in float32. The
-    floor ``_TINY`` keeps the step a normal float64.
-    """
-    steps = np.full(len(in_slices), float(eps))
-    for j, block in enumerate(in_slices):
-        values = x0[block]
-        scale = float(np.max(np.abs(values))) if values.size else 0.0
-        if 0.0 < scale < STEP_SCALE:
-            steps[j] = eps * max(scale, _TINY) / STEP_SCALE
-    return steps
-
-
-def _ad_primal(jac: FlatJacobians, mode: str) -> np.ndarray:
-    """The primal output of ``jax.vjp`` (``"rev"``) or ``jax.linearize`` (``"fwd"``)."""
-    if mode == "rev":
-        return jac.vjp(np.zeros(jac.m))[0]
-    try:
-        return jac.jvp(np.zeros(jac.n))[0]
-    except TypeError as err:
-        raise TypeError(
-            "forward mode ('fwd' in `modes`, or check_forward_ad=True) was asked for, but "
-            "forward-mode differentiation of `func` failed (a plain jax.custom_vjp supports "
-            f"reverse mode only: use jaxext.custom_vjp, or modes=('rev',)): {err}"
-        ) from err
-
-
-def _method(fast_mode: bool | None, n: int, m: int) -> str:
-    if fast_mode is not None:
-        return "directional" if fast_mode else "full"
-    if n * m <= FULL_MAX_ENTRIES:
-        return "full"
-    warnings.warn(
-        f"gradcheck: the Jacobian has {n} x {m} = {n * m:.3g} entries, more than the "
-        f"{FULL_MAX_ENTRIES:.3g} the element-by-element check covers; comparing random "
-        "projections u . J v per (output, input) pair instead. This can miss an error that is "
-        "small against the whole Jacobian: one wrong element, or a small relative scale error "
-        "of one gradient. Check on smaller inputs, or pass fast_mode=False to force the "
-        "full check (slow).",
-        UserWarning,
-        stacklevel=5,
-    )
-    return "directional"
-
-
-def _narrow_gradients(func: Callable[..., Any], args: tuple) -> bool:
-    """Whether ``func``'s backward gives a gradient whose dtype or shape is not its
-    input's (a float32 gradient for a float64 input, say), decided when tracing; also
-    where that cannot be decided."""
-    try:
-        return (
-            gradient_dtypes(FloatLeaves.of(func, args, argument="inputs"), jnp.float64) is not None
-        )
-    except Exception:  # noqa: BLE001 -- undecided: the plain test stands
-        return True
-
-
-def _grad_dtypes(func: Callable[..., Any], args: tuple) -> GradcheckError | None:
-    """Checks each float input's gradient dtype and shape (``float0`` for other arrays)."""
-    found = gradient_dtypes(FloatLeaves.of(func, args, argument="inputs"), jnp.float64)
-    if found is None:
-        return None
-    return dtype_error(found.label, found.index, found.path, found.primal, found.grad)

@@ -4,6 +4,7 @@ check, output, input, how far off), built from the ``Mismatch`` records of the c
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -11,7 +12,13 @@ import numpy as np
 from ._compare import Mismatch, unravel
 from ._problem import Problem, Segment
 
-__all__ = ["GradcheckError", "dtype_error", "gradcheck_error"]
+__all__ = [
+    "GradcheckError",
+    "GradcheckUnresolvedWarning",
+    "dtype_error",
+    "gradcheck_error",
+    "warn_unresolved",
+]
 
 _MODE_NAMES = {"rev": "reverse mode (VJP)", "fwd": "forward mode (JVP)"}
 
@@ -29,7 +36,9 @@ class GradcheckError(AssertionError):
             loop), ``"grad_dtype"`` (a gradient's dtype or shape differs from
             its input's), ``"random_cotangent"`` (the VJP of a random cotangent
             differs from its product with the numerical Jacobian: a backward
-            not linear in its cotangent).
+            not linear in its cotangent), ``"unresolved"`` (not a failure: the
+            entries the finite differences cannot resolve, carried by a
+            ``GradcheckUnresolvedWarning``).
         order: 1 for ``gradcheck``, 2 for ``gradgradcheck``.
         mode: ``"rev"`` or ``"fwd"``.
         method: ``"full"`` (entrywise Jacobians) or ``"directional"``; ``None``
@@ -60,6 +69,37 @@ class GradcheckError(AssertionError):
             setattr(self, name, fields.pop(name, None))
         if fields:
             raise TypeError(f"unknown GradcheckError fields: {sorted(fields)}")
+
+
+class GradcheckUnresolvedWarning(UserWarning):
+    """``gradcheck`` / ``gradgradcheck`` found entries the finite differences cannot
+    resolve, and nothing wrong: neither PASS nor FAIL (the check returns ``True``).
+
+    An entry is unresolved where it fails the plain test (``atol + rtol * |numerical|``)
+    and no finite-difference step resolves it to that tolerance: the differences at the
+    steps around the check's step disagree by more than it (an ill-conditioned function,
+    such as a solve with a Hilbert matrix, or one that is not smooth there), while the
+    analytical value is within what they allow, or no step resolves it at all. A
+    derivative wrong by more than the differences resolve still fails.
+
+    Attributes:
+        error: a ``GradcheckError`` of ``kind="unresolved"`` naming the output, input
+            and worst entry (its ``num_mismatched`` counts the unresolved entries);
+            not raised.
+    """
+
+    def __init__(self, error: GradcheckError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def warn_unresolved(error: GradcheckError | None) -> GradcheckError | None:
+    """``error``, or ``None`` after a ``GradcheckUnresolvedWarning`` where it reports
+    unresolved entries (no failure), warned at the caller of ``gradcheck``."""
+    if error is not None and error.kind == "unresolved":
+        warnings.warn(GradcheckUnresolvedWarning(error), stacklevel=3)
+        return None
+    return error
 
 
 _ERROR_FIELDS = [
@@ -101,6 +141,14 @@ _KIND_EXPLANATIONS = {
     "Jacobian J, which the VJPs of one-hot cotangents matched: the backward is not linear in "
     "its cotangent (|g|, g**2, a branch on g ...)",
 }
+_KIND_TITLES["unresolved"] = "Unresolved gradient elements for a random cotangent"
+# What an unresolved entry is, in the report's words (see ``_fd_error``).
+_UNRESOLVED = (
+    "neither PASS nor FAIL: the finite differences cannot resolve them to the tolerance asked "
+    "(at every step they disagree with the neighbouring steps by more than it: an "
+    "ill-conditioned or non-smooth function), and none is wrong by more than they resolve"
+)
+_KIND_EXPLANATIONS["unresolved"] = _UNRESOLVED
 
 
 def gradcheck_error(
@@ -155,10 +203,13 @@ def gradcheck_error(
             f"  {ad_name}: {auto:.10g}",
         ]
         unit, reference = "elements", "function call"
-    elif kind == "jacobian":
+    elif kind == "jacobian" or (kind == "unresolved" and out is not None):
         how = "full Jacobian" if method == "full" else "random directions"
         lines = [
             f"Jacobian mismatch for {out.label} with respect to {inp.label} ({context}, {how})."
+            if kind == "jacobian"
+            else f"Unresolved Jacobian entries for {out.label} with respect to {inp.label} "
+            f"({context}, {how}): {_UNRESOLVED}."
         ]
         if method == "full":
             lines.append(
@@ -186,6 +237,7 @@ def gradcheck_error(
             + ("" if direction is None else f", batch entry #{direction}"),
         ]
         names = {
+            "unresolved": ("u^T J (numerical)", "VJP of u"),
             "undefined_grad": ("expected", "gradient"),
             "nondeterministic": ("first run", "second run"),
             "batched_grad": ("one at a time", "under vmap"),
@@ -203,7 +255,7 @@ def gradcheck_error(
             f"  abs error: {abs_error:.3e}, rel error: {rel_error:.3e}; "
             f"allowed: {worst.allowed:.3e}"
         )
-        if kind == "jacobian":
+        if kind == "jacobian" or (kind == "unresolved" and out is not None):
             error += f" ({_bound(worst.atol_scale, reference)})"
     lines.append(error)
     if kind == "jacobian" and worst.atol_scale is not None:
@@ -211,7 +263,8 @@ def gradcheck_error(
             f"  (atol is multiplied by {worst.atol_scale:.3e}, the largest |{reference}| of "
             "this pair: its derivatives are all below 1 in magnitude)"
         )
-    lines.append(f"  mismatched: {worst.count} of {worst.total} {unit}")
+    tally = "unresolved" if kind == "unresolved" else "mismatched"
+    lines.append(f"  {tally}: {worst.count} of {worst.total} {unit}")
     if problem.order == 2 and problem.inner == "fwd":
         lines.append(
             "  (order 2 here checks the Jacobian of (inputs, tangents) -> JVP of `func`: its "
@@ -232,7 +285,7 @@ def gradcheck_error(
     ]
     if len(pairs) > 1:
         others = [_pair_label(o, i) for o, i in pairs[1:]]
-        lines.append(f"  also mismatched: {'; '.join(dict.fromkeys(others))}")
+        lines.append(f"  also {tally}: {'; '.join(dict.fromkeys(others))}")
     return GradcheckError(
         "\n".join(lines),
         kind=kind,
@@ -319,6 +372,7 @@ def _pair_label(out: Segment | None, inp: Segment | None) -> str:
 # Tracebacks show the name users can import and catch (`jaxext.GradcheckError`), not this
 # private module's.
 GradcheckError.__module__ = "jaxext"
+GradcheckUnresolvedWarning.__module__ = "jaxext"
 
 
 def _element(flat: int | None, segment: Any) -> tuple[tuple[int, ...] | None, str]:

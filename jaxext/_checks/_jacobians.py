@@ -24,7 +24,7 @@ the function's batching rule, which ``jaxext.opcheck`` checks on its own.
 
 This is the reference path, the counterpart of PyTorch's ``_slow_gradcheck``:
 each program is a plain ``jax.jit``, compiled at its first call. The engines
-that only make a check faster subclass it (``_engine.choose`` picks one):
+that only make a check faster subclass it (``_engines.choose`` picks one):
 ``_quick.QuickJacobians`` compiles the programs quickly, ahead of their first
 call, and merges them for small problems; ``_screened.ScreenedJacobians`` also
 screens chunks on the device and runs them from worker threads.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ._load import PathLike, _check_name, _plan, _source_paths
+from ._load import PathLike, build_plan, check_name, source_paths
 from ._prebuilt import write_prebuilt
 
 __all__ = ["build"]
@@ -26,17 +26,18 @@ def build(
 
     Writes ``<output_directory>/<name>.<hash>.so`` (``<hash>``: of the library's
     bytes, so a rebuilt library is a new file that a running process loads anew;
-    the library the previous build wrote is removed) and ``<name>.json`` beside it
-    (the library's file name and what it was built from: a hash of the sources and
-    flags, the extension's own headers the compiler read with their hashes, the
-    platform, the jaxlib it was built against). A later
-    ``load(name, sources, ...)`` with the same sources, headers and flags, looking in
-    that directory (the first source's directory, or its ``prebuilt_directory``),
-    loads it without a compiler: build it into your package (next to its sources)
-    before making the wheel, and machines without a compiler can use it. If the
-    sources, a header or a flag changed since, ``load`` passes it over and compiles
-    (or, without a compiler, says so). The library is for one platform and jaxlib:
-    ``load`` refuses it, naming both versions, under another jaxlib.
+    the library the previous build wrote is removed) and ``<name>.json`` beside it:
+    what the compiler read, as the build cache matches it (the sources, include
+    paths, flags, search environment variables, and every file of the extension's
+    own the preprocessor opened, with its hash, and the paths where a new file would
+    shadow one), the platform and the jaxlib it was built against. A later
+    ``load(name, sources, ...)`` looking in that directory (the first source's
+    directory, or its ``prebuilt_directory``) uses it, without a compiler, only when
+    all of that is as recorded: build it into your package (next to its sources)
+    before making the wheel, and machines without a compiler can use it. Otherwise
+    ``load`` passes it over and compiles (or, without a compiler, says so). The
+    library is for one platform and jaxlib: ``load`` refuses it, naming both
+    versions, under another jaxlib.
 
     The same as ``python -m jaxext.cpp_extension build NAME SOURCE... [-o DIR]``.
 
@@ -58,9 +59,11 @@ def build(
         TypeError, ValueError, FileNotFoundError, CompilerNotFoundError, CompileError:
             as :func:`~jaxext.cpp_extension.load` does.
     """
-    _check_name(name)
-    paths = _source_paths(sources)
-    texts = [path.read_text() for path in paths]
-    plan = _plan(name, paths, texts, {}, extra_cflags, extra_ldflags, extra_include_paths, platform)
+    check_name(name)
+    paths = source_paths(sources)
+    files = {path: path.read_text() for path in paths}
+    plan = build_plan(
+        name, files, False, extra_cflags, extra_ldflags, extra_include_paths, platform
+    )
     directory = paths[0].parent if output_directory is None else Path(output_directory)
     return write_prebuilt(plan, directory.expanduser().resolve(), verbose)

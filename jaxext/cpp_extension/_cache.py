@@ -1,23 +1,27 @@
 """Where builds are kept, what makes two builds the same, and building each at most once.
 
-A build lives in ``<root>/<name>/<key>/``, where ``<key>`` hashes what is known
-before compiling: the sources' names and contents, the compiler command and its
-``--version`` output, the flags (``-I`` directories included), the include
-directories, the jaxlib version (its FFI headers) and the platform. The headers are
-known only once the compiler has read them: each build in the directory is a library
-``<name>.<hash>.so`` (``<hash>``: of the library's own bytes) with a record
-``<name>.<hash>.json`` beside it listing every header the compiler read (its
-``-MD`` output) with the SHA-256 of its contents. A build is reused only while every
-one of those files still has that hash; an edited header makes a new build, under a
-new file name, so a process that loaded the old library (the dynamic loader hands
-back the library it has for a path it already opened) loads the new one as a new
-library. The directory also holds ``build.log`` and, for
-:func:`~jaxext.cpp_extension.load_inline`, the sources written out.
+A build lives in ``<root>/<name>/<key>/``, where ``<key>`` hashes what the compiler
+reads and how (see ``_build.library_key``): the compiler's identity and version,
+every flag, the environment variables that move its search path, and each
+preprocessed translation unit. The directory holds the library
+``<name>.<hash>.so`` (``<hash>``: of the library's own bytes, so a process that
+loaded an older build, to which the dynamic loader would hand back the library it
+has for a path it already opened, loads a new one as a new library), its record
+``<name>.<hash>.json`` and ``build.log``.
+
+Finding the key takes the preprocessor; a load skips it through a direct-mode
+manifest, ``<root>/<name>/direct/<direct key>.json`` (the direct key: the compiler,
+the environment, the command lines and the sources' texts), which lists, for each
+build made from those, every file the preprocessor opened with its hash and the
+paths where a new file would shadow one (see ``_deps``). A listed build whose files
+are all unchanged is the build the preprocessor would pick.
+:func:`~jaxext.cpp_extension.load_inline` writes its sources into
+``<root>/<name>/inline/<hash of the texts>/``.
 
 Two processes (or threads) building the same extension at once take turns on a
 file lock in that directory; the library is compiled into a temporary file and
 renamed into place, and its record written after it, so nobody ever loads a
-half-written library.
+half-written library. Manifests are rewritten whole, under a lock, by renaming.
 """
 
 from __future__ import annotations
@@ -31,11 +35,21 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-__all__ = ["ENV_VAR", "build_once", "cache_key", "cache_root", "file_key", "find_build"]
+__all__ = [
+    "ENV_VAR",
+    "add_to_manifest",
+    "build_once",
+    "cache_key",
+    "cache_root",
+    "file_key",
+    "find_build",
+    "read_manifest",
+]
 
 ENV_VAR = "JAXEXT_EXTENSIONS_DIR"
 # Bump when the build layout or command changes meaning.
-_FORMAT = "jaxext-cpp-extension-3"
+_FORMAT = "jaxext-cpp-extension-4"
+_MANIFEST_ENTRIES = 8  # builds a manifest remembers, newest first
 
 
 def cache_root(build_directory: str | os.PathLike | None) -> Path:
@@ -130,6 +144,31 @@ def build_once(
             with contextlib.suppress(FileNotFoundError):
                 temporary.unlink()
     return library, record, True
+
+
+def read_manifest(path: Path) -> list[dict]:
+    """The entries of the direct-mode manifest ``path``, newest first (none if it is
+    missing or unreadable)."""
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(found, dict) or found.get("format") != _FORMAT:
+        return []
+    entries = found.get("entries")
+    return [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
+
+
+def add_to_manifest(path: Path, entry: dict) -> None:
+    """Puts ``entry`` first in the manifest ``path`` (replacing one for the same
+    ``entry["library"]``), keeping the newest few."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path.parent / "lock"):
+        entries = [e for e in read_manifest(path) if e.get("library") != entry["library"]]
+        found = {"format": _FORMAT, "entries": [entry, *entries][:_MANIFEST_ENTRIES]}
+        written = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+        written.write_text(json.dumps(found) + "\n")
+        os.replace(written, path)
 
 
 @contextlib.contextmanager

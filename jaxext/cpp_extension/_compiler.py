@@ -19,7 +19,14 @@ from pathlib import Path
 
 from ._errors import CompileError, CompilerNotFoundError
 
-__all__ = ["Compiler", "compile_command", "compile_library", "find_compiler", "link_command"]
+__all__ = [
+    "Compiler",
+    "compile_command",
+    "compile_flags",
+    "compile_library",
+    "find_compiler",
+    "link_command",
+]
 
 _CXX_HINT = (
     "Install a C++17 compiler (Debian/Ubuntu: `apt-get install g++`; Fedora/RHEL: "
@@ -88,43 +95,34 @@ def _identity(argv: tuple[str, ...]) -> str:
     return f"{' '.join(argv)}\n{done.stdout}{done.stderr}"
 
 
-def compile_command(
+def compile_flags(
     compiler: Compiler,
-    source: Path,
-    output: Path,
-    depfile: Path,
     *,
     include_dirs: Sequence[Path],
     extra_cflags: Sequence[str],
-    preinclude: Path | None,
+    preinclude: str | None,
 ) -> list[str]:
-    """The command line that compiles ``source`` into the object file ``output``.
+    """The flags that compile (with ``-c``) or preprocess (with ``-E``) a source.
 
-    The compiler also writes ``depfile``: every file it read (``-MD -MF``), which
-    the build records so that an edited header makes a new build.
+    ``include_dirs[0]`` is jaxlib's (``-isystem``: its warnings are not the user's to
+    fix), the others ``-I``; ``preinclude`` is read before the source (``-include``).
     """
     if compiler.cuda:
-        base = ["-std=c++17", "-O3", "-c", "-Xcompiler", "-fPIC"]
+        base = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC"]
     else:
-        base = ["-std=c++17", "-O3", "-fPIC", "-c"]
-    # jaxlib's headers are -isystem: their warnings are not the user's to fix.
+        base = ["-std=c++17", "-O3", "-fPIC"]
     includes = ["-isystem", str(include_dirs[0])]
     for path in include_dirs[1:]:
         includes += ["-I", str(path)]
-    pre = ["-include", str(preinclude)] if preinclude is not None else []
-    return [
-        *compiler.argv,
-        *base,
-        *includes,
-        *pre,
-        *extra_cflags,
-        "-MD",
-        "-MF",
-        str(depfile),
-        str(source),
-        "-o",
-        str(output),
-    ]
+    pre = ["-include", preinclude] if preinclude is not None else []
+    return [*base, *includes, *pre, *extra_cflags]
+
+
+def compile_command(
+    compiler: Compiler, flags: Sequence[str], source: str, output: Path
+) -> list[str]:
+    """The command line that compiles ``source`` into the object file ``output``."""
+    return [*compiler.argv, *flags, "-c", source, "-o", str(output)]
 
 
 def link_command(
@@ -153,20 +151,24 @@ def link_command(
 
 
 def compile_library(
-    name: str, commands: Sequence[list[str]], log_path: Path, verbose: bool
+    name: str,
+    commands: Sequence[tuple[list[str], str]],
+    log_path: Path,
+    verbose: bool,
 ) -> None:
-    """Runs ``commands`` in turn (compiling each source, then linking); logs to ``log_path``.
+    """Runs ``commands`` (``(command, directory it runs in)``) in turn (compiling each
+    source, then linking); logs to ``log_path``.
 
     Raises:
         CompileError: if a command fails; the message lists the diagnostics that
             name a file and line, and the error carries the whole output.
     """
     log = []
-    for command in commands:
+    for command, cwd in commands:
         if verbose:
             print(f"[jaxext.cpp_extension] building {name!r}: {shlex.join(command)}", flush=True)
         try:
-            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, check=False)
         except OSError as err:
             raise CompilerNotFoundError(f"Cannot run the compiler {command[0]!r}: {err}.") from None
         output = done.stdout + done.stderr

@@ -7,13 +7,22 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import jax
-import jaxlib
-
-from ._build import PRELUDE, BuildPlan, compile_plan, target_key
-from ._cache import build_once, cache_key, cache_root
+from ._build import (
+    PRELUDE,
+    BuildPlan,
+    compile_failure,
+    compile_units,
+    direct_key,
+    library_key,
+    own_files,
+    read_units,
+    target_key,
+    units,
+    write_inline,
+)
+from ._cache import add_to_manifest, build_once, cache_key, cache_root, find_build, read_manifest
 from ._compiler import find_compiler
-from ._deps import record, still_current
+from ._deps import Reading, unchanged
 from ._errors import CompilerNotFoundError
 from ._module import Extension
 from ._native import CHECKING_SOURCE
@@ -22,7 +31,7 @@ from ._prebuilt import find_prebuilt
 from ._registry import register_handlers
 from ._symbols import exported_c_functions
 
-__all__ = ["load", "load_inline"]
+__all__ = ["build_plan", "check_name", "load", "load_inline", "source_paths"]
 
 PathLike = str | os.PathLike
 _CPP_SUFFIXES = (".cc", ".cpp", ".cxx", ".c++", ".C")
@@ -49,18 +58,21 @@ def load(
 
     The sources are compiled with ``$CXX`` (else ``c++``; ``nvcc`` when a source is
     ``.cu``) as ``-std=c++17 -O3 -fPIC`` and linked with ``-shared``, against the
-    XLA FFI headers that ship with jaxlib (``jax.ffi.include_dir()``), once: the
-    library is cached under a hash of the sources, flags, include paths, jaxlib
-    version and compiler, with a record of every header the compiler read (its
-    ``-MD`` output) and their contents' hashes, and later calls, in this process
-    or another, load it from there while those headers are unchanged. A library
-    built anew gets a new file name (the hash of its bytes), so loading it again in
-    a process that loaded an older build runs the new code.
+    XLA FFI headers that ship with jaxlib (``jax.ffi.include_dir()``), once: a build
+    is reused only when the compiler would read the same things the same way (its
+    identity and version, every flag, the environment variables that move its search
+    path such as ``CPLUS_INCLUDE_PATH``, and the preprocessed text of every source),
+    in this process or another. A direct-mode manifest of every file the preprocessor
+    opened (by the path it opened it under, and by content) and of the paths where a
+    new file would shadow one lets a load skip the preprocessor while they are all as
+    recorded. A library built anew gets a new file name (the hash of its bytes), so
+    loading it again in a process that loaded an older build runs the new code.
 
     A library built ahead of time with ``python -m jaxext.cpp_extension build``
     (see :func:`jaxext.cpp_extension.build`) is used instead, without a compiler,
-    when it is found, for the same name, sources, headers and flags, in
-    ``prebuilt_directory`` or in the directory of the first source.
+    when it is found, built from what the compiler would read now (the same name,
+    sources, include paths, flags, search environment and headers, matched the same
+    way), in ``prebuilt_directory`` or in the directory of the first source.
 
     Without ``functions``, the handlers are the functions the built library exports
     with C linkage (read from its ELF symbol table, leaving out jaxext's own), as
@@ -82,7 +94,7 @@ def load(
         platform: ``"cpu"`` or ``"CUDA"``, the platform the handlers are registered
             for. Default: ``"CUDA"`` if a source is ``.cu``, else ``"cpu"``.
         partition: ``{handler: rule}``, how each handler splits over a device mesh
-            (its ``FfiFunction.partition``):
+            (its ``FfiFunction.partition``; experimental):
             ``"batch"`` (the leading dimension of the first operand and of every
             result), an einsum-like rule such as ``"b i, o i -> b o"``, or ``None``
             (the default for handlers not named: sharded operands are gathered and
@@ -136,14 +148,11 @@ def load(
         >>> ext.negate(x, result_shape_dtypes=x)
         Array([-0., -1., -2.], dtype=float32)
     """
-    _check_name(name)
-    paths = _source_paths(sources)
-    texts = [path.read_text() for path in paths]
+    check_name(name)
+    paths = source_paths(sources)
     return _load(
         name,
-        paths,
-        texts,
-        {},
+        {path: path.read_text() for path in paths},
         functions,
         extra_cflags=extra_cflags,
         extra_ldflags=extra_ldflags,
@@ -180,10 +189,12 @@ def load_inline(
     """Like :func:`jaxext.cpp_extension.load`, with the sources given as strings.
 
     The C++ strings are joined into ``<name>.cc`` (the CUDA ones into
-    ``<name>.cu``), written into the build's cache directory, and compiled with
-    ``xla/ffi/api/ffi.h`` already included and ``namespace ffi = xla::ffi;``
-    declared, so the sources can start with the handlers. The compiler's line
-    numbers are those of the joined strings.
+    ``<name>.cu``), written into the cache (``<root>/<name>/inline/<hash>/``), and
+    compiled there, with ``xla/ffi/api/ffi.h`` already included and
+    ``namespace ffi = xla::ffi;`` declared, so the sources can start with the
+    handlers. The compiler's line numbers are those of the joined strings. The
+    compiler runs in that directory: give paths in ``extra_cflags`` and
+    ``extra_ldflags`` absolute.
 
     Args:
         name: the extension's name (see :func:`jaxext.cpp_extension.load`).
@@ -231,17 +242,16 @@ def load_inline(
         >>> jax.jit(lambda x: ext.square(x, result_shape_dtypes=x))(x)
         Array([0., 1., 4., 9.], dtype=float32)
     """
-    _check_name(name)
+    check_name(name)
     cpp = _joined(cpp_sources, "cpp_sources")
     files = {f"{name}.cc": cpp}
     if cuda_sources is not None:
         files[f"{name}.cu"] = _joined(cuda_sources, "cuda_sources")
     return _load(
         name,
-        list(files),  # written into the build directory, see _load
-        list(files.values()),
         files,
         functions,
+        inline=True,
         extra_cflags=extra_cflags,
         extra_ldflags=extra_ldflags,
         extra_include_paths=extra_include_paths,
@@ -254,11 +264,10 @@ def load_inline(
 
 def _load(
     name: str,
-    sources: Sequence[Path | str],
-    texts: Sequence[str],
-    inline_files: dict[str, str],
+    files: Mapping[Path | str, str],
     functions: str | Sequence[str] | None,
     *,
+    inline: bool = False,
     extra_cflags: Sequence[str],
     extra_ldflags: Sequence[str],
     extra_include_paths: Sequence[PathLike],
@@ -268,10 +277,13 @@ def _load(
     verbose: bool,
     prebuilt: Sequence[Path] = (),
 ) -> Extension:
-    """Builds (once) and registers; ``inline_files`` are written into the build directory."""
-    plan = _plan(
-        name, sources, texts, inline_files, extra_cflags, extra_ldflags, extra_include_paths,
-        platform,
+    """Builds (once) and registers.
+
+    ``files``: ``{source path: its text}``, or for ``inline``, ``{file name: text}``
+    (written into the cache, see ``_build.write_inline``).
+    """
+    plan = build_plan(
+        name, files, inline, extra_cflags, extra_ldflags, extra_include_paths, platform
     )  # fmt: skip
     wanted = None if functions is None else _functions(functions)
     found, stale = find_prebuilt(plan, prebuilt)
@@ -282,23 +294,24 @@ def _load(
             print(f"[jaxext.cpp_extension] {name!r}: using the prebuilt {library}", flush=True)
     else:
         library, key, built = _build_cached(plan, build_directory, verbose, stale)
-    symbols = wanted if wanted is not None else _discovered(library, texts)
+    symbols = wanted if wanted is not None else _discovered(library, list(files.values()))
     rules = _partition_rules(partition, symbols)
     targets = register_handlers(name, library, plan.prefix(key), symbols, plan.platform)
     return Extension(name, library, built, plan.platform, targets, rules)
 
 
-def _plan(
+def build_plan(
     name: str,
-    sources: Sequence[Path | str],
-    texts: Sequence[str],
-    inline_files: dict[str, str],
+    files: Mapping[Path | str, str],
+    inline: bool,
     extra_cflags: object,
     extra_ldflags: object,
     extra_include_paths: object,
     platform: str | None,
 ) -> BuildPlan:
     """What to compile, checked, with the compiler-independent source key."""
+    sources = list(files)
+    inline_files = {str(s): t for s, t in files.items()} if inline else {}
     cflags = _strings(extra_cflags, "extra_cflags")
     ldflags = _strings(extra_ldflags, "extra_ldflags")
     includes = [Path(p).expanduser().resolve() for p in _paths(extra_include_paths)]
@@ -311,7 +324,7 @@ def _plan(
             repr(cflags),
             repr(ldflags),
             repr(sorted(inline_files)),
-            *(part for s, t in zip(sources, texts, strict=True) for part in (Path(s).name, t)),
+            *(part for s, t in files.items() for part in (Path(s).name, t)),
             PRELUDE if inline_files else "",
             CHECKING_SOURCE.read_bytes(),
         ]
@@ -326,7 +339,10 @@ def _plan(
 def _build_cached(
     plan: BuildPlan, build_directory: PathLike | None, verbose: bool, stale: list[Path]
 ) -> tuple[Path, str, bool]:
-    """A cached build of ``plan`` whose headers are unchanged, else a new one.
+    """The build of ``plan`` from what the compiler reads now, made if there is none.
+
+    A direct-mode manifest whose files are unchanged names it without running the
+    preprocessor; otherwise the preprocessed sources name it (see ``_cache``).
 
     Returns:
         ``(library, target key, whether it was built now)``.
@@ -336,33 +352,68 @@ def _build_cached(
     except CompilerNotFoundError as err:
         if stale:
             raise CompilerNotFoundError(
-                f"{err} (A prebuilt {plan.name!r} was found, but for other sources or flags: "
-                f"{', '.join(map(str, stale))}; rebuild it with `python -m "
-                "jaxext.cpp_extension build`.)"
+                f"{err} (A prebuilt {plan.name!r} was found, but for other sources, headers, "
+                f"include paths or flags: {', '.join(map(str, stale))}; rebuild it with "
+                "`python -m jaxext.cpp_extension build`.)"
             ) from None
         raise
-    key = cache_key(
-        [
-            plan.source_key,
-            compiler.identity,
-            jaxlib.__version__,
-            jax.ffi.include_dir(),
-            repr([str(p) for p in plan.includes]),
-        ]
-    )
-    directory = cache_root(build_directory) / plan.name / key
+    root = cache_root(build_directory) / plan.name
+    inline = None
+    if plan.inline_files:
+        texts = [part for item in sorted(plan.inline_files.items()) for part in item]
+        inline = root / "inline" / cache_key([PRELUDE, *texts])
+        write_inline(plan, inline)
+    found = units(plan, compiler, inline)
+    manifest = root / "direct" / f"{direct_key(plan, compiler, found)}.json"
+    cached = _from_manifest(root, plan.name, manifest, found[0].cwd)
+    if cached is not None:
+        library, record = cached
+        if verbose:
+            print(
+                f"[jaxext.cpp_extension] {plan.name!r}: using the cached build {library}",
+                flush=True,
+            )
+        return library, record["target_key"], False
+    readings = read_units(compiler, found)
+    if readings is None:  # the preprocessor failed: the compiler says why
+        raise compile_failure(plan, compiler, found, root / "failed", verbose)
+    directory = root / library_key(plan, compiler, found, readings)
 
     def build(output: Path) -> dict:
-        headers = compile_plan(plan, compiler, directory, output, verbose)
-        return {"target_key": target_key(plan, compiler, headers), "headers": record(headers)}
+        compile_units(plan, compiler, found, directory, output, verbose)
+        return {"target_key": target_key(plan, own_files(compiler, found, readings))}
 
-    def current(found: dict) -> bool:
-        return isinstance(found.get("target_key"), str) and still_current(found.get("headers"))
-
-    library, found, built = build_once(directory, plan.name, build, current)
+    library, record, built = build_once(directory, plan.name, build, _has_target_key)
+    if all(r.direct for r in readings):
+        add_to_manifest(manifest, _manifest_entry(directory.name, readings))
     if verbose and not built:
         print(f"[jaxext.cpp_extension] {plan.name!r}: using the cached build {library}", flush=True)
-    return library, found["target_key"], built
+    return library, record["target_key"], built
+
+
+def _has_target_key(record: dict) -> bool:
+    return isinstance(record.get("target_key"), str)
+
+
+def _manifest_entry(key: str, readings: Sequence[Reading]) -> dict:
+    opened = {path: sha for reading in readings for path, sha in reading.opened}
+    absent = sorted({path for reading in readings for path in reading.absent})
+    return {"library": key, "opened": [[p, h] for p, h in opened.items()], "absent": absent}
+
+
+def _from_manifest(root: Path, name: str, manifest: Path, cwd: str) -> tuple[Path, dict] | None:
+    """The build a manifest entry names whose files are all as recorded, if any."""
+    digests: dict[str, str | None] = {}
+    for entry in read_manifest(manifest):
+        key = entry.get("library")
+        if not (isinstance(key, str) and key.isalnum()):
+            continue
+        if unchanged(entry.get("opened"), entry.get("absent"), cwd, digests):
+            directory = root / key
+            found = find_build(directory, name, _has_target_key) if directory.is_dir() else None
+            if found is not None:
+                return found
+    return None
 
 
 def _partition_rules(
@@ -382,7 +433,7 @@ def _partition_rules(
     return {name: check_rule(rule) for name, rule in partition.items()}
 
 
-def _check_name(name: object) -> None:
+def check_name(name: object) -> None:
     if not isinstance(name, str):
         raise TypeError(f"`name` must be a string; got {type(name).__name__}.")
     if not _NAME.fullmatch(name):
@@ -391,7 +442,7 @@ def _check_name(name: object) -> None:
         )
 
 
-def _source_paths(sources: object) -> list[Path]:
+def source_paths(sources: object) -> list[Path]:
     items = [sources] if isinstance(sources, (str, os.PathLike)) else sources
     if not isinstance(items, Sequence):
         raise TypeError(f"`sources` must be a list of file paths; got {type(sources).__name__}.")

@@ -23,7 +23,7 @@ class FfiFunction:
         name: the handler's symbol in the sources.
         target_name: the FFI target it is registered as.
         platform: ``"cpu"`` or ``"CUDA"``.
-        partition: how the kernel splits over a device mesh when it is called
+        partition: (experimental) how the kernel splits over a device mesh when it is called
             without a ``partition`` argument: ``None`` (it does not: sharded operands
             are gathered and every device computes the whole result), ``"batch"``
             or an einsum-like rule (see ``__call__``). Set by ``load(...,

@@ -1,5 +1,7 @@
 """Partitioning rules for FFI calls: how a kernel splits over a device mesh.
 
+Experimental: the rules' syntax and what they do may change in a minor release.
+
 A rule names each dimension of each operand and result (einsum-like, names
 separated by spaces): ``"b i, o i, o -> b o"``. When the operands carry a
 ``NamedSharding`` that splits named dimensions over mesh axes, the call runs
@@ -45,7 +47,8 @@ def _error(rule: str, why: str) -> ValueError:
 
 
 def check_rule(rule: object) -> str | None:
-    """Checks a ``partition`` argument (syntax only) and returns it."""
+    """Checks a ``partition`` argument (syntax only) and returns it. Experimental (see
+    the module)."""
     if rule is None:
         return None
     if not isinstance(rule, str):
@@ -156,6 +159,8 @@ def partitioned_call(
     rule: str,
 ) -> list[Any]:
     """Calls ``make_call(results)(*args)`` (an ``ffi_call``) shard by shard where ``rule`` allows.
+
+    Experimental, as the rules are (see the module).
 
     ``results`` are the result shapes and dtypes; ``make_call`` gets them, or each
     device's shard of them. Returns the list of results. Without a mesh among the

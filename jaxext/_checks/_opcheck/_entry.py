@@ -1,6 +1,6 @@
 """`opcheck`: one call that checks a custom op under every JAX transformation.
 
-The flow is one way: arguments -> ``OpUnderTest`` -> each check of ``_battery``
+The flow is one way: arguments -> ``OpUnderTest`` -> each check of ``ALL_CHECKS``
 (PASS with a detail, SKIP with a reason, FAIL with a diagnostic; an exception
 raised by the op inside a check is that check's failure, never a crash) ->
 ``OpcheckReport`` -> ``OpcheckError`` if anything failed.
@@ -13,19 +13,17 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._battery import CHECKS, Skip
-from ._gradcheck import Settings, _as_args
+from .._precision import float64_numerics
+from .._settings import Settings, as_args
+from . import ALL_CHECKS, CHECK_NAMES, CHECKS
+from ._common import Skip, Unresolved
 from ._kernels import checking_mode
 from ._op import CheckFailed, OpUnderTest
-from ._opcheck_report import CheckResult, OpcheckError, OpcheckReport
 from ._plain import jax_limit, underlying_error
-from ._platforms import PLATFORM_CHECKS, check_platforms
-from ._precision import float64_numerics
+from ._report import CheckResult, OpcheckError, OpcheckReport
+from .platforms import check_platforms
 
-__all__ = ["CHECK_NAMES", "opcheck"]
-
-_ALL_CHECKS = {**CHECKS, **PLATFORM_CHECKS}
-CHECK_NAMES: tuple[str, ...] = tuple(_ALL_CHECKS)
+__all__ = ["opcheck"]
 
 
 def opcheck(
@@ -141,7 +139,8 @@ def opcheck(
         args: tuple (or list) of positional arguments: arrays, pytrees of
             arrays, and static values (Python scalars, strings ...). Float
             array leaves are the differentiable inputs.
-        checks: names of the checks to run (default: all, ``CHECK_NAMES``).
+        checks: names of the checks to run (default: all, ``jaxext.CHECK_NAMES``, in run
+            order).
         skip: names of checks not to run.
         eps: finite-difference step of the gradient checks (scaled down for
             inputs below 0.01, as in ``jaxext.gradcheck``).
@@ -175,7 +174,7 @@ def opcheck(
         >>> report.failed
         ()
     """
-    args = _as_args(func, args, argument="args")
+    args = as_args(func, args, argument="args")
     selected = _selected(checks, skip)
     settings = Settings.validate(
         eps=eps, atol=atol, rtol=rtol, nondet_tol=nondet_tol, fast_mode=None, modes=("rev",),
@@ -223,9 +222,11 @@ def _run(name: str, op: OpUnderTest, settings: Settings) -> CheckResult:
         # C++ kernels run in checking mode: results they leave unwritten are NaN.
         with warnings.catch_warnings(), checking_mode():
             warnings.simplefilter("ignore", UserWarning)  # upcasts and the like: not findings
-            detail, status = _ALL_CHECKS[name](op, settings), "PASS"
+            detail, status = ALL_CHECKS[name](op, settings), "PASS"
     except Skip as reason:
         detail, status = str(reason), "SKIP"
+    except Unresolved as reason:
+        detail, status = str(reason), "UNRESOLVED"
     except Exception as err:  # noqa: BLE001 -- an op raising inside a check fails that check
         if isinstance(err, CheckFailed):
             detail, status = str(err), "FAIL"
@@ -255,7 +256,7 @@ def _jax_limit(name: str, op: OpUnderTest, settings: Settings, err: Exception) -
 def _op_name(func: Callable[..., Any]) -> str:
     """The report's title: a ``jaxext.Function``'s class name for its ``apply`` (``Cube``,
     not ``apply``), else the function's ``__name__``."""
-    from .._function import Function
+    from ..._function import Function
 
     owner = getattr(func, "__self__", None)
     if isinstance(owner, type) and issubclass(owner, Function):

@@ -1,6 +1,6 @@
 """The screened engine: gradcheck's full method for large problems, faster.
 
-``_engine.choose`` picks it for the full method from ``SCREEN_MIN_ENTRIES`` Jacobian
+``_engines.choose`` picks it for the full method from ``SCREEN_MIN_ENTRIES`` Jacobian
 entries up. It compares what the reference path (``_jacobians``, ``_compare``)
 compares, entry by entry, and gives the same verdicts and reports; only faster:
 
@@ -29,7 +29,7 @@ compares, entry by entry, and gives the same verdicts and reports; only faster:
   once, and the host copies of one chunk overlap the computation of the next. The
   results are consumed in order, each computed exactly as it would be alone, so
   nothing depends on the threads. The programs are bound in the check's thread
-  (``_quick._Program``), where JAX's configuration (x64) is the check's.
+  (``_quick.Program``), where JAX's configuration (x64) is the check's.
 """
 
 from __future__ import annotations
@@ -39,19 +39,19 @@ import concurrent.futures
 import dataclasses
 import functools
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compare
-from ._compare import _EPS64, NOISE_ULPS, Mismatch, _allowed, _overlaps, _Tally
-from ._jacobians import padded, perturbed, pullback_rows
-from ._quick import QuickJacobians, _Program
+from .._chunks import Columns, overlaps
+from .._compare import Tally
+from .._jacobians import padded, perturbed, pullback_rows
+from ._quick import Program, QuickJacobians
 
-__all__ = ["WORKERS", "ScreenedJacobians", "full_mismatches", "passes", "screen"]
+__all__ = ["WORKERS", "ScreenedChunks", "ScreenedJacobians", "passes", "screen"]
 
 # Threads that compute the chunks of a screened problem (`_in_order`): one more than
 # the cores (at most four), so that a thread's host work and waits leave its core to
@@ -119,7 +119,7 @@ class ScreenedJacobians(QuickJacobians):
     """``QuickJacobians`` with the screen compiled into its VJPs' program and the
     differences made in place, whose chunks can be run from worker threads
     (``numerical_on_device``, ``forward_screened``, ``reverse_screened`` return calls
-    bound to executables compiled in the owning thread, ``_quick._Program``).
+    bound to executables compiled in the owning thread, ``_quick.Program``).
 
     Args:
         f, x0, vjp, m, quick: as for ``QuickJacobians`` (never merged).
@@ -135,7 +135,7 @@ class ScreenedJacobians(QuickJacobians):
         quick: bool = True,
     ) -> None:
         super().__init__(f, x0, vjp, m=m, quick=quick)
-        self._screen = _Program(_SCREEN)
+        self._screen = Program(_SCREEN)
         self._zero_blocks: dict[int, jax.Array] = {}
 
     def _differences_fn(self) -> Callable:
@@ -176,7 +176,7 @@ class ScreenedJacobians(QuickJacobians):
         self, cols: Sequence[int] | range, eps: float | np.ndarray
     ) -> Callable[[], tuple[jax.Array, np.ndarray, int]]:
         """``numerical``, with the block left on the device and padded to ``col_chunk`` rows,
-        as a call that any thread can make (see ``_quick._Program``).
+        as a call that any thread can make (see ``_quick.Program``).
 
         Returns:
             A function of no arguments that returns ``(block, steps, count)``: the
@@ -275,6 +275,10 @@ class _Tile:
         """Adds ``block``, the transposed columns ``start, start + 1, ...``."""
         self.append(start, self.pack(block))
 
+    def hold(self, chunk: _Columns) -> None:
+        """Adds a chunk of columns, packed (``_screened_columns``)."""
+        self.append(chunk.start, chunk.packed)
+
     def append(self, start: int, packed: tuple) -> None:
         """Adds a block packed by ``pack``."""
         dense, sparse, nbytes, columns = packed
@@ -342,7 +346,7 @@ class _Tile:
 
 
 @dataclasses.dataclass
-class _Columns:
+class _Columns(Columns):
     """One chunk of columns of the numerical Jacobian, on the host, and what goes with it.
 
     ``numerical`` is the transposed block (``count`` rows); ``maxima`` its largest
@@ -351,11 +355,7 @@ class _Columns:
     ``packed`` the block as the tile holds it.
     """
 
-    start: int
-    numerical: np.ndarray
-    steps: np.ndarray
     maxima: np.ndarray | None = None
-    forward: np.ndarray | None = None
     packed: tuple | None = None
 
 
@@ -375,7 +375,7 @@ def _screened_columns(
             block, steps, count = numerical()
             host = np.asarray(block)[:count]  # no copy on the CPU
             packed = _Tile.pack(host) if pack else (host, None, host.nbytes, count)
-            chunk = _Columns(start, host, steps[:count], _column_maxima(packed, bounds))
+            chunk = _Columns(start, host, steps[:count], maxima=_column_maxima(packed, bounds))
             chunk.packed = packed if pack else None
             if screened is not None:
                 automatic, clean = screened(block, steps[:, None])
@@ -409,92 +409,48 @@ def _in_order(tasks: Iterator[Callable[[], T]], workers: int) -> Iterator[T]:
                 future.cancel()
 
 
-def full_mismatches(
-    jac: ScreenedJacobians,
-    y0: np.ndarray,
-    out_slices: Sequence[slice],
-    in_slices: Sequence[slice],
-    *,
-    eps: float | np.ndarray,
-    atol: float,
-    rtol: float,
-    modes: Sequence[str],
-    cotangent: np.ndarray | None = None,
-    wide: Callable[[], bool] = lambda: True,
-) -> dict[str, list[Mismatch]]:
-    """``_compare.full_mismatches``, screened: the same mismatches, from the same entries.
+class ScreenedChunks:
+    """The screened engine's chunks for ``_compare.full_mismatches``: the same entries
+    as ``_compare.ReferenceChunks``, screened on the device first (see the module's
+    docstring) and computed by ``WORKERS`` threads (``_in_order``).
 
-    With a ``cotangent`` ``u`` (reverse mode), the rows of the numerical Jacobian are
-    also summed into ``u^T J`` as they stream by, and compared with the VJP of ``u``
-    itself: one-hot cotangents cannot tell a backward linear in its cotangent from one
-    that is not (``|g|`` in place of ``g``). The allowance is the sum of the entries'
-    allowances weighted by ``|u|``, so a backward that passes entry by entry and is
-    linear always passes.
-
-    Chunks are screened on the device first (see the module's docstring) and computed
-    by ``WORKERS`` threads (``_in_order``).
-
-    Returns:
-        For each mode, the failing block pairs in output-major order; with a
-        ``cotangent``, also ``"rev_cotangent"``: the input blocks whose VJP of it differs.
+    A chunk of columns brings its maxima per output block (``seen`` raises the tallies'
+    scales by them, as screened chunks never reach ``Tally.add``); a chunk of rows that
+    passes the screen comes without its automatic rows, and is not compared again.
     """
-    n, m = jac.n, jac.m
-    tallies = {mode: _Tally(out_slices, in_slices, atol, rtol) for mode in modes}
-    if n == 0 or m == 0:
-        return {mode: [] for mode in modes}
-    linear = None
-    if cotangent is not None and "rev" in modes:
-        linear = (np.asarray(cotangent, np.float64), np.zeros(n), np.zeros(n))
-    noise = NOISE_ULPS * _EPS64 * np.abs(y0)
-    steps = np.empty(n)
-    tile = _Tile(0)
-    tasks = _screened_columns(
-        jac, eps, noise, atol, rtol, forward="fwd" in modes, pack="rev" in modes,
-        bounds=tuple((s.start, s.stop) for s in out_slices),
-    )  # fmt: skip
-    for chunk in _in_order(tasks, WORKERS):
-        start, numerical = chunk.start, chunk.numerical
-        stop = start + numerical.shape[0]
-        steps[start:stop] = chunk.steps
-        _add_scales(tallies.values(), chunk.maxima, stop - start, start, in_slices)
-        if chunk.forward is not None:
-            relative = _allowed(numerical, 0.0, rtol, noise[None, :] / chunk.steps[:, None])
-            tallies["fwd"].add(0, start, numerical.T, chunk.forward.T, relative.T)
-        if "rev" in modes:
-            tile.append(start, chunk.packed)
-            if tile.nbytes >= _compare.TILE_BYTES or stop == n:
-                _stream_rows(jac, tile, steps, noise, atol, rtol, tallies["rev"], linear)
-                tile = _Tile(stop)
-    refine_fn = _compare.Refiner(jac, eps, wide)
-    results = {mode: tally.mismatches(refine_fn) for mode, tally in tallies.items()}
-    if linear is not None:
-        results["rev_cotangent"] = _compare.cotangent_mismatches(
-            jac, linear, in_slices, refine_fn, rtol
-        )
-    return results
 
+    def __init__(
+        self,
+        *,
+        jac: ScreenedJacobians,
+        eps: float | np.ndarray,
+        noise: np.ndarray,
+        atol: float,
+        rtol: float,
+        modes: Sequence[str],
+        out_slices: Sequence[slice],
+        in_slices: Sequence[slice],
+    ) -> None:
+        self.jac, self.eps, self.noise, self.atol, self.rtol = jac, eps, noise, atol, rtol
+        self.modes, self.out_slices, self.in_slices = modes, out_slices, in_slices
 
-def _stream_rows(jac, tile: _Tile, steps, noise, atol, rtol, tally: _Tally, linear) -> None:
-    """Compares the columns held in ``tile`` with VJP rows, a chunk of rows at a time;
-    with ``linear = (u, sum, allowance)``, adds ``u^T`` times the tile to ``sum`` and the
-    ``|u|``-weighted sum of its entries' allowances to ``allowance``.
-    The rows are screened on the device (``_screened_rows``), by ``WORKERS`` threads,
-    and a chunk of rows that passes skips the host comparison."""
-    col0, col1 = tile.start, tile.stop
-    if linear is not None:
-        # sum_i |u_i| (atol + rtol |n_ij| + noise_i / step_j), term by term.
-        u, total, allowance = linear
-        weighted, weighted_magnitude = tile.weighted(u)
-        total[col0:col1] += weighted
-        noise_share = np.abs(u) @ noise / steps[col0:col1]
-        allowance[col0:col1] += atol * np.abs(u).sum() + rtol * weighted_magnitude + noise_share
-    tasks = _screened_rows(jac, tile, steps, noise, atol, rtol)
-    for start, numerical, automatic in _in_order(tasks, WORKERS):
-        if automatic is None:  # passed the screen
-            continue
-        stop = start + numerical.shape[0]
-        relative = _allowed(numerical, 0.0, rtol, noise[start:stop, None] / steps[None, col0:col1])
-        tally.add(start, col0, numerical, automatic, relative)
+    def columns(self) -> Iterator[_Columns]:
+        tasks = _screened_columns(
+            self.jac, self.eps, self.noise, self.atol, self.rtol, forward="fwd" in self.modes,
+            pack="rev" in self.modes, bounds=tuple((s.start, s.stop) for s in self.out_slices),
+        )  # fmt: skip
+        return _in_order(tasks, WORKERS)
+
+    def seen(self, tallies: Iterable[Tally], chunk: _Columns) -> None:
+        count = chunk.numerical.shape[0]
+        _add_scales(tallies, chunk.maxima, count, chunk.start, self.in_slices)
+
+    def tile(self, start: int) -> _Tile:
+        return _Tile(start)
+
+    def rows(self, tile: _Tile, steps: np.ndarray, noise: np.ndarray) -> Iterator[tuple]:
+        tasks = _screened_rows(self.jac, tile, steps, noise, self.atol, self.rtol)
+        return _in_order(tasks, WORKERS)
 
 
 def _row_chunks(jac) -> Iterator[tuple[int, int]]:
@@ -559,11 +515,11 @@ def _add_scales(tallies, maxima, count: int, start: int, in_slices) -> None:
     """Raises each tally's per-pair scale (largest finite ``|n|``) by the columns
     ``start .. start + count`` of the numerical Jacobian, given as ``maxima``, their
     largest finite ``|n|`` per output block (``_column_maxima``): screened chunks never
-    reach ``_Tally.add``, which also keeps it."""
+    reach ``Tally.add``, which also keeps it."""
     per_out = np.asarray(maxima)[:count]  # (count, out blocks)
     in_starts = np.array([s.start for s in in_slices], dtype=np.int64)
     in_stops = np.array([s.stop for s in in_slices], dtype=np.int64)
-    for j, c0, c1 in _overlaps(in_starts, in_stops, start, count):
+    for j, c0, c1 in overlaps(in_starts, in_stops, start, count):
         local = per_out[c0:c1].max(axis=0)
         for tally in tallies:
             for i, value in enumerate(local):

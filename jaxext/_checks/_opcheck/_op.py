@@ -16,12 +16,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _engine
-from ._compare import Mismatch, leaf_mismatches, unravel, widened
-from ._leaves import FloatLeaves, wide_dtype
-from ._quick import entries
+from .. import _engines
+from .._compare import Mismatch, leaf_mismatches, unravel, widened
+from .._engines._quick import entries
+from .._leaves import FloatLeaves, wide_dtype
 
-__all__ = ["CheckFailed", "OpUnderTest", "assert_trees_close", "mismatch_text"]
+__all__ = [
+    "CheckFailed",
+    "OpUnderTest",
+    "assert_trees_close",
+    "float_output_leaves",
+    "forward_mode_error",
+    "mismatch_text",
+]
 
 
 class CheckFailed(Exception):
@@ -59,7 +66,7 @@ class OpUnderTest(FloatLeaves):
         values = [jnp.asarray(leaf, dtype=wide_dtype(leaf.dtype)) for leaf in view.values]
         fields = {f.name: getattr(view, f.name) for f in dataclasses.fields(FloatLeaves)}
         op = cls(**{**fields, "args": view.args_with(values)})
-        return dataclasses.replace(op, forward_error=_forward_mode_error(op))
+        return dataclasses.replace(op, forward_error=forward_mode_error(op))
 
     # -- calling -------------------------------------------------------------------------
 
@@ -94,8 +101,8 @@ class OpUnderTest(FloatLeaves):
 
     def quick_jit(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``jax.jit`` of ``fn``, compiled quickly for a small op (``_quick``, as
-        ``_engine.choose`` says); only for a program called at the top level."""
-        return _engine.choose(self.work).jit(fn)
+        ``_engines.choose`` says); only for a program called at the top level."""
+        return _engines.choose(self.work).jit(fn)
 
     @property
     def jitted(self) -> Callable[..., Any]:
@@ -144,7 +151,7 @@ def _standard_normal(rng: np.random.Generator, shape: tuple[int, ...], dtype: An
     return rng.standard_normal(shape)
 
 
-def _forward_mode_error(op: OpUnderTest) -> str | None:
+def forward_mode_error(op: OpUnderTest) -> str | None:
     """Why ``jax.jvp`` cannot differentiate the op, or ``None``.
 
     A plain ``jax.custom_vjp`` raises its ``TypeError`` only when the JVP is

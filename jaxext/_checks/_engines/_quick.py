@@ -8,7 +8,7 @@ program with LLVM's optimisations off and, where XLA still has them, its older
 (simpler) loop emitters instead of the MLIR-based fusion emitters (XLA's
 graph-level passes, fusion among them, still run; dots and convolutions still
 call their library kernels) when the work that its runs in one check do is small
-(``_engine.choose`` says so, from ``QUICK_MAX_WORK``). A program with more work
+(``_engines.choose`` says so, from ``QUICK_MAX_WORK``). A program with more work
 keeps LLVM's optimisations but also takes the older emitters where XLA has them:
 they halve its compile time too, and its loops ran as fast (those of gradcheck's
 full method on a linear layer, 5e7 and 1.5e8 Jacobian entries). Each option is
@@ -28,10 +28,10 @@ comparison between two programs allows for that (``TIGHT``, gradcheck's
 tolerances).
 
 ``QuickJacobians`` is gradcheck's ``FlatJacobians`` on this engine, the one
-``_engine.choose`` picks for problems below the screened engine's size: its
+``_engines.choose`` picks for problems below the screened engine's size: its
 programs compile quickly, side by side before their first call
 (``compile_ahead``), and a small problem (``MERGE_MAX_ENTRIES``) compiles its
-loops as one program. Each runs through ``_Program``, which also lets worker
+loops as one program. Each runs through ``Program``, which also lets worker
 threads run it (the screened engine's).
 """
 
@@ -47,9 +47,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._jacobians import FlatFn, FlatJacobians, basis_or
+from ..._jaxpr import inner_jaxprs
+from .._jacobians import FlatFn, FlatJacobians, basis_or
 
-__all__ = ["QuickJacobians", "entries", "quick_jit"]
+__all__ = ["Program", "QuickJacobians", "entries", "quick_jit"]
 
 # LLVM at -O0 and without its expensive passes (XLA's CPU backend reads both), for
 # programs with little work; the older loop emitters (an option of XLA's CPU backend
@@ -88,24 +89,13 @@ def _options(large: bool = False) -> dict[str, Any] | None:
     return options or None
 
 
-def _jaxprs(value: Any) -> list:
-    """The jaxprs in an equation's parameter (a jaxpr, a closed one, or a sequence)."""
-    if hasattr(value, "eqns"):
-        return [value]
-    if hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
-        return [value.jaxpr]
-    if isinstance(value, (tuple, list)):
-        return [j for item in value for j in _jaxprs(item)]
-    return []
-
-
 def entries(jaxpr: Any) -> int:
     """The entries of a jaxpr's inputs and of every value its equations compute, those
     of nested jaxprs (loop bodies, branches, custom rules) counted once.
 
     Example:
         >>> import jax, jax.numpy as jnp
-        >>> from jaxext._checks._quick import entries
+        >>> from jaxext._checks._engines._quick import entries
         >>> entries(jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(jnp.ones(3)))
         9
     """
@@ -113,14 +103,13 @@ def entries(jaxpr: Any) -> int:
     total = sum(int(np.prod(getattr(v.aval, "shape", ()))) for v in jaxpr.invars)
     for eqn in jaxpr.eqns:
         total += sum(int(np.prod(getattr(v.aval, "shape", ()))) for v in eqn.outvars)
-        for value in eqn.params.values():
-            total += sum(entries(sub) for sub in _jaxprs(value))
+        total += sum(entries(body.jaxpr) for body in inner_jaxprs(eqn))
     return total
 
 
 def quick_jit(fn: Callable[..., Any], quick: bool) -> Any:
     """``jax.jit(fn)``, compiled quickly where the program compiles for the CPU: with
-    LLVM's optimisations off where ``quick`` (little work: ``_engine.choose``), with
+    LLVM's optimisations off where ``quick`` (little work: ``_engines.choose``), with
     XLA's older loop emitters (where it has them) in any case.
 
     Only for a program called at the top level (not inside another ``jax.jit``: JAX
@@ -128,7 +117,7 @@ def quick_jit(fn: Callable[..., Any], quick: bool) -> Any:
 
     Example:
         >>> import jax.numpy as jnp
-        >>> from jaxext._checks._quick import quick_jit
+        >>> from jaxext._checks._engines._quick import quick_jit
         >>> print(quick_jit(lambda x: 2 * x, quick=True)(jnp.arange(3.0)))
         [0. 2. 4.]
     """
@@ -146,7 +135,7 @@ def _signature(value: Any) -> Any:
     return tuple(value.shape), np.dtype(value.dtype).str
 
 
-class _Program:
+class Program:
     """A ``jax.jit`` program, run through executables compiled ahead of time, so that
     worker threads can run it too.
 
@@ -231,7 +220,7 @@ class QuickJacobians(FlatJacobians):
 
     Args:
         f, x0, vjp, m: as for ``FlatJacobians``.
-        quick: compile with LLVM's optimisations off (little work; ``_engine.choose``).
+        quick: compile with LLVM's optimisations off (little work; ``_engines.choose``).
         merge: compile the two loops (differences, VJPs) as one program (XLA's cost per
             program is a good part of a small check's time); each call runs one of the
             loops, the others for zero rows (their outputs, zeros, are small then). That
@@ -255,14 +244,14 @@ class QuickJacobians(FlatJacobians):
         self.quick = quick
         super().__init__(f, x0, vjp, m=m)
         self._forward_merged = merge and merge_forward
-        self._both: _Program | None = None
+        self._both: Program | None = None
         if merge:
             loops = (self._differences_fn(), self._rows_fn(), self.f, self.n, self.m)
             self._both = self._compile(functools.partial(_all_loops, *loops))
         self._both_checked = False
 
-    def _compile(self, fn: Callable) -> _Program:
-        return _Program(quick_jit(fn, self.quick))
+    def _compile(self, fn: Callable) -> Program:
+        return Program(quick_jit(fn, self.quick))
 
     def _idle(self, part: str) -> tuple:
         """The arguments of ``part`` of the merged program that run none of its loop."""
@@ -336,7 +325,7 @@ class QuickJacobians(FlatJacobians):
         as soon as it is lowered, while this thread goes on: the VJPs' program last,
         after the others, so that the differences can run while it compiles (side by
         side, the compilations only slowed each other). JAX caches the
-        executables, where the first calls and ``_Program.bind`` find them (a program's
+        executables, where the first calls and ``Program.bind`` find them (a program's
         first use waits for its compilation: a second one would compile it again). A
         program that fails to lower or compile is left to its first call, which raises
         as it always did. Nothing to do where one merged program serves.

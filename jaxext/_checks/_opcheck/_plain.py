@@ -23,7 +23,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._op import CheckFailed, OpUnderTest, _forward_mode_error
+from ..._jaxpr import call_body
+from ._op import CheckFailed, OpUnderTest, forward_mode_error
 
 __all__ = ["jax_limit", "plain_twin", "same_failure", "strip_custom_rules", "underlying_error"]
 
@@ -61,6 +62,20 @@ def _is_array(leaf: Any) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
 
 
+# The calls whose body the plain twin runs in their place: custom rules' calls (the
+# function they wrap, `call_jaxpr`), and plain calls, in which a custom rule may sit.
+# Where the body lives is `jaxext/_jaxpr.call_body`'s business; which calls to open is
+# this module's (not `checkpoint`, `shard_map`, control flow: they stay as they are).
+_PLAIN_CALLS = ("jit", "pjit", "closed_call", "core_call")
+
+
+def _inlined(eqn: Any) -> bool:
+    name, params = eqn.primitive.name, eqn.params
+    if name.startswith("custom_"):
+        return "call_jaxpr" in params
+    return name in _PLAIN_CALLS and "jaxpr" in params
+
+
 def _evaluate(jaxpr: Any, consts: Any, args: list) -> list:
     """``jaxpr`` evaluated op by op (traced by the caller's transformation), custom
     rules replaced by the functions they wrap, ``jit`` calls inlined."""
@@ -75,17 +90,11 @@ def _evaluate(jaxpr: Any, consts: Any, args: list) -> list:
         env[var] = value
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
-        name, params = eqn.primitive.name, eqn.params
-        inner = None
-        if name.startswith("custom_") and "call_jaxpr" in params:
-            inner = params["call_jaxpr"]
-        elif name in ("jit", "pjit", "closed_call", "core_call") and "jaxpr" in params:
-            inner = params["jaxpr"]
-        if inner is not None:
-            body, body_consts = getattr(inner, "jaxpr", inner), getattr(inner, "consts", ())
-            outs = _evaluate(body, body_consts, invals)
+        body = call_body(eqn) if _inlined(eqn) else None
+        if body is not None:
+            outs = _evaluate(body.jaxpr, body.consts, invals)
         else:
-            bound = eqn.primitive.get_bind_params(params)
+            bound = eqn.primitive.get_bind_params(eqn.params)
             subfuns, bind_params = bound if isinstance(bound, tuple) else ((), bound)
             with eqn.ctx.manager:
                 outs = eqn.primitive.bind(*subfuns, *invals, **bind_params)
@@ -100,7 +109,7 @@ def plain_twin(op: OpUnderTest) -> OpUnderTest:
     same arguments, the same selected checks, nothing cached."""
     twin = dataclasses.replace(op, func=strip_custom_rules(op.func), cache={})
     twin.cache["selected"] = op.cache.get("selected", frozenset())
-    return dataclasses.replace(twin, forward_error=_forward_mode_error(twin))
+    return dataclasses.replace(twin, forward_error=forward_mode_error(twin))
 
 
 def underlying_error(failure: Exception) -> Exception | None:

@@ -15,9 +15,13 @@ class CheckResult:
 
     Attributes:
         name: the check's name (``"gradcheck"``, ``"vmap"`` ...).
-        status: ``"PASS"``, ``"FAIL"`` or ``"SKIP"``.
-        detail: what was verified (PASS), the diagnostic (FAIL) or the reason
-            it does not apply (SKIP).
+        status: ``"PASS"``, ``"FAIL"``, ``"SKIP"`` or ``"UNRESOLVED"``: a
+            finite-difference check (``gradcheck``, ``jvp``, second order) whose
+            differences cannot resolve some entries to the tolerance asked (an
+            ill-conditioned op), none of them wrong by more than the differences
+            resolve; neither a pass nor a failure (``jaxext.GradcheckUnresolvedWarning``).
+        detail: what was verified (PASS), the diagnostic (FAIL), the reason
+            it does not apply (SKIP) or the entries not resolved (UNRESOLVED).
         seconds: how long it took.
     """
 
@@ -31,8 +35,9 @@ class CheckResult:
 class OpcheckReport:
     """What ``jaxext.opcheck`` found: one ``CheckResult`` per check, in run order.
 
-    ``str(report)`` is a table (check, PASS / FAIL / SKIP, detail); ``bool(report)``
-    is true when no check failed.
+    ``str(report)`` is a table (check, PASS / FAIL / SKIP / UNRESOLVED, detail, and the
+    count of each; UNRESOLVED is counted only where a check has it); ``bool(report)``
+    is true when no check failed (an UNRESOLVED check is no failure).
 
     Attributes:
         op: the name of the op checked.
@@ -52,7 +57,7 @@ class OpcheckReport:
 
     @property
     def statuses(self) -> dict[str, str]:
-        """``{check name: "PASS" | "FAIL" | "SKIP"}``."""
+        """``{check name: "PASS" | "FAIL" | "SKIP" | "UNRESOLVED"}``."""
         return {result.name: result.status for result in self.results}
 
     @property
@@ -64,6 +69,12 @@ class OpcheckReport:
     def skipped(self) -> tuple[str, ...]:
         """Names of the skipped checks, in run order."""
         return tuple(r.name for r in self.results if r.status == "SKIP")
+
+    @property
+    def unresolved(self) -> tuple[str, ...]:
+        """Names of the checks whose finite differences left entries unresolved (neither
+        PASS nor FAIL; ``CheckResult``), in run order."""
+        return tuple(r.name for r in self.results if r.status == "UNRESOLVED")
 
     def __getitem__(self, name: str) -> CheckResult:
         for result in self.results:
@@ -82,15 +93,22 @@ class OpcheckReport:
         is ``report[name].detail``.
         """
         name_width = max([len("check")] + [len(r.name) for r in self.results])
-        lines = [f"opcheck {self.op}", f"{'check':<{name_width}}  result  detail"]
-        room = max(20, width - name_width - 10)
-        indent = " " * (name_width + 10)
+        status_width = 10 if self.unresolved else 6
+        lines = [
+            f"opcheck {self.op}",
+            f"{'check':<{name_width}}  {'result':<{status_width}}  detail",
+        ]
+        room = max(20, width - name_width - status_width - 4)
+        indent = " " * (name_width + status_width + 4)
         for result in self.results:
             detail = result.detail.splitlines()[0] if result.detail else ""
             first, *rest = textwrap.wrap(detail, room) or [""]
-            lines.append(f"{result.name:<{name_width}}  {result.status:<6}  {first}")
+            lines.append(f"{result.name:<{name_width}}  {result.status:<{status_width}}  {first}")
             lines.extend(indent + line for line in rest)
-        counts = {s: list(self.statuses.values()).count(s) for s in ("PASS", "FAIL", "SKIP")}
+        shown = (
+            ("PASS", "FAIL", "SKIP", "UNRESOLVED") if self.unresolved else ("PASS", "FAIL", "SKIP")
+        )
+        counts = {s: list(self.statuses.values()).count(s) for s in shown}
         lines.append(", ".join(f"{n} {s}" for s, n in counts.items()))
         return "\n".join(lines)
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import jax
 
+from ..._jaxpr import inner_jaxprs
+
 __all__ = ["checking_mode", "disabled_safety_checks", "kernel_targets", "target_platforms"]
 
 
@@ -75,11 +77,8 @@ def kernel_targets(fn: Callable, *args: Any) -> list[str]:
             target = eqn.params.get("target_name") if eqn.primitive.name == "ffi_call" else None
             if isinstance(target, str) and target in registered:
                 found[target.removesuffix(".raw")] = None
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else (value,):
-                    inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
+            for body in inner_jaxprs(eqn):
+                walk(body.jaxpr)
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
     return list(found)

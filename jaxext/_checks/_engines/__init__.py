@@ -22,20 +22,22 @@ same entries with the same test, and only make a check faster:
 path. Sizes that are not a choice of engine stay with the code they bound: the
 chunks' rows and entries (``_jacobians.CHUNK``, ``CHUNK_ENTRIES``), the numerical
 columns held at once (``_compare.TILE_BYTES``), the screened engine's threads
-(``_screened.WORKERS``), and gradcheck's method (``_gradcheck.FULL_MAX_ENTRIES``:
+(``_screened.WORKERS``), and gradcheck's method (``_gradients.FULL_MAX_ENTRIES``:
 the full or the directional method, which compare different things).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
-from . import _compare, _screened
-from ._jacobians import FlatJacobians, chunk_size
+from .. import _compare
+from .._jacobians import FlatJacobians, chunk_size
+from . import _screened
 from ._quick import QuickJacobians, entries, quick_jit
 
 __all__ = [
@@ -100,7 +102,7 @@ class Engine:
     def full_mismatches(self) -> Callable[..., dict[str, list[_compare.Mismatch]]]:
         """The entrywise comparison of the full method on this engine."""
         if self.name == "screened":
-            return _screened.full_mismatches
+            return functools.partial(_compare.full_mismatches, chunks=_screened.ScreenedChunks)
         return _compare.full_mismatches
 
 
@@ -125,7 +127,7 @@ def choose(
         entries up, else ``"quick"``; ``FORCE`` where set.
 
     Example:
-        >>> from jaxext._checks._engine import choose
+        >>> from jaxext._checks._engines import choose
         >>> choose(work=10**5, n=100, m=100, full=True, modes=("rev",))
         Engine(name='quick', quick=True, merge=True, merge_forward=False)
         >>> choose(work=10**9, n=4000, m=3000, full=True, modes=("rev",)).name

@@ -1,0 +1,147 @@
+"""What the rows of several families share.
+
+``Skip`` (a row that does not apply), ``Unresolved`` (finite differences that cannot
+resolve entries none of which is wrong: neither PASS nor FAIL), the op behind a fresh
+Python function, one VJP, the pairing of a cotangent with an output, several
+computations jitted together, the first line of an error, and ``gradient_check``: the
+run against finite differences that ``gradcheck`` and ``jvp`` (first order) and
+``gradgradcheck`` and ``fwd_over_rev`` (second order) share, one run for both modes where
+both are selected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .._gradients import check_gradients
+from .._settings import Settings
+from ._op import (
+    CheckFailed,
+    OpUnderTest,
+    float_output_leaves,
+)
+
+__all__ = [
+    "Skip",
+    "Unresolved",
+    "first_line",
+    "fresh",
+    "gradient_check",
+    "gradient_settings",
+    "inner_product",
+    "jitted_together",
+    "no_kernel",
+    "require_forward_mode",
+    "vjp",
+]
+
+
+class Skip(Exception):
+    """Raised by a check that does not apply to the op, with the reason."""
+
+
+class Unresolved(CheckFailed):
+    """Raised by a finite-difference check whose differences cannot resolve some entries,
+    none wrong (``_fd_error``): neither PASS nor FAIL, with the entries named."""
+
+
+def require_forward_mode(op: OpUnderTest) -> None:
+    if op.forward_error is not None:
+        raise Skip(f"no forward mode (jax.jvp raises {op.forward_error})")
+
+
+def inner_product(u: Any, out: Any, *, absolute: bool = False) -> jax.Array:
+    """``sum <u_i, out_i>`` (or ``sum <|u_i|, |out_i|>``) over the float leaves of two
+    output pytrees. For complex leaves ``<u, t> = Re sum(u t)``: how JAX pairs a
+    cotangent with a tangent (the real part is the pairing, nothing is dropped)."""
+    pairs = zip(float_output_leaves(u), float_output_leaves(out), strict=True)
+    if absolute:
+        return sum((jnp.sum(jnp.abs(a * b)) for (_, a), (_, b) in pairs), jnp.zeros(()))
+    return sum((jnp.real(jnp.sum(a * b)) for (_, a), (_, b) in pairs), jnp.zeros(()))
+
+
+def vjp(fn: Callable, primals, u) -> tuple:
+    return jax.vjp(fn, *primals)[1](u)
+
+
+def fresh(op: OpUnderTest) -> Callable:
+    """The op behind a new Python function, so that no trace cache is shared."""
+    return lambda *values: op.func(*op.args_with(values))
+
+
+def jitted_together(op: OpUnderTest, fns: dict[str, Callable], *args: Any) -> dict[str, Any]:
+    """``{name: fn(*args)}`` for each of ``fns``, jitted (``op.quick_jit``): all in one
+    compiled program (one compilation, not one each); should that raise, each in its
+    own, so that an error comes from the computation that raises it."""
+    try:
+        merged = op.quick_jit(lambda *a: {name: fn(*a) for name, fn in fns.items()})(*args)
+    except Exception:  # noqa: BLE001 -- each alone below, to attribute the error
+        return {name: op.quick_jit(fn)(*args) for name, fn in fns.items()}
+    return {name: merged[name] for name in fns}  # in the order of `fns`, not sorted
+
+
+def gradient_settings(settings: Settings, modes: tuple[str, ...]) -> Settings:
+    return Settings(
+        eps=settings.eps, atol=settings.atol, rtol=settings.rtol, nondet_tol=settings.nondet_tol,
+        fast_mode=None, modes=modes, num_directions=settings.num_directions, seed=settings.seed,
+    )  # fmt: skip
+
+
+# The checks that differentiate the same function (the op, its VJP, its JVP) in reverse
+# and in forward mode: when both are selected, one run covers both (one numerical
+# Jacobian, one set of compiled programs), and the second check reads the result.
+_MODE_CHECKS = {
+    (1, "rev"): {"rev": "gradcheck", "fwd": "jvp"},
+    (2, "rev"): {"rev": "gradgradcheck", "fwd": "fwd_over_rev"},
+}
+
+
+def gradient_check(
+    op: OpUnderTest, settings: Settings, order: int, mode: str, inner: str = "rev"
+) -> None:
+    results = op.cache.setdefault(("gradients", order, inner), {})
+    if mode not in results:
+        names = _MODE_CHECKS[order, inner]
+        both = (
+            names["rev"] in op.cache.get("selected", ())
+            and names["fwd"] in op.cache.get("selected", ())
+            and (op.forward_error is None or (order, inner) == (2, "rev"))
+        )
+        modes = ("rev", "fwd") if both else (mode,)
+        try:
+            error = _run_gradient_check(op, settings, order, modes, inner)
+        except Exception:  # noqa: BLE001 -- one mode may fail to run: each alone, below
+            if len(modes) == 1:
+                raise
+            modes = (mode,)
+            error = _run_gradient_check(op, settings, order, modes, inner)
+        if error is None:
+            results.update(dict.fromkeys(modes))
+        else:
+            results[error.mode] = error
+            if error.mode != mode:  # the other mode failed first: run this one alone
+                results[mode] = _run_gradient_check(op, settings, order, (mode,), inner)
+    if results[mode] is not None:
+        failure = Unresolved if results[mode].kind == "unresolved" else CheckFailed
+        raise failure(str(results[mode]))
+
+
+def _run_gradient_check(op: OpUnderTest, settings: Settings, order, modes, inner):
+    return check_gradients(
+        op.func, op.args, order=order, settings=gradient_settings(settings, modes),
+        undefined=False, batched=False, reentrant=False, inner=inner,
+    )  # fmt: skip
+
+
+def first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else ""
+
+
+def no_kernel(err: Exception, dtype: Any) -> str:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{jnp.dtype(dtype).name}: the op has no kernel for it ({type(err).__name__}: {first})"

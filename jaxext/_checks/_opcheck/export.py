@@ -1,0 +1,111 @@
+"""opcheck's rows about ``jax.export``: the op serialized and run back, with concrete
+(``export``) and symbolic (``export_symbolic``) shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from .._backward import (
+    TIGHT,
+)
+from .._settings import Settings
+from ._common import (
+    Skip,
+    fresh,
+    vjp,
+)
+from ._kernels import disabled_safety_checks
+from ._op import (
+    CheckFailed,
+    OpUnderTest,
+    assert_trees_close,
+)
+
+__all__ = ["export", "export_symbolic"]
+
+
+def _require_serializer() -> None:
+    """Skips an export check where jax.export cannot serialize: a missing package, not the op."""
+    try:
+        import flatbuffers  # noqa: F401 -- what jax.export's serialization imports
+    except ImportError:
+        raise Skip(
+            "jax.export serialization needs the flatbuffers package (pip install 'jaxext[export]')"
+        ) from None
+
+
+def _round_trip(fn: Callable, specs: list) -> Callable:
+    # The C++ kernels of jaxext.cpp_extension are custom calls without JAX's
+    # compatibility guarantees: exporting them needs this opt-in (and the extension
+    # loaded where the export is run).
+    exported = jax.export.export(jax.jit(fn), disabled_checks=disabled_safety_checks())(*specs)
+    return jax.export.deserialize(exported.serialize()).call
+
+
+def export(op: OpUnderTest, settings: Settings) -> str:
+    _require_serializer()
+    rng = np.random.default_rng(settings.seed + 9)
+    primals, u = op.primals, op.cotangent(rng)
+    specs = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in primals]
+    gradient = lambda *p: vjp(fresh(op), p, u)  # noqa: E731
+    try:
+        call = _round_trip(fresh(op), specs)
+        call_gradient = _round_trip(gradient, specs)
+    except Exception as err:  # noqa: BLE001 -- not exportable: reported, not raised
+        raise CheckFailed(
+            f"the op cannot be exported with jax.export: {type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}"
+        ) from err
+    assert_trees_close(call(*primals), op.jitted(*primals), what="exported output", rtol=TIGHT)
+    expected = jax.jit(gradient)(*primals)
+    for label, a, e in zip(op.labels, call_gradient(*primals), expected, strict=True):
+        assert_trees_close(a, e, what=f"exported gradient of {label}", rtol=TIGHT)
+    return "serialized, deserialized and called: same values and gradients"
+
+
+def export_symbolic(op: OpUnderTest, settings: Settings) -> str:
+    _require_serializer()
+    primals = op.primals
+    batched = next((i for i, p in enumerate(primals) if p.ndim >= 2), None)
+    if batched is None:
+        raise Skip("no float input has two or more dimensions to give a symbolic batch dimension")
+    if primals[batched].shape[0] == 0:
+        raise Skip(
+            f"{op.labels[batched]} has an empty leading dimension: jax.export's symbolic "
+            "dimensions are at least 1, so it cannot be called with 0"
+        )
+    leading = primals[batched].shape[0]
+    # The symbolic dimension on input `batched` alone; where the op ties its shape to
+    # another input's (two inputs of an elementwise op), on every float input of the
+    # same leading dimension: one shared batch dimension.
+    shared = [i for i, p in enumerate(primals) if p.ndim >= 1 and p.shape[0] == leading]
+    attempts = [[batched]] + ([shared] if shared != [batched] else [])
+    for symbolic in attempts:
+        specs = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in primals]
+        scope = jax.export.SymbolicScope()  # one `b` for all of them
+        for i in symbolic:
+            dims = ", ".join(["b", *map(str, primals[i].shape[1:])])
+            shape = jax.export.symbolic_shape(dims, scope=scope)
+            specs[i] = jax.ShapeDtypeStruct(shape, primals[i].dtype)
+        try:
+            call = _round_trip(fresh(op), specs)
+            break
+        except Exception as err:  # noqa: BLE001 -- a capability the op lacks, not a wrong result
+            if symbolic is attempts[0]:
+                first_error = err
+    else:
+        message = str(first_error).splitlines()[0] if str(first_error) else ""
+        raise Skip(
+            f"the op does not trace with a symbolic leading dimension of {op.labels[batched]} "
+            f"({type(first_error).__name__}: {message[:200]})"
+        ) from first_error
+    names = " and ".join(op.labels[i] for i in symbolic)
+    what = f"a symbolic leading dimension of {names}"
+    assert_trees_close(
+        call(*primals), op.jitted(*primals), what=f"output exported with {what}", rtol=TIGHT
+    )
+    return f"exported with {what}: same values"
