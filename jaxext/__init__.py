@@ -12,6 +12,7 @@ layers on the ops; ``Function`` for porting ``torch.autograd.Function`` code; an
 from . import _custom_vjp, _eager_cache
 from ._custom_vjp import custom_vjp as custom_vjp
 from ._grad_type import grad_type as grad_type
+from ._rule_contracts import ClosedOverValueError as ClosedOverValueError
 from ._rule_contracts import RuleTypeError as RuleTypeError
 from ._rule_contracts import RuleValueError as RuleValueError
 from ._validation import check_array as check_array

@@ -54,6 +54,14 @@ from ._avals import (
     zeros,
     zeros_like,
 )
+from ._bwd_variants import (
+    PLAIN,
+    BwdVariants,
+    call_bwd,
+    is_accumulator,
+    passes_logs,
+    register_logging_transpose,
+)
 from ._linearity import Kind, nonlinearities
 from ._remat import rematerialized, run_fwd, saved
 from ._rule_contracts import (
@@ -76,7 +84,7 @@ __all__ = ["RuleTypeError", "RuleValueError", "custom_vjp"]
 ReturnValue = TypeVar("ReturnValue")
 
 
-class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.custom_vjp
+class custom_vjp(BwdVariants, Generic[ReturnValue]):  # noqa: N801 -- mirrors jax.custom_vjp
     """A drop-in for ``jax.custom_vjp`` that also supports forward-mode AD.
 
     Decorate the primal function, then attach ``fwd`` and ``bwd`` with
@@ -93,8 +101,8 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
     * residuals may hold Python values (flags, dtypes, shapes): they are kept as
       static data, never traced;
     * ``bwd`` may return ``None`` for an input (a zero gradient) and extra
-      trailing ``None``; a missing gradient, or one of the wrong shape, dtype or
-      structure, is a clear error at trace time naming the op and the input
+      trailing ``None``; a missing gradient, or one of the wrong shape or structure,
+      is a clear error at trace time naming the op and the input
       (:class:`jaxext.RuleTypeError` / :class:`jaxext.RuleValueError`);
     * inside ``shard_map``, a gradient that varies over mesh axes its input does
       not vary over is summed over them, as autodiff does.
@@ -296,6 +304,7 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         self.fwd, self.bwd, self.jvp = fwd, bwd, jvp
         self.symbolic_zeros = bool(symbolic_zeros)
         self.optimize_remat = bool(optimize_remat)
+        self._set_kind(PLAIN)  # bwd returns gradients (see _bwd_variants for the others)
 
     def defremat(
         self,
@@ -376,6 +385,7 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         self.remat_rules = (fwd, rem, bwd)
         self.fwd, self.bwd, self.jvp = remat_fwd, bwd, None
         self.symbolic_zeros = self.optimize_remat = False
+        self._set_kind(PLAIN)
 
     def def_vmap(self, rule: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[Any, Any]]:
         """Defines the batching rule ``vmap`` uses for the function (usable as a decorator).
@@ -436,9 +446,8 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
         # defjvp ...) are forwarded to it, as jax.custom_vjp forwards them.
         if name in _JAX_ONLY_METHODS:
             raise AttributeError(
-                f"jaxext.custom_vjp has no {name!r}: backward-pass logs and accumulators "
-                "(JAX 0.12) live in JAX's internal reverse-mode machinery, which jaxext's "
-                "rules do not go through. Use jax.custom_vjp for a function that needs them."
+                f"'custom_vjp' object has no attribute {name!r}: jax.custom_vjp has it from "
+                f"JAX 0.12 on, and so has jaxext.custom_vjp; this is JAX {jax.__version__}."
             )
         if name.startswith("def") and "fun" in self.__dict__:
             return getattr(self.fun, name)
@@ -491,7 +500,7 @@ class custom_vjp(Generic[ReturnValue]):  # noqa: N801 -- the name mirrors jax.cu
 
 _NO_NAME = object()  # a function without a __name__ is named by its repr
 
-# jax.custom_vjp methods (JAX 0.12) that jaxext.custom_vjp does not provide.
+# jax.custom_vjp methods from JAX 0.12 on (absent from both where JAX lacks them).
 _JAX_ONLY_METHODS = frozenset({"defvjp_with_logs", "defvjp_with_accums", "defremat_with_logs"})
 
 
@@ -710,7 +719,7 @@ class Steps:
         )
         staged = _trace_state.staged(in_leaves, res_arrays, t_in)
         if t_in and staged and op.spec.hoist_closures:
-            res_arrays = [*res_arrays, *lin.hoist(res_arrays)]  # staged: see _TangentMap.hoist
+            res_arrays = [*res_arrays, *lin.hoist(res_arrays, t_in)]  # see _TangentMap.hoist
         if t_in and op.spec.differentiate_fwd and op.spec.jvp is None:
             res_arrays = [*res_arrays, *lin.fwd_operands(in_leaves, staged)]
         float_tangents = iter(tangent_p.bind(*res_arrays, *t_in, lin=lin) if t_in else [])
@@ -770,6 +779,7 @@ class _TangentMap:
         self.hoisted_fwd: Callable[..., Any] | None = None
         self.n_bwd_consts = self.n_jvp_consts = 0
         self.fwd_start = self.n_fwd_consts = 0  # differentiate_fwd: see fwd_operands
+        self.logs: Any = None  # what the last run of a logging bwd logged (backward_logs)
         self.ct_avals = tuple(
             a.to_tangent_aval() for a, f in zip(self.out_avals, self.out_float, strict=True) if f
         )
@@ -801,7 +811,7 @@ class _TangentMap:
 
     # -- the backward: cotangents of the float outputs -> gradients of perturbed inputs --
 
-    def hoist(self, res_arrays: Sequence[Any]) -> list[Any]:
+    def hoist(self, res_arrays: Sequence[Any], t_in_traced: Sequence[Any] = ()) -> list[Any]:
         """Makes the tracers ``bwd`` and ``jvp`` close over explicit operands; returns them.
 
         The tangent primitive runs ``bwd`` (transposed) or ``jvp`` when it is evaluated or
@@ -809,16 +819,21 @@ class _TangentMap:
         rules close over (a traced scale under ``jit``, a ``scan`` carry) would be stale
         there, so they travel as operands, after the residuals, as ``jax.closure_convert``
         arranges. A rule that cannot be traced abstractly (Python control flow on a
-        residual's value) is left as it is.
+        residual's value) is left as it is. ``t_in_traced``: the JVP rule's tangents.
         """
         cts = [jnp.zeros(a.shape, a.dtype) for a in self.ct_avals]
         t_in = [jnp.zeros(a.shape, a.dtype) for a in self.t_avals]
         own = list(res_arrays)
         consts: list[Any] = []
-        try:
-            bwd, bwd_consts = _forward_mode.closure_convert(self.own_backward, own, cts)
-        except Exception:  # noqa: BLE001 -- a dry run: the rule itself runs (and raises) later
-            bwd, bwd_consts = None, []
+        bwd, bwd_consts = None, []
+        # A bwd with symbolic zeros, in a linearization (reverse mode), is traced only as
+        # jax.custom_vjp traces it: when transposed, with the cotangents' symbolic zeros
+        # (not dense ones here: Equinox's checkpointed loop does other work for them).
+        if not (self.op.spec.symbolic_zeros and _trace_state.linearizing(t_in_traced)):
+            try:
+                bwd, bwd_consts = _forward_mode.closure_convert(self.own_backward, own, cts)
+            except Exception:  # noqa: BLE001 -- a dry run: the rule runs (and raises) later
+                bwd, bwd_consts = None, []
         self.traced_bwd = bwd  # reverse mode reuses it (see backward)
         if bwd_consts:
             self.hoisted_bwd, self.n_bwd_consts = bwd, len(bwd_consts)
@@ -870,18 +885,33 @@ class _TangentMap:
         # nor on operands split over several devices: hoist traced on unsplit cotangents, and
         # what bwd does can depend on the split (a C++ kernel's partition rule reads it)
         whole = not split_over_devices([*res_arrays[: self.n_own], *cts])
-        if self.traced_bwd is not None and dense and plain and whole:
-            return self.staged_backward(res_arrays, cts, self.traced_bwd)
+        # and for a bwd that logs: the logs are read off this run (backward_logs)
+        logless = self.op.spec.bwd_kind == PLAIN
+        if self.traced_bwd is not None and dense and plain and whole and logless:
+            return self.hoisted_backward(res_arrays, cts, self.traced_bwd)
         return self.own_backward(res_arrays[: self.n_own], cts)
 
-    def staged_backward(
+    def backward_logs(self, res_arrays: Sequence[Any], cts: Sequence[Any]) -> tuple[list, Any]:
+        """:meth:`backward`, and the logs of a ``bwd`` that logs (``None`` if it does not)."""
+        self.logs = None
+        grads = self.backward(res_arrays, cts)
+        return grads, self.logs
+
+    def staged_backward(self, res_arrays: Sequence[Any], cts: Sequence[Any]) -> list[jax.Array]:
+        """``bwd`` for forward mode, which may run after the trace: with hoisted closures,
+        each gradient of its input's tangent dtype (``bwd`` may give another float dtype,
+        as ``jax.custom_vjp`` accepts: see ``check_leaf``)."""
+        grads = self.hoisted_backward(res_arrays, cts)
+        return [
+            g if dtype_of(g) == a.dtype else jnp.asarray(g).astype(a.dtype)
+            for g, a in zip(grads, self.t_avals, strict=True)
+        ]
+
+    def hoisted_backward(
         self, res_arrays: Sequence[Any], cts: Sequence[Any], traced: Any = None
     ) -> list[jax.Array]:
-        """``bwd`` for forward mode, which may run after the trace: with hoisted closures.
-
-        ``traced``: a closure-converted ``bwd`` to run (:meth:`hoist`'s), when not
-        ``hoisted_bwd``.
-        """
+        """``bwd`` with the closures :meth:`hoist` made operands (``traced``: a
+        closure-converted ``bwd`` to run (:meth:`hoist`'s), when not ``hoisted_bwd``)."""
         traced = traced or self.hoisted_bwd
         if traced is None:
             return self.own_backward(res_arrays[: self.n_own], cts)
@@ -904,7 +934,10 @@ class _TangentMap:
                 ct = SymbolicZero(tangent_aval) if spec.symbolic_zeros else zeros(tangent_aval)
             leaves.append(ct)
         g = jax.tree_util.tree_unflatten(self.out_tree, leaves)
-        grads = spec.bwd(*self.op.nondiff(), self.residuals(res_arrays), g)
+        args = (*self.op.nondiff(), self.residuals(res_arrays), g)
+        grads, self.logs = call_bwd(
+            spec.bwd_kind, spec.bwd, args, self.op.name, self.in_tree, self.in_avals, self.perturbed
+        )
         return check_bwd_output(
             grads, self.op.name, self.op.label, self.in_tree, self.in_avals, self.perturbed
         )
@@ -1038,6 +1071,22 @@ def _tangent_transpose(cts: Sequence[Any], *args: Any, lin: _TangentMap) -> list
     return out
 
 
+def _tangent_transpose_logging(cts: Sequence[Any], *args: Any, lin: _TangentMap) -> Any:
+    """The transpose as JAX's backward pass runs it where it collects logs (JAX 0.12's
+    ``fancy_transposes``): gradients pushed into the accumulators of the linear
+    operands, and what a logging ``bwd`` logged returned to JAX."""
+    res, t = _split(args, lin)
+    if any(is_accumulator(r) for r in res):
+        raise TypeError(f"`{lin.op.name}`: the residuals of a custom_vjp cannot be linear inputs.")
+    if all(type(ct) is ad.Zero for ct in cts):
+        return None
+    grads, logs = lin.backward_logs(res, [None if type(ct) is ad.Zero else ct for ct in cts])
+    for acc, grad in zip(t, grads, strict=True):
+        if is_accumulator(acc) and grad is not None:
+            acc.accum(grad)
+    return logs
+
+
 def _tangent_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, lin: _TangentMap):
     res, t = _split(primals, lin)
     d_res, d_t = _split(tangents, lin)
@@ -1073,10 +1122,11 @@ def _tangent_batch(args: Sequence[Any], dims: Sequence[Any], *, lin: _TangentMap
     entry = batch_entry([r for r, d in zip(res, res_dims, strict=True) if d is not None] + t)
     t = [with_batch_entry(x, entry) for x in t]
     outs = tangent_p.bind(*res, *t, lin=_Batched(lin, size, res_axes, entry))
-    if all(d is not None for d in t_dims):
-        return outs, [0] * len(outs)
     # An output tangent that varies with no batched operand stays unbatched, as its primal
-    # output does (vmap's out_axes=None, and JAX's merge of primal and tangent batching).
+    # output does (vmap's out_axes=None, and JAX's merge of primal and tangent batching),
+    # even where every tangent operand is batched: an output that passes an unbatched,
+    # unperturbed input through has a zero tangent, and a batched one would batch the
+    # primal output after JAX batched the caller's jaxpr with it unbatched.
     res_avals = [
         jax.typeof(r) if d is None else unbatched_aval(r)
         for r, d in zip(res, res_dims, strict=True)
@@ -1124,6 +1174,11 @@ class _Batched:
         cts = [None if c is None else with_batch_entry(c, self.entry) for c in cts]
         return jax.vmap(self.inner.backward, in_axes=(self.res_axes, 0))(list(res_arrays), cts)
 
+    def backward_logs(self, res_arrays: Sequence[Any], cts: Sequence[Any]) -> tuple[list, Any]:
+        res_arrays, _ = self.mapped(res_arrays, [])
+        cts = [None if c is None else with_batch_entry(c, self.entry) for c in cts]
+        return jax.vmap(self.inner.backward_logs, in_axes=(self.res_axes, 0))(list(res_arrays), cts)
+
     def tangent(self, res_arrays: Sequence[Any], t_in: Sequence[Any]) -> list[jax.Array]:
         res_arrays, t_in = self.mapped(res_arrays, t_in)
         return jax.vmap(self.inner.tangent, in_axes=(self.res_axes, 0))(
@@ -1135,5 +1190,7 @@ tangent_p.def_impl(_tangent_impl)
 tangent_p.def_abstract_eval(_tangent_abstract_eval)
 ad.primitive_jvps[tangent_p] = _tangent_jvp
 ad.primitive_transposes[tangent_p] = _tangent_transpose
+if passes_logs():  # JAX 0.12: logs of defvjp_with_logs and the like reach f_vjp.with_logs
+    register_logging_transpose(tangent_p, _tangent_transpose_logging)
 batching.primitive_batchers[tangent_p] = _tangent_batch
 mlir.register_lowering(tangent_p, mlir.lower_fun(_tangent_apply, multiple_results=True))

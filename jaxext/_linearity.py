@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ._jaxpr import call_body
@@ -332,7 +333,8 @@ def _rule(
 
 
 def _is_inexact(dtype: Any) -> bool:
-    return bool(np.issubdtype(np.dtype(dtype), np.inexact))
+    # jnp.issubdtype: NumPy does not count bfloat16 (an ml_dtypes type) as inexact.
+    return bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
 def _sum_of(ins: Sequence[tuple[Kind, str]], here: str) -> tuple[Kind, str]:

@@ -1,10 +1,10 @@
 """The contract of a ``jaxext.custom_vjp``'s rules with the core, and its error messages.
 
 A leaf module under the custom_vjp core: the errors a broken contract raises
-(:class:`RuleTypeError`, :class:`RuleValueError`), how an argument is named in them
-(:func:`arg_label`, :func:`name_user_function`), how a call's arguments are resolved to
-positions (:func:`resolve_kwargs`, :func:`positions_of`), and the checks of what the rules
-return: :func:`fwd_pair` and :func:`check_fwd_output` for ``fwd``,
+(:class:`RuleTypeError`, :class:`RuleValueError`, :class:`ClosedOverValueError`), how an
+argument is named in them (:func:`arg_label`, :func:`name_user_function`), how a call's
+arguments are resolved to positions (:func:`resolve_kwargs`, :func:`positions_of`), and the
+checks of what the rules return: :func:`fwd_pair` and :func:`check_fwd_output` for ``fwd``,
 :func:`check_bwd_output` for ``bwd`` (one pass, as JAX's ``_flatten_bwd``), and
 :func:`check_leaf` for one gradient or ``jvp`` output tangent.
 
@@ -30,6 +30,7 @@ from jax.custom_derivatives import SymbolicZero
 from ._avals import as_array, as_dtype, dtype_of, is_array_leaf, match_type, py_float, short, zeros
 
 __all__ = [
+    "ClosedOverValueError",
     "RuleTypeError",
     "RuleValueError",
     "arg_label",
@@ -62,6 +63,25 @@ class RuleValueError(ValueError):
 
 # Tracebacks show the names users can import and catch, not this private module's.
 RuleTypeError.__module__ = RuleValueError.__module__ = "jaxext"
+
+try:  # where JAX defines it (not exported publicly)
+    from jax._src.interpreters.ad import CustomVJPException as _JaxCustomVJPException
+except ImportError:  # pragma: no cover -- a JAX that moved it: the RuleTypeError alone
+    _JaxCustomVJPException = RuleTypeError
+
+
+class ClosedOverValueError(RuleTypeError, _JaxCustomVJPException):
+    """Rules that close over a differentiated (or otherwise traced, now stale) value.
+
+    A :class:`RuleTypeError` and JAX's ``CustomVJPException``, which ``jax.custom_vjp``
+    raises for the same case and which code (diffrax's tests) catches.
+    """
+
+    def __init__(self, message: str):
+        TypeError.__init__(self, message)
+
+
+ClosedOverValueError.__module__ = "jaxext"
 
 
 def positions_of(signature: inspect.Signature | None, names: Sequence[str]) -> list[int]:
@@ -205,12 +225,9 @@ def broadcast_prefix(grad: Any, tree: Any) -> list[Any]:
     """The leaves of ``grad`` broadcast to the leaves of ``tree``, of which it is a prefix.
 
     As in ``jax.custom_vjp``: a ``None`` (or one array) where the argument has a
-    subtree stands for every leaf of that subtree.
+    subtree stands for every leaf of that subtree, none where that subtree has no leaves
+    (JAX's Pallas ``megablox.gmm`` returns a gradient for an argument that may be ``None``).
     """
-    if tree.num_leaves == 0:  # an argument without arrays (None, an empty tuple)
-        if jax.tree_util.tree_leaves(grad):
-            raise TypeError("a gradient for an argument without arrays")
-        return []
     if tree.num_leaves == 1 and jax.tree_util.treedef_is_leaf(tree):
         return [grad]  # an array argument: whatever bwd gave is checked as its gradient
     dummy = jax.tree_util.tree_unflatten(tree, [object()] * tree.num_leaves)
@@ -327,9 +344,9 @@ def check_fwd_output(out: Any, expected: Any, name: str, fwd: Any) -> None:
             )
 
 
-def stale_closure_error(name: str) -> RuleTypeError:
+def stale_closure_error(name: str) -> ClosedOverValueError:
     """The error for rules that close over a value of a trace that has ended."""
-    return RuleTypeError(
+    return ClosedOverValueError(
         f"`{name}`: its rules close over a traced value (one being differentiated, or "
         f"one computed inside a `jit`, `scan` or other traced function around the call "
         f"of `{name}`) that they cannot read when JAX differentiates that traced "
@@ -488,6 +505,10 @@ def check_leaf(
             f"{tuple(aval.shape)}; got shape {tuple(grad.shape)}.{jax_phrase(grad, jax_path)}"
         )
     if as_dtype(grad.dtype) != as_dtype(aval.dtype):
+        if rule == "bwd" and _other_dtype_accepted(aval.dtype, grad.dtype):
+            # As jax.custom_vjp: a gradient of another dtype for a float input is returned
+            # as bwd made it (float32 for a bfloat16 input: Pallas' attention does so).
+            return match_type(as_array(grad), aval)
         label, jax_path = where()
         raise RuleTypeError(
             f"`{name}`: {rule}'s {value} for {label} must have the {side}'s dtype "
@@ -495,3 +516,12 @@ def check_leaf(
             f"{jax_phrase(grad, jax_path)}"
         )
     return match_type(as_array(grad), aval)
+
+
+def _other_dtype_accepted(input_dtype: Any, grad_dtype: Any) -> bool:
+    """Whether ``jax.custom_vjp`` takes a gradient of ``grad_dtype`` for an input of
+    ``input_dtype`` (JAX's ``_temporary_dtype_exception``: an inexact input, or an
+    extended gradient dtype)."""
+    return jax.dtypes.issubdtype(grad_dtype, jax.dtypes.extended) or jax.dtypes.issubdtype(
+        input_dtype, np.inexact
+    )

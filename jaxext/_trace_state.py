@@ -37,7 +37,7 @@ import jax
 from jax.extend.core import take_current_trace
 from jax.interpreters import partial_eval
 
-__all__ = ["at_top_level", "eagerly", "on_call_stack", "stale_tracers", "staged"]
+__all__ = ["at_top_level", "eagerly", "linearizing", "on_call_stack", "stale_tracers", "staged"]
 
 T = TypeVar("T")
 
@@ -86,9 +86,15 @@ def staged(in_leaves: Sequence[Any], res_arrays: Sequence[Any], t_in: Sequence[A
     """
     if any(isinstance(v, jax.core.Tracer) for v in (*in_leaves, *res_arrays)):
         return True
-    if any(isinstance(t, partial_eval.JaxprTracer) for t in t_in):
+    if linearizing(t_in):
         return False
     return not at_top_level()
+
+
+def linearizing(t_in: Sequence[Any]) -> bool:
+    """Whether a JVP rule's tangents ``t_in`` are those of a linearization (``grad``,
+    ``vjp``, ``linearize``), which JAX stages as a jaxpr to transpose or evaluate later."""
+    return any(isinstance(t, partial_eval.JaxprTracer) for t in t_in)
 
 
 def stale_tracers() -> list[Any]:

@@ -173,6 +173,45 @@ def check(name, axes, jit=True, batch_shape=(BATCH,)):
     return result
 
 
+ENSEMBLE = 2
+
+
+def check_ensemble(jit=True):
+    """``jax.vmap`` of ``ops.linear`` over an ensemble axis split over the mesh axis
+    ``ens``, each member's rows split over ``data`` (a 2 x 4 explicit mesh): values,
+    the gradient of every parameter, and the shardings (the ensemble axis stays split)."""
+    mesh = jax.make_mesh((ENSEMBLE, 4), ("ens", "data"), axis_types=(AxisType.Explicit,) * 2)
+    x = rand(0, (ENSEMBLE, BATCH, N_IN))
+    w = rand(1, (ENSEMBLE, N_OUT, N_IN)) / np.sqrt(N_IN)
+    b, ct = rand(2, (ENSEMBLE, N_OUT)), rand(3, (ENSEMBLE, BATCH, N_OUT))
+    arrays = [x, w, b, ct]
+    spec = [P("ens", "data"), P("ens"), P("ens"), P("ens", "data")]
+    args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(arrays, spec, strict=True)]
+
+    def loss_of(f):
+        return lambda x, w, b, ct: jnp.sum(jnp.tanh(jax.vmap(f)(x, w, b)) * ct)
+
+    run = jax.jit if jit else (lambda f: f)
+    with jax.set_mesh(mesh):
+        out = run(jax.vmap(_linear))(*args[:3])
+        want = in_float64(jax.vmap(_linear_ref), *arrays[:3])
+        grads = run(jax.grad(loss_of(_linear), (0, 1, 2)))(*args)
+        grads_ref = in_float64(jax.grad(loss_of(_linear_ref), (0, 1, 2)), *arrays)
+        return {
+            "out_diff": max_abs_diff(out, want),
+            "out_scale": max_abs(want),
+            "out_spec": specs(out)[0],
+            "loss": [
+                float(run(loss_of(_linear))(*args)),
+                float(in_float64(loss_of(_linear_ref), *arrays)),
+            ],
+            "grad_diff": max_abs_diff(grads, grads_ref),
+            "grad_scale": max_abs(grads_ref),
+            "grad_specs": specs(grads),
+            "param_specs": specs(args[:3]),
+        }
+
+
 CHECKS = {
     f"{name}_{axes}_{mode}": (lambda n=name, a=axes, m=mode: check(n, a, jit=(m == "jit")))
     for name in ("mul_constant", "linear")
@@ -187,6 +226,8 @@ CHECKS.update(
         "mul_traced_explicit_jit": lambda: check("mul_traced", "explicit"),
         "mul_traced_explicit_eager": lambda: check("mul_traced", "explicit", jit=False),
         "load_rule_explicit_jit": lambda: check("load_rule", "explicit"),
+        "linear_ensemble_explicit_jit": check_ensemble,
+        "linear_ensemble_explicit_eager": lambda: check_ensemble(jit=False),
     }
 )
 

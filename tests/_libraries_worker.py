@@ -35,7 +35,10 @@ elif MODE != "jax":
 
 jax.config.update("jax_enable_x64", True)
 
+import contextlib  # noqa: E402
 import functools  # noqa: E402
+import io  # noqa: E402
+import typing  # noqa: E402
 
 import diffrax  # noqa: E402
 import equinox as eqx  # noqa: E402
@@ -49,6 +52,10 @@ import optimistix as optx  # noqa: E402
 from _worker_util import run_checks  # noqa: E402  (tests/, the script's directory)
 from flax import nnx  # noqa: E402
 from flax.linen import fp8_ops  # noqa: E402
+from jax.experimental.pallas.ops.gpu import attention as pallas_attention  # noqa: E402
+from jax.experimental.pallas.ops.gpu import layer_norm as pallas_layer_norm  # noqa: E402
+from jax.experimental.pallas.ops.gpu import rms_norm as pallas_rms_norm  # noqa: E402
+from jax.experimental.pallas.ops.tpu.megablox import ops as megablox  # noqa: E402
 
 EPS = 1e-6  # central differences in float64: error ~ EPS**2 * f''' + rounding / EPS
 
@@ -281,6 +288,36 @@ LOOP_X = np.array([0.6, -0.4, 0.9])
 LOOP_T = np.array([0.3, 1.0, -0.5])
 
 
+def eqx_checkpointed_while_trivial_vjp():
+    """Equinox's ``test_while_loop.py::test_trivial_vjp``: ``grad`` (under ``jit``) of the
+    second carry of a checkpointed loop that the first, differentiated one never reaches.
+    Under ``typing.TESTING`` Equinox prints which values it perturbs and, only when its
+    backward runs with a cotangent to resolve, its symbolic zeros: JAX never runs that
+    backward (the cotangent of the perturbed output is a symbolic zero)."""
+
+    def cond_fun(carry):
+        return True
+
+    def body_fun(carry):
+        return carry
+
+    @jax.jit
+    @jax.grad
+    def run(x):
+        _, b = eqxi.while_loop(cond_fun, body_fun, (x, 0.0), max_steps=3, kind="checkpointed")
+        return b
+
+    printed = io.StringIO()
+    old = getattr(typing, "TESTING", False)
+    typing.TESTING = True
+    try:
+        with contextlib.redirect_stdout(printed):
+            value = float(run(1.0))
+    finally:
+        typing.TESTING = old
+    return {"value": value, "printed": printed.getvalue()}
+
+
 def eqx_checkpointed_while_grad():
     return grad_and_fd(lambda x: jnp.sum(jnp.cos(checkpointed_loop(x))), LOOP_X, LOOP_T)
 
@@ -374,6 +411,33 @@ def diffrax_backsolve_closure():
         return solution.ys[-1, 0]
 
     return {"grad": float(jax.grad(loss)(0.7)), "expected": float(-np.exp(-0.7))}
+
+
+def diffrax_closure_error_class():
+    """diffrax's ``test_closure_errors``: ``BacksolveAdjoint`` under ``filter_jit`` of
+    ``filter_value_and_grad``, the vector field closing over the differentiated model:
+    diffrax documents (and tests) that JAX raises its ``CustomVJPException``."""
+    from jax._src.interpreters.ad import CustomVJPException
+
+    mlp = eqx.nn.MLP(1, 1, 4, 1, key=jax.random.key(0))
+
+    @eqx.filter_jit
+    @eqx.filter_value_and_grad
+    def run(model):
+        def field(t, y, args):
+            return model(y)
+
+        solution = diffrax.diffeqsolve(
+            diffrax.ODETerm(field), diffrax.Euler(), 0.0, 1.0, 0.1, jnp.array([1.0]),
+            adjoint=diffrax.BacksolveAdjoint(),
+        )  # fmt: skip
+        return jnp.sum(solution.ys)
+
+    try:
+        run(mlp)
+    except CustomVJPException as error:
+        return {"raised": type(error).__name__, "message": str(error)}
+    return {"raised": None}
 
 
 # -- optax ------------------------------------------------------------------------------
@@ -527,18 +591,114 @@ def lineax_solve_grad():
     }
 
 
+# -- JAX's own Pallas kernel ops (jax.custom_vjp), in interpret mode on CPU ---------------
+# In float32 (the kernels' own dtype; megablox's index arithmetic refuses x64), tiny shapes.
+
+
+def _pallas_inputs(*shapes):
+    keys = jax.random.split(jax.random.key(0), len(shapes))
+    return [jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, shapes, strict=True)]
+
+
+def _norm_ops():
+    x, w, b = _pallas_inputs((2, 3, 8), (8,), (8,))
+    w, b = 1 + 0.1 * w, 0.1 * b
+    return {
+        "rms_norm": (lambda x, w, b: pallas_rms_norm.rms_norm(x, w, b, interpret=True), x, w, b),
+        "layer_norm": (
+            lambda x, w, b: pallas_layer_norm.layer_norm(x, w, b, interpret=True),
+            x,
+            w,
+            b,
+        ),
+    }
+
+
+_MHA_BLOCKS = pallas_attention.BlockSizes(
+    block_q=8, block_k=8, block_q_dkv=8, block_kv_dkv=8, block_q_dq=8, block_kv_dq=8
+)
+
+
+def _mha(q, k, v):
+    return pallas_attention.mha(q, k, v, None, block_sizes=_MHA_BLOCKS, interpret=True)
+
+
+def _pallas_cases():
+    """``{name: (f, *args)}``: each op with its differentiable arguments."""
+    cases = _norm_ops()
+    cases["attention"] = (_mha, *_pallas_inputs(*[(1, 8, 1, 4)] * 3))
+    return cases
+
+
+def _pallas_values_and_grads(name):
+    def check():
+        with jax.enable_x64(False):
+            f, *args = _pallas_cases()[name]
+            argnums = tuple(range(len(args)))
+            loss = lambda *a: jnp.sum(f(*a) ** 2)  # noqa: E731
+            return {
+                "value": tolist(f(*args)),
+                "grad": tolist(jax.grad(loss, argnums)(*args)),
+                "jit_grad": tolist(jax.jit(jax.grad(loss, argnums))(*args)),
+            }
+
+    return check
+
+
+def _pallas_jacobians(name):
+    """``jacfwd`` and ``jacrev`` of the op in its first argument (plain JAX refuses
+    ``jacfwd``)."""
+
+    def check():
+        with jax.enable_x64(False):
+            f, x, *rest = _pallas_cases()[name]
+            g = lambda x: f(x, *rest)  # noqa: E731
+            return {"jacfwd": tolist(jax.jacfwd(g)(x)), "jacrev": tolist(jax.jacrev(g)(x))}
+
+    return check
+
+
+def pallas_megablox_gmm():
+    """``megablox.gmm`` (its backward returns a gradient for ``existing_out``, None here):
+    value and gradients; forward mode, which its Pallas backward cannot give within the
+    row-by-row limit, recorded as the error it raises."""
+    with jax.enable_x64(False):
+        lhs, rhs = _pallas_inputs((128, 128), (2, 128, 128))
+        sizes = jnp.array([48, 80], jnp.int32)
+
+        def loss(lhs, rhs):
+            out = megablox.gmm(lhs, rhs, sizes, jnp.float32, interpret=True)
+            return jnp.sum(out**2) / 1e4
+
+        value, grads = jax.value_and_grad(loss, (0, 1))(lhs, rhs)
+        result = {"value": float(value), "grad": tolist(grads)}
+        try:
+            jax.jvp(loss, (lhs, rhs), (lhs, rhs))
+            result["jvp_error"] = None
+        except TypeError as error:
+            result["jvp_error"] = str(error)
+        return result
+
+
+PALLAS_OPS = ("rms_norm", "layer_norm", "attention")
+
 CHECKS = {
+    **{f"pallas_{name}": _pallas_values_and_grads(name) for name in PALLAS_OPS},
+    **{f"pallas_{name}_jacobians": _pallas_jacobians(name) for name in PALLAS_OPS},
+    "pallas_megablox_gmm": pallas_megablox_gmm,
     "flax_nnx_custom_vjp": flax_nnx_custom_vjp,
     "flax_fp8_meta_history": flax_fp8_meta_history,
     "flax_fp8_scaled_dot_general": flax_fp8_scaled_dot_general,
     "eqx_filter_custom_vjp_python_scalars": eqx_filter_custom_vjp_python_scalars,
     "eqx_checkpointed_while_grad": eqx_checkpointed_while_grad,
+    "eqx_checkpointed_while_trivial_vjp": eqx_checkpointed_while_trivial_vjp,
     "eqx_checkpointed_while_jvp": eqx_checkpointed_while_jvp,
     "diffrax_recursive_checkpoint_grad": diffrax_recursive_checkpoint_grad,
     "diffrax_backsolve_grad": diffrax_backsolve_grad,
     "diffrax_recursive_checkpoint_jvp": diffrax_recursive_checkpoint_jvp,
     "diffrax_grad_of_vmap": diffrax_grad_of_vmap,
     "diffrax_backsolve_closure": diffrax_backsolve_closure,
+    "diffrax_closure_error_class": diffrax_closure_error_class,
     "optax_scale_gradient": optax_scale_gradient,
     "optax_scale_gradient_jvp": optax_scale_gradient_jvp,
     "jaxopt_implicit_grad": jaxopt_implicit_grad,

@@ -34,7 +34,17 @@ FALLBACK_CASES = [f"{op}_auto_jit" for op in OPS]  # auto axes under jit: replic
 HANDLER_CASES = ["batch_rule_explicit_jit", "load_rule_explicit_jit"]
 # ops.mul_constant with a 0-d array constant (replicated, differentiable) on split x.
 TRACED_CASES = ["mul_traced_explicit_jit", "mul_traced_explicit_eager"]
-ALL_CASES = RULE_CASES + FALLBACK_CASES + HANDLER_CASES + TRACED_CASES + ["no_rule_explicit_jit"]
+# jax.vmap of ops.linear over an ensemble axis split over `ens`, rows over `data` (issue #45:
+# eagerly, "shard_map out_specs argument must refer to an axis marked as manual").
+ENSEMBLE_CASES = ["linear_ensemble_explicit_jit", "linear_ensemble_explicit_eager"]
+ALL_CASES = (
+    RULE_CASES
+    + FALLBACK_CASES
+    + HANDLER_CASES
+    + TRACED_CASES
+    + ENSEMBLE_CASES
+    + ["no_rule_explicit_jit"]
+)
 # float32 results of these small problems (sums of up to 16 * 6 terms) against float64.
 TOL = rounding_tolerance(np.float32, n=128)
 
@@ -67,6 +77,13 @@ def test_worker_sees_eight_devices(worker_results):
 @pytest.mark.parametrize("name", ALL_CASES)
 def test_values_and_gradients_match_unsharded_reference(worker_results, name):
     _assert_values(_check(worker_results, name))
+
+
+@pytest.mark.parametrize("name", ENSEMBLE_CASES)
+def test_vmap_over_a_split_ensemble_axis_keeps_both_splits(worker_results, name):
+    result = _check(worker_results, name)
+    assert result["out_spec"].startswith("('ens', 'data'")
+    assert result["grad_specs"] == result["param_specs"]
 
 
 @pytest.mark.parametrize("name", RULE_CASES + HANDLER_CASES + TRACED_CASES)

@@ -559,11 +559,8 @@ BAD_BACKWARDS = [
         ValueError,
         r"gradient for argument 0 \(`x`\) must have the input's shape \(\); got shape \(2,\)",
     ),
-    pytest.param(
-        lambda r, g: (g.astype(jnp.float32), None),
-        TypeError,
-        r"gradient for argument 0 \(`x`\) must have the input's dtype float64; got float32",
-    ),
+    # (a gradient of another dtype for a float input is accepted, as by jax.custom_vjp:
+    # tests/test_dropin_acceptance.py)
     pytest.param(
         lambda r, g: ({"a": g}, None),
         TypeError,
@@ -739,12 +736,8 @@ def test_def_methods_are_forwarded_to_the_wrapped_function(impl, x64):
     np.testing.assert_allclose(jax.grad(wrapped)(0.5), np.cos(0.5))
 
 
-@pytest.mark.parametrize("name", ["defvjp_with_logs", "defvjp_with_accums", "defremat_with_logs"])
-def test_jax_only_methods_are_a_clear_attribute_error(name):
-    f = jaxext.custom_vjp(jnp.sin)
-    with pytest.raises(AttributeError, match=rf"no '{name}'.*Use jax.custom_vjp"):
-        getattr(f, name)
-    assert not hasattr(f, name)  # feature detection sees it missing
+# (JAX 0.12's defvjp_with_logs, defvjp_with_accums, defremat_with_logs: present exactly where
+# the installed jax.custom_vjp has them, tests/test_bwd_variants.py)
 
 
 @pytest.mark.parametrize("impl", DECORATORS)

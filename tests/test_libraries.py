@@ -188,6 +188,26 @@ def test_diffrax_backsolve_closure_is_the_gradient_or_explained(results):
         np.testing.assert_allclose(result["grad"], result["expected"], rtol=1e-4)
 
 
+def test_diffrax_closure_error_is_jax_custom_vjp_exception(results):
+    """diffrax's test_closure_errors catches JAX's CustomVJPException: jaxext raises a
+    subclass of it (with its own message naming the op)."""
+    plain = measured(results, "jax", "diffrax_closure_error_class")
+    swapped = measured(results, "jaxext", "diffrax_closure_error_class")
+    assert plain["raised"] == "CustomVJPException"
+    assert swapped["raised"] == "ClosedOverValueError"
+    assert "close over a traced value" in swapped["message"]
+
+
+def test_equinox_trivial_vjp_traces_the_backward_as_jax_does(results):
+    """Equinox's test_trivial_vjp: the checkpointed loop's backward is never traced with
+    a dense cotangent where jax.custom_vjp passes a symbolic zero."""
+    for mode in ("jax", "jaxext"):
+        result = measured(results, mode, "eqx_checkpointed_while_trivial_vjp")
+        assert result["value"] == 0.0
+        assert "perturb_val (False, False, False, (True, False))" in result["printed"]
+        assert "symbolic_zero_gradient" not in result["printed"], (mode, result["printed"])
+
+
 def test_optax_scale_gradient(results):
     swapped = measured(results, "jaxext", "optax_scale_gradient")
     np.testing.assert_allclose(swapped["grad"], swapped["expected"], **SAME)
@@ -249,6 +269,42 @@ def test_optimistix_recursive_checkpoint_adjoint_jvp(results):
 def test_jaxopt_implicit_differentiation_jvp(results):
     """jaxopt's backward solves by CG (a while_loop): ``J t`` must come from it."""
     assert_forward_mode_gain(results, "jaxopt_implicit_jvp")
+
+
+# -- JAX's own Pallas kernel ops (interpret mode on CPU) ------------------------------------
+# The same float32 kernels on the same inputs, through two custom_vjp implementations: equal
+# to float32 rounding (jaxext stages the rules differently).
+F32 = {"rtol": 1e-5, "atol": 1e-5}
+PALLAS_OPS = ("rms_norm", "layer_norm", "attention")
+
+
+@pytest.mark.parametrize("name", PALLAS_OPS)
+def test_pallas_op_values_and_gradients_equal_plain_jax(results, name):
+    swapped = measured(results, "jaxext", f"pallas_{name}")
+    plain = measured(results, "jax", f"pallas_{name}")
+    assert_tree_close(swapped, plain, **F32)
+
+
+@pytest.mark.parametrize("name", PALLAS_OPS)
+def test_pallas_op_forward_mode_is_the_transpose_of_reverse_mode(results, name):
+    """Plain JAX refuses ``jacfwd``; with jaxext it equals ``jacrev`` entrywise, and
+    ``jacrev`` equals plain JAX's (whose ``jacrev`` is the independent reference)."""
+    assert PLAIN_JAX_REFUSES in refusal(results, f"pallas_{name}_jacobians")
+    swapped = measured(results, "jaxext", f"pallas_{name}_jacobians")
+    np.testing.assert_allclose(swapped["jacfwd"], swapped["jacrev"], **F32)
+    assert np.max(np.abs(swapped["jacrev"])) > 0.1  # not trivially zero
+
+
+def test_pallas_megablox_gmm_gradients_equal_plain_jax(results):
+    """``gmm``'s backward returns a gradient for ``existing_out`` when it is None (JAX
+    accepts it); forward mode is the error naming the op and the remedies, never a value."""
+    swapped = measured(results, "jaxext", "pallas_megablox_gmm")
+    plain = measured(results, "jax", "pallas_megablox_gmm")
+    np.testing.assert_allclose(swapped["value"], plain["value"], rtol=1e-6)
+    assert_tree_close(swapped["grad"], plain["grad"], rtol=1e-5, atol=1e-3)
+    assert PLAIN_JAX_REFUSES in plain["jvp_error"]
+    assert "`gmm`: forward-mode" in swapped["jvp_error"]
+    assert "jvp=" in swapped["jvp_error"]
 
 
 # -- the default tier: libraries that look jax.custom_vjp up late, patched in this process ----

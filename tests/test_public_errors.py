@@ -19,6 +19,7 @@ from jaxext import cpp_extension
 PUBLIC_ERRORS = {
     "jaxext.RuleTypeError": jaxext.RuleTypeError,
     "jaxext.RuleValueError": jaxext.RuleValueError,
+    "jaxext.ClosedOverValueError": jaxext.ClosedOverValueError,
     "jaxext.GradcheckError": jaxext.GradcheckError,
     "jaxext.GradcheckUnresolvedWarning": jaxext.GradcheckUnresolvedWarning,
     "jaxext.OpcheckError": jaxext.OpcheckError,

@@ -167,13 +167,66 @@ def partitioned_call(
     operands' shardings, inside a ``shard_map`` (manual axes), or with nothing
     split, the call runs whole.
     """
-    call = make_call(list(results))
     shapes = [tuple(getattr(a, "shape", ())) for a in args]
     result_shapes = [tuple(r.shape) for r in results]
     if rule.strip() == BATCH:
         parsed = _batch_rule(len(args), [len(s) for s in shapes], [len(s) for s in result_shapes])
     else:
         parsed = _parse(rule)
+    if any(_is_tracer(a) for a in args) and _on_explicit_mesh(args):
+        # Traced on an explicit mesh: under vmap the batch axis may itself be split (an
+        # ensemble over one mesh axis, rows over another), which the shard_map of one
+        # element cannot say; the batched call is partitioned whole instead.
+        return list(_vmappable(make_call, results, parsed)(*args))
+    return _call(make_call, args, results, parsed)
+
+
+def _on_explicit_mesh(args: Sequence[Any]) -> bool:
+    shardings = [_sharding_of(a) for a in args]
+    return any(s is not None and AxisType.Explicit in tuple(s[0].axis_types) for s in shardings)
+
+
+def _vmappable(
+    make_call: Callable[[list[Any]], Callable[..., Any]], results: Sequence[Any], parsed: _Rule
+) -> Any:
+    """The partitioned call as a ``custom_vmap``: batched, it is the partitioned call of
+    the batched operands, whose rule names the batch axis (so that a split batch axis
+    stays split), each device's kernel call batched as ``vmap_method`` says."""
+    fun = jax.custom_batching.custom_vmap(lambda *args: _call(make_call, args, results, parsed))
+
+    @fun.def_vmap
+    def batched(axis_size: int, in_batched: Sequence[Any], *args: Any) -> Any:
+        taken = {t for term in (*parsed.operands, *parsed.results) for t in term}
+        name = next(f"vmap{k}" for k in range(len(taken) + 1) if f"vmap{k}" not in taken)
+        rule = _Rule(
+            parsed.text,
+            tuple((name, *t) if b else t for t, b in zip(parsed.operands, in_batched, strict=True)),
+            tuple((name, *t) for t in parsed.results),
+        )
+        in_axes = [0 if b else None for b in in_batched]
+
+        def batched_call(shard_results: list[Any]) -> Callable[..., Any]:
+            one = make_call([jax.ShapeDtypeStruct(r.shape[1:], r.dtype) for r in shard_results])
+            return jax.vmap(lambda *arrays: tuple(_as_list(one(*arrays))), in_axes=in_axes)
+
+        shapes = [jax.ShapeDtypeStruct((axis_size, *r.shape), r.dtype) for r in results]
+        outs = list(_vmappable(batched_call, shapes, rule)(*args))
+        return outs, [True] * len(outs)
+
+    return fun
+
+
+def _call(
+    make_call: Callable[[list[Any]], Callable[..., Any]],
+    args: Sequence[Any],
+    results: Sequence[Any],
+    parsed: _Rule,
+) -> list[Any]:
+    """:func:`partitioned_call` with the rule parsed (``parsed``)."""
+    rule = parsed.text
+    call = make_call(list(results))
+    shapes = [tuple(getattr(a, "shape", ())) for a in args]
+    result_shapes = [tuple(r.shape) for r in results]
     if len(parsed.operands) != len(args) or len(parsed.results) != len(results):
         raise _error(
             rule,
