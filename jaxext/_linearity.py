@@ -392,12 +392,29 @@ def _while(eqn: Any, ins: Sequence[tuple[Kind, str]], here: str) -> list[tuple[K
     return carry
 
 
+def _scan_operands(eqn: Any, ins: Sequence[Any]) -> tuple[list, list, list]:
+    """A ``scan`` equation's operands split into its constants, carry and scanned inputs.
+
+    JAX 0.10 records the split as ``num_consts``/``num_carry``; newer JAX as ``ft_in``, a
+    flat tree of the three groups (its ``update(...).unpack()``, as JAX's own rules read it).
+    """
+    params = eqn.params
+    if "num_consts" in params:
+        n_consts, n_carry = params["num_consts"], params["num_carry"]
+        return (
+            list(ins[:n_consts]),
+            list(ins[n_consts : n_consts + n_carry]),
+            list(ins[n_consts + n_carry :]),
+        )
+    consts, carry, xs = params["ft_in"].update(list(ins)).unpack()
+    return list(consts), list(carry), list(xs)
+
+
 def _scan(eqn: Any, ins: Sequence[tuple[Kind, str]], here: str) -> list[tuple[Kind, str]]:
     """A ``scan``: its carry over any number of iterations, and its stacked outputs."""
-    n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    consts, carry, xs = _scan_operands(eqn, ins)
+    n_carry = len(carry)
     body = eqn.params["jaxpr"]
-    consts, xs = list(ins[:n_consts]), list(ins[n_consts + n_carry :])
-    carry = list(ins[n_consts : n_consts + n_carry])
 
     def walk(carry: list[tuple[Kind, str]]) -> list[tuple[Kind, str]]:
         return _walk(body.jaxpr, [k for k, _ in consts + carry + xs], body.consts)
