@@ -464,7 +464,7 @@ class custom_vjp(BwdVariants, Generic[ReturnValue]):  # noqa: N801 -- mirrors ja
             )
         if kwargs or len(args) != self._arity():
             args = resolve_kwargs(self._signature(), name, args, kwargs)
-        if self.differentiate_fwd and _forward_mode.runs_plain(self):
+        if self.differentiate_fwd and _forward_mode.runs_as_written(self):
             return self.fun(*args)  # inside its own fwd, differentiated by JAX
         for i in self.nondiff_argnums:
             if i >= len(args):

@@ -74,8 +74,8 @@ __all__ = [
     "check_max_outputs",
     "closure_convert",
     "batched_outputs",
-    "plain_calls",
-    "runs_plain",
+    "as_written_calls",
+    "runs_as_written",
     "tangent_from_backward",
     "tangent_of_fwd",
 ]
@@ -320,24 +320,24 @@ def _first_line(err: BaseException) -> str:
 
 # -- differentiate_fwd=True -------------------------------------------------------------------
 
-_PLAIN = threading.local()
+_AS_WRITTEN = threading.local()
 
 
 @contextlib.contextmanager
-def plain_calls(spec: Any) -> Iterator[None]:
+def as_written_calls(spec: Any) -> Iterator[None]:
     """While forward mode differentiates ``spec``'s ``fwd``, calls of ``spec`` inside it run
     the primal function as written (differentiated by JAX), not the custom rules."""
-    active = getattr(_PLAIN, "specs", ())
-    _PLAIN.specs = (*active, spec)
+    active = getattr(_AS_WRITTEN, "specs", ())
+    _AS_WRITTEN.specs = (*active, spec)
     try:
         yield
     finally:
-        _PLAIN.specs = active
+        _AS_WRITTEN.specs = active
 
 
-def runs_plain(spec: Any) -> bool:
-    """Whether calls of ``spec`` run its primal as written (see :func:`plain_calls`)."""
-    return any(s is spec for s in getattr(_PLAIN, "specs", ()))
+def runs_as_written(spec: Any) -> bool:
+    """Whether calls of ``spec`` run its primal as written (see :func:`as_written_calls`)."""
+    return any(s is spec for s in getattr(_AS_WRITTEN, "specs", ()))
 
 
 def fwd_outputs(lin: TangentMap) -> Callable[..., list[Any]]:
@@ -348,7 +348,7 @@ def fwd_outputs(lin: TangentMap) -> Callable[..., list[Any]]:
         if spec.symbolic_zeros:
             leaves = [CustomVJPPrimal(p, q) for p, q in zip(leaves, lin.perturbed, strict=True)]
         args = jax.tree_util.tree_unflatten(lin.in_tree, list(leaves))
-        with plain_calls(spec):
+        with as_written_calls(spec):
             out, _ = spec.fwd(*op.merge(args))
         flat = lin.out_tree.flatten_up_to(out)
         return [o for o, f in zip(flat, lin.out_float, strict=True) if f]
