@@ -35,6 +35,7 @@ __all__ = [
     "inner_product",
     "jitted_together",
     "no_kernel",
+    "refused_forward_mode",
     "require_forward_mode",
     "vjp",
 ]
@@ -52,6 +53,23 @@ class Unresolved(CheckFailed):
 def require_forward_mode(op: OpUnderTest) -> None:
     if op.forward_error is not None:
         raise Skip(f"no forward mode (jax.jvp raises {op.forward_error})")
+
+
+def refused_forward_mode(op: OpUnderTest, err: BaseException) -> str | None:
+    """``require_forward_mode``'s SKIP reason where ``err`` (or an exception it was raised
+    from) is the op's refusal of forward mode: a row that needs it without saying so (the
+    JVP of the VJP of a plain ``jax.custom_vjp`` whose ``fwd`` calls the op) gets the same
+    verdict as the rows that ask first; else ``None``."""
+    if op.forward_error is None:
+        return None
+    refusal = op.forward_error.split(": ", 1)[-1]
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if refusal and refusal in str(err):
+            return f"no forward mode (jax.jvp raises {op.forward_error})"
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def inner_product(u: Any, out: Any, *, absolute: bool = False) -> jax.Array:
