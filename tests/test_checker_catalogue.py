@@ -29,6 +29,7 @@ import pytest
 from checker_ops import (
     abs_cotangent,
     at_set_add,
+    bfloat16_mixed_in,
     embedding,
     f64,
     fixed_point_backward,
@@ -40,6 +41,8 @@ from checker_ops import (
     linalg_solve,
     linear_empty_batch,
     mixed_precision,
+    mul_kernel_backward,
+    newton_sqrt_fwd_calls_op,
     normalize_tiny,
     perm_index,
     plain_custom_jvp,
@@ -59,6 +62,7 @@ from jaxext._checks import CHECK_NAMES
 NO_FORWARD_MODE = ("jvp", "jvp_vjp", "rev_over_fwd", "fwd_over_fwd")
 # ... and a backward that cannot be differentiated again SKIPs the second-order checks.
 NOT_TWICE = ("gradgradcheck", *NO_FORWARD_MODE)
+SECOND_ORDER = ("gradgradcheck", "fwd_over_rev", "rev_over_fwd", "fwd_over_fwd")
 # Only ops calling jaxext.cpp_extension kernels run unwritten_outputs (test_cpp_extension).
 ALWAYS_SKIPPED = {"unwritten_outputs"}
 
@@ -348,6 +352,15 @@ CORRECT = {
     ),
     # Issue #43: high-frequency encodings (buggy twins in BUGGY).
     **{f"fourier_{name}": (_fourier(name), (), True) for name in FOURIER_BANDS},
+    # Issue #43, one verdict per cause: no forward mode (the JVP of the VJP too, its fwd
+    # calling the op), and a Pallas backward JAX cannot differentiate again (all four
+    # second-order rows, the same reason).
+    "newton_sqrt_fwd_calls_op": (
+        newton_sqrt_fwd_calls_op,
+        (*NO_FORWARD_MODE, "fwd_over_rev", *NO_SYMBOLIC),
+        True,
+    ),
+    "mul_kernel_backward": (mul_kernel_backward, SECOND_ORDER, False),
 }
 
 
@@ -382,6 +395,10 @@ FOCUSED = {
     "polar": ("checkpoint",),
     # A backward that raises when differentiated, but not by JAX's limit: a FAIL.
     "second_order_rule_raises": ("gradgradcheck",),
+    # Issue #43, one verdict per cause (the full battery is the exhaustive tier's).
+    "bfloat16_mixed_in": ("grad_dtypes", "low_precision"),
+    "newton_sqrt_fwd_calls_op": ("jvp", "fwd_over_rev", "rev_over_fwd"),
+    "mul_kernel_backward": SECOND_ORDER,
     # Issue #43: the encodings and their twins, in the checks that use finite differences
     # at first order (the full battery is the exhaustive tier's).
     **{f"fourier_{name}": ("gradcheck", "jvp") for name in FOURIER_BANDS},
@@ -458,6 +475,11 @@ SKIP_REASONS = {
     ("scalar_output", "export_symbolic"): ("no float input has two or more dimensions",),
     ("fixed_point_backward", "gradgradcheck"): ("the backward runs but cannot be differentiated",),
     ("nondiff_argnums", "jvp"): ("no forward mode",),
+    ("newton_sqrt_fwd_calls_op", "fwd_over_rev"): ("no forward mode", "custom_vjp function"),
+    **{
+        ("mul_kernel_backward", check): ("cannot be differentiated, JAX's own limit",)
+        for check in SECOND_ORDER
+    },
     ("once_differentiable", "gradgradcheck"): ("once_differentiable",),
     ("rfft_refuses_bfloat16", "low_precision"): ("float32 checked", "bfloat16", "ValueError"),
     ("complex_square_parts", "checkpoint"): (
@@ -825,6 +847,7 @@ BUGGY = {
     "bfloat16_backward_raises": (bfloat16_backward_raises, {"grad_dtypes", "low_precision"}, True),
     "complex_square_parts_no_conjugate": (complex_square_parts_no_conjugate, {"gradcheck"}, False),
     "complex_residual_for_real_math": (complex_residual_for_real_math, {"checkpoint"}, True),
+    "bfloat16_mixed_in": (bfloat16_mixed_in, {"grad_dtypes", "low_precision"}, True),
     "polar_theta_gradient_sign": (polar_theta_gradient_sign, {"gradcheck"}, False),
     # Issue #43: a backward 0.5%, 1% or 3% too large; forward mode is derived from it.
     **{
@@ -850,6 +873,8 @@ FAIL_DETAILS = {
     ("bfloat16_backward_raises", "low_precision"): "no backward kernel for bfloat16",
     ("complex_residual_for_real_math", "checkpoint"): "reduce_precision",
     ("second_order_rule_raises", "gradgradcheck"): "raised",
+    ("bfloat16_mixed_in", "grad_dtypes"): "not a refusal of the dtype",
+    ("bfloat16_mixed_in", "low_precision"): "not a refusal of the dtype",
     **{
         (f"fourier_{name}_{rel:.1%}_too_large", check): "Jacobian mismatch"
         for name in FOURIER_BANDS
@@ -1166,3 +1191,39 @@ def test_saturated_verdicts_and_reports_are_the_same_in_every_engine(monkeypatch
     reports = [report(engine), report("reference")]
     assert reports[0] == reports[1]
     assert (reports[0] is True) == (rel == 0.0)
+
+
+def test_one_cause_one_verdict_on_every_second_order_row():
+    """A Pallas backward JAX cannot differentiate again: the four second-order rows SKIP
+    with one and the same reason, whichever exception each met (issue #43)."""
+    op, args = mul_kernel_backward()
+    report = jaxext.opcheck(op, args, checks=list(SECOND_ORDER), raise_exception=False)
+    assert report.skipped == SECOND_ORDER, str(report)
+    assert len({report[check].detail for check in SECOND_ORDER}) == 1, str(report)
+    assert "Linearization failed" in report["gradgradcheck"].detail
+
+
+def test_a_declared_higher_order_limit_is_a_skip():
+    """An op whose rules raise "Higher-order AD not supported" when differentiated again
+    (JAX's Pallas flash and splash attention) declares a limit: SKIP on every
+    second-order row with that declaration, as once_differentiable."""
+
+    @jax.custom_vjp
+    def op(x, w):
+        return x * w
+
+    @jax.custom_vjp
+    def backward_kernel(g, x, w):
+        return g * w, g * x
+
+    def refuse(*_):
+        raise NotImplementedError("Higher-order AD not supported")
+
+    backward_kernel.defvjp(refuse, refuse)
+    op.defvjp(lambda x, w: (x * w, (x, w)), lambda res, g: backward_kernel(g, *res))
+    args = (np.linspace(0.5, 1.5, 6).reshape(2, 3), np.linspace(-1.0, 1.0, 6).reshape(2, 3))
+    report = jaxext.opcheck(op, args, checks=["gradcheck", *SECOND_ORDER], raise_exception=False)
+    assert report.statuses["gradcheck"] == "PASS", str(report)
+    assert report.skipped == SECOND_ORDER, str(report)  # the last two: a plain custom_vjp
+    for check in ("gradgradcheck", "fwd_over_rev"):
+        assert "Higher-order AD not supported" in report[check].detail, str(report)
