@@ -103,7 +103,8 @@ def opcheck(
       symbolic leading dimension on the first input of two or more dimensions,
       or, where the op ties it to other inputs (an elementwise op), on every input
       of that leading dimension, one shared symbol, integer array inputs of that
-      leading dimension (token labels) included (SKIP when the op does not trace with either, or when that dimension is 0:
+      leading dimension (token labels) included (SKIP when the op does not trace
+      with either, or when that dimension is 0:
       ``jax.export``'s symbolic dimensions are at least 1). Calls of C++ kernels of
       :mod:`jaxext.cpp_extension` are exported with
       ``jax.export.DisabledSafetyCheck.custom_call`` for their targets.
