@@ -460,3 +460,18 @@ def bfloat16_mixed_in():
         return jax.lax.add(x, jnp.full(x.shape, 0.5, other)) * x
 
     return op, (f64(0, (4,)),)
+
+
+def float32_accumulator():
+    """``sum_i x_i**2`` over rows, accumulated in a float32 loop carry (as JAX's Pallas
+    ``mha``): no float64 path; it runs at float32."""
+
+    @jaxext.custom_vjp
+    def op(x):
+        def body(i, acc):
+            return acc + x[i] * x[i]
+
+        return jax.lax.fori_loop(0, x.shape[0], body, jnp.zeros(x.shape[1:], jnp.float32))
+
+    op.defvjp(lambda x: (op(x), x), lambda x, g: ((2 * x * g).astype(x.dtype),))
+    return op, (f64(0, (3, 4)),)

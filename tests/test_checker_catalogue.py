@@ -33,6 +33,7 @@ from checker_ops import (
     embedding,
     f64,
     fixed_point_backward,
+    float32_accumulator,
     float32_grad_always,
     float32_grad_for_bfloat16,
     fwd_differs_from_primal,
@@ -1227,3 +1228,17 @@ def test_a_declared_higher_order_limit_is_a_skip():
     assert report.skipped == SECOND_ORDER, str(report)  # the last two: a plain custom_vjp
     for check in ("gradgradcheck", "fwd_over_rev"):
         assert "Higher-order AD not supported" in report[check].detail, str(report)
+
+
+def test_an_op_without_a_float64_path_is_not_called_jax_limited_nor_forward_less():
+    """Float32 accumulators in a loop carry (JAX's Pallas ``mha``): every row that raises at
+    float64 says so, the same reason on each; none says "JAX's own limit" or "no forward
+    mode" (the op has forward mode: it is a jaxext.custom_vjp)."""
+    op, args = float32_accumulator()
+    checks = ["forward_rule", "gradcheck", "jvp", "fwd_over_rev", "vmap", "platform_cpu"]
+    report = jaxext.opcheck(op, args, checks=checks, raise_exception=False)
+    assert report.skipped == tuple(checks), str(report)
+    assert len({report[check].detail for check in checks}) == 1, str(report)
+    detail = report["gradcheck"].detail
+    assert "no float64 path" in detail and "scan body function carry" in detail, detail
+    assert "JAX's own limit, not" not in detail and "no forward mode" not in detail, detail

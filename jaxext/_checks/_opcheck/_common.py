@@ -34,6 +34,7 @@ __all__ = [
     "gradient_settings",
     "inner_product",
     "jitted_together",
+    "no_float64_path",
     "no_kernel",
     "refused_forward_mode",
     "require_forward_mode",
@@ -53,6 +54,32 @@ class Unresolved(CheckFailed):
 def require_forward_mode(op: OpUnderTest) -> None:
     if op.forward_error is not None:
         raise Skip(f"no forward mode (jax.jvp raises {op.forward_error})")
+
+
+def no_float64_path(op: OpUnderTest) -> str | None:
+    """Why the op does not run at its float64 inputs while it runs at float32 ones (float32
+    accumulators in a loop carry, as JAX's Pallas ``mha``), or ``None``: a property of
+    the op's own dtypes, the one cause of every row that raises, not JAX's limit and not
+    a missing forward mode. Found once per op."""
+    if "no_float64_path" not in op.cache:
+        op.cache["no_float64_path"] = None
+        try:
+            jax.eval_shape(op.call, *op.primals)
+        except Exception as err:  # noqa: BLE001 -- does it run at float32, then?
+            narrow = [
+                jnp.asarray(p, jnp.complex64 if jnp.iscomplexobj(p) else jnp.float32)
+                for p in op.primals
+            ]
+            try:
+                jax.eval_shape(op.call, *narrow)
+            except Exception:  # noqa: BLE001 -- runs at neither: the checks report it
+                return None
+            op.cache["no_float64_path"] = (
+                "the op has no float64 path (its own dtypes, not JAX's limit): with float64 "
+                f"inputs it raises {type(err).__name__}: {first_line(err)}; with float32 "
+                "inputs it runs; not checked at float64"
+            )
+    return op.cache["no_float64_path"]
 
 
 def refused_forward_mode(op: OpUnderTest, err: BaseException) -> str | None:

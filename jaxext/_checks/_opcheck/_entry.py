@@ -16,7 +16,7 @@ from typing import Any
 from .._precision import float64_numerics
 from .._settings import Settings, as_args
 from . import ALL_CHECKS, CHECK_NAMES, CHECKS
-from ._common import Skip, Unresolved, refused_forward_mode
+from ._common import Skip, Unresolved, no_float64_path, refused_forward_mode
 from ._kernels import checking_mode
 from ._op import CheckFailed, OpUnderTest
 from ._plain import jax_limit, underlying_error
@@ -248,6 +248,9 @@ def _jax_limit(name: str, op: OpUnderTest, settings: Settings, err: Exception) -
     raised = underlying_error(err)
     if raised is None:
         return None
+    no_float64 = no_float64_path(op)
+    if no_float64 is not None:  # one cause, one verdict: every row meets it
+        return no_float64
     no_forward_mode = refused_forward_mode(op, raised)
     if no_forward_mode is not None:  # one cause, one verdict: as the rows that ask first
         return no_forward_mode
