@@ -155,13 +155,15 @@ def forward_mode_error(op: OpUnderTest) -> str | None:
     """Why ``jax.jvp`` cannot differentiate the op, or ``None``.
 
     A plain ``jax.custom_vjp`` raises its ``TypeError`` only when the JVP is
-    lowered, not when it is traced, so this lowers one. An op whose primal does not
-    lower at these inputs (no float64 path) has no forward-mode error of its own.
+    lowered, not when it is traced, so this lowers one. An op whose primal or VJP does
+    not lower at these inputs (no float64 path, a backward that raises) has no
+    forward-mode error of its own: what fails is not forward mode.
     """
     primals = op.primals
     try:
         jax.jit(op.call).lower(*primals)
-    except Exception:  # noqa: BLE001 -- the op itself does not run here: no word on forward mode
+        jax.jit(lambda *p: jax.vjp(op.call, *p)[1](jax.vjp(op.call, *p)[0])).lower(*primals)
+    except Exception:  # noqa: BLE001 -- the op or its VJP does not run: no word on forward mode
         return None
     try:
         jax.jit(lambda *p: jax.jvp(op.call, p, p)).lower(*primals)

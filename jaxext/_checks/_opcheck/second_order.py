@@ -42,26 +42,29 @@ __all__ = ["fwd_over_fwd", "fwd_over_rev", "gradgradcheck", "rev_over_fwd"]
 # What an op raises where it declares that its backward cannot be differentiated:
 # jaxext's `once_differentiable`, and JAX's Pallas TPU ops (flash and splash attention
 # raise `NotImplementedError("Higher-order AD not supported")` from their rules).
-_DECLARED = ("once_differentiable", "Higher-order AD not supported")
+_DECLARED = ("Higher-order AD not supported",)
 
 
 def _declared_limit(err: BaseException) -> str | None:
-    """The op's own declaration that its backward cannot be differentiated, found in
-    ``err`` or an exception it was raised from, worded from the declaration alone (the
-    same on every row, whatever wraps it), or ``None``."""
+    """The declaration that the backward cannot be differentiated again, found in ``err``
+    or an exception it was raised from (``raise ... from``), worded from the declaration
+    alone (the same on every row, whatever wraps it), or ``None``: jaxext's
+    ``once_differentiable``, a rule's "Higher-order AD not supported" (JAX's Pallas flash
+    and splash attention), or any ``NotImplementedError`` met while differentiating the
+    op again (``mha_reference``'s bare one; JAX's own for a rule it lacks)."""
     seen: set[int] = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
         line = first_line(err)
-        for words in _DECLARED:
-            if words in line:
-                if words == "once_differentiable":
-                    return f"the backward is once_differentiable ({line})"
-                return (
-                    "the op declares that its backward cannot be differentiated "
-                    f"({type(err).__name__}: {line})"
-                )
-        err = err.__cause__ or err.__context__
+        if "once_differentiable" in line:
+            return f"the backward is once_differentiable ({line})"
+        if isinstance(err, NotImplementedError) or any(w in line for w in _DECLARED):
+            said = f"{type(err).__name__}: {line}" if line else type(err).__name__
+            return (
+                "differentiating the op again is declared not implemented, by the op or "
+                f"by JAX ({said})"
+            )
+        err = err.__cause__
     return None
 
 
