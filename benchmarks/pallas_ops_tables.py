@@ -9,7 +9,8 @@ Usage: ``python benchmarks/pallas_ops_tables.py [NAME ...]`` (default: every op;
 names: ``gpu_rms_norm``, ``gpu_layer_norm``, ``gpu_mha``, ``tpu_flash_attention``,
 ``tpu_mha_reference``, ``tpu_splash_attention``, ``tpu_gmm``). TPU kernels run in
 ``pltpu.force_tpu_interpret_mode()``. Slow on CPU: about two minutes per op on a loaded
-2-core machine.
+2-core machine; flash attention's whole battery at its smallest blocks (a sequence of 128)
+took over 30 minutes in the TPU interpreter there.
 """
 
 from __future__ import annotations

@@ -122,12 +122,19 @@ def _skip_if_not_differentiable(op: OpUnderTest, settings: Settings, err: Except
     raised = underlying_error(err)
     if raised is None:
         return
-    declared = _declared_limit(raised) or refused_forward_mode(op, raised)
-    if declared is not None:
-        raise Skip(declared) from err
-    limit = _backward_limit(op, settings)
-    if limit is not None:
-        raise Skip(limit) from err
+    no_forward_mode = refused_forward_mode(op, raised)
+    if no_forward_mode is not None:
+        raise Skip(no_forward_mode) from err
+    # The first second-order row to find the backward not differentiable names the cause
+    # for all of them: a row may meet the op's declaration where another met JAX's
+    # refusal first (flash attention: a linearization JAX refuses, then "Higher-order AD
+    # not supported"), and one cause gets one reason.
+    if "not_differentiable" not in op.cache:
+        reason = _declared_limit(raised) or _backward_limit(op, settings)
+        if reason is None:
+            return
+        op.cache["not_differentiable"] = reason
+    raise Skip(op.cache["not_differentiable"]) from err
 
 
 def gradgradcheck(op: OpUnderTest, settings: Settings) -> str:
