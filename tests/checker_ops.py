@@ -389,3 +389,89 @@ def residual_layout_cached():
 
     op.defvjp(fwd, bwd, symbolic_zeros=True)
     return op, (f64(0, (3, 2)), f64(1, (3, 2)))
+
+
+# -- issue #43: one verdict per cause ----------------------------------------------------
+
+
+@jax.custom_vjp
+def newton_sqrt(a):
+    """sqrt(a) by Newton's iteration in a while_loop, as the JAX docs' ``fixed_point``: a
+    plain jax.custom_vjp whose ``fwd`` calls the op itself."""
+
+    def not_converged(state):
+        z, previous, k = state
+        return (k < 60) & jnp.any(jnp.abs(z - previous) > 1e-15 * jnp.abs(z))
+
+    def step(state):
+        z, _, k = state
+        return 0.5 * (z + a / z), z, k + 1
+
+    z, _, _ = jax.lax.while_loop(not_converged, step, (a, a + 1.0, 0))
+    return z
+
+
+def _newton_sqrt_fwd(a):
+    z = newton_sqrt(a)
+    return z, (a, z)
+
+
+newton_sqrt.defvjp(_newton_sqrt_fwd, lambda res, g: (0.5 * g / res[1],))
+
+
+def newton_sqrt_fwd_calls_op():
+    """No forward mode anywhere: the JVP of its VJP needs the op's forward mode too."""
+    return newton_sqrt, (positive(0, (3,)),)
+
+
+def _multiply_kernel(a_ref, b_ref, out_ref):
+    out_ref[...] = a_ref[...] * b_ref[...]
+
+
+def _kernel_multiply(a, b):
+    from jax.experimental import pallas as pl
+
+    shape = jax.ShapeDtypeStruct(a.shape, a.dtype)
+    return pl.pallas_call(_multiply_kernel, out_shape=shape, interpret=True)(a, b)
+
+
+def mul_kernel_backward():
+    """``x * w`` through jaxext.custom_vjp whose backward is a Pallas kernel (interpret
+    mode): correct, and JAX cannot differentiate the kernel again."""
+
+    @jaxext.custom_vjp
+    def op(x, w):
+        return x * w
+
+    def bwd(res, g):
+        x, w = res
+        return _kernel_multiply(g, w), _kernel_multiply(g, x)
+
+    op.defvjp(lambda x, w: (x * w, (x, w)), bwd)
+    return op, (f64(0, (4, 3)), f64(1, (4, 3)))
+
+
+def bfloat16_mixed_in():
+    """An op that crashes on bfloat16 through its own bug: ``lax.add`` of its input and a
+    float32 constant (a dtype it mixes in itself, not one it refuses)."""
+
+    def op(x):
+        other = jnp.float32 if x.dtype == jnp.bfloat16 else x.dtype
+        return jax.lax.add(x, jnp.full(x.shape, 0.5, other)) * x
+
+    return op, (f64(0, (4,)),)
+
+
+def float32_accumulator():
+    """``sum_i x_i**2`` over rows, accumulated in a float32 loop carry (as JAX's Pallas
+    ``mha``): no float64 path; it runs at float32."""
+
+    @jaxext.custom_vjp
+    def op(x):
+        def body(i, acc):
+            return acc + x[i] * x[i]
+
+        return jax.lax.fori_loop(0, x.shape[0], body, jnp.zeros(x.shape[1:], jnp.float32))
+
+    op.defvjp(lambda x: (op(x), x), lambda x, g: ((2 * x * g).astype(x.dtype),))
+    return op, (f64(0, (3, 4)),)

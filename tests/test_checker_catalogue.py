@@ -30,9 +30,11 @@ import pytest
 from checker_ops import (
     abs_cotangent,
     at_set_add,
+    bfloat16_mixed_in,
     embedding,
     f64,
     fixed_point_backward,
+    float32_accumulator,
     float32_grad_always,
     float32_grad_for_bfloat16,
     fwd_differs_from_primal,
@@ -41,6 +43,8 @@ from checker_ops import (
     linalg_solve,
     linear_empty_batch,
     mixed_precision,
+    mul_kernel_backward,
+    newton_sqrt_fwd_calls_op,
     normalize_tiny,
     perm_index,
     plain_custom_jvp,
@@ -60,6 +64,7 @@ from jaxext._checks import CHECK_NAMES
 NO_FORWARD_MODE = ("jvp", "jvp_vjp", "rev_over_fwd", "fwd_over_fwd")
 # ... and a backward that cannot be differentiated again SKIPs the second-order checks.
 NOT_TWICE = ("gradgradcheck", *NO_FORWARD_MODE)
+SECOND_ORDER = ("gradgradcheck", "fwd_over_rev", "rev_over_fwd", "fwd_over_fwd")
 # Only ops calling jaxext.cpp_extension kernels run unwritten_outputs (test_cpp_extension).
 ALWAYS_SKIPPED = {"unwritten_outputs"}
 
@@ -349,6 +354,15 @@ CORRECT = {
     ),
     # Issue #43: high-frequency encodings (buggy twins in BUGGY).
     **{f"fourier_{name}": (_fourier(name), (), True) for name in FOURIER_BANDS},
+    # Issue #43, one verdict per cause: no forward mode (the JVP of the VJP too, its fwd
+    # calling the op), and a Pallas backward JAX cannot differentiate again (all four
+    # second-order rows, the same reason).
+    "newton_sqrt_fwd_calls_op": (
+        newton_sqrt_fwd_calls_op,
+        (*NO_FORWARD_MODE, "fwd_over_rev", *NO_SYMBOLIC),
+        True,
+    ),
+    "mul_kernel_backward": (mul_kernel_backward, SECOND_ORDER, False),
 }
 
 
@@ -383,6 +397,10 @@ FOCUSED = {
     "polar": ("checkpoint",),
     # A backward that raises when differentiated, but not by JAX's limit: a FAIL.
     "second_order_rule_raises": ("gradgradcheck",),
+    # Issue #43, one verdict per cause (the full battery is the exhaustive tier's).
+    "bfloat16_mixed_in": ("grad_dtypes", "low_precision"),
+    "newton_sqrt_fwd_calls_op": ("jvp", "fwd_over_rev", "rev_over_fwd"),
+    "mul_kernel_backward": SECOND_ORDER,
     # Issue #43: the encodings and their twins, in the checks that use finite differences
     # at first order (the full battery is the exhaustive tier's).
     **{f"fourier_{name}": ("gradcheck", "jvp") for name in FOURIER_BANDS},
@@ -477,6 +495,11 @@ SKIP_REASONS = {
     ("scalar_output", "export_symbolic"): ("no float input has two or more dimensions",),
     ("fixed_point_backward", "gradgradcheck"): ("the backward runs but cannot be differentiated",),
     ("nondiff_argnums", "jvp"): ("no forward mode",),
+    ("newton_sqrt_fwd_calls_op", "fwd_over_rev"): ("no forward mode", "custom_vjp function"),
+    **{
+        ("mul_kernel_backward", check): ("cannot be differentiated, JAX's own limit",)
+        for check in SECOND_ORDER
+    },
     ("once_differentiable", "gradgradcheck"): ("once_differentiable",),
     ("rfft_refuses_bfloat16", "low_precision"): ("float32 checked", "bfloat16", "ValueError"),
     ("complex_square_parts", "checkpoint"): (
@@ -844,6 +867,7 @@ BUGGY = {
     "bfloat16_backward_raises": (bfloat16_backward_raises, {"grad_dtypes", "low_precision"}, True),
     "complex_square_parts_no_conjugate": (complex_square_parts_no_conjugate, {"gradcheck"}, False),
     "complex_residual_for_real_math": (complex_residual_for_real_math, {"checkpoint"}, True),
+    "bfloat16_mixed_in": (bfloat16_mixed_in, {"grad_dtypes", "low_precision"}, True),
     "polar_theta_gradient_sign": (polar_theta_gradient_sign, {"gradcheck"}, False),
     # Issue #43: a backward 0.5%, 1% or 3% too large; forward mode is derived from it.
     **{
@@ -869,6 +893,8 @@ FAIL_DETAILS = {
     ("bfloat16_backward_raises", "low_precision"): "no backward kernel for bfloat16",
     ("complex_residual_for_real_math", "checkpoint"): "reduce_precision",
     ("second_order_rule_raises", "gradgradcheck"): "raised",
+    ("bfloat16_mixed_in", "grad_dtypes"): "not a refusal of the dtype",
+    ("bfloat16_mixed_in", "low_precision"): "not a refusal of the dtype",
     **{
         (f"fourier_{name}_{rel:.1%}_too_large", check): "Jacobian mismatch"
         for name in FOURIER_BANDS
@@ -1185,3 +1211,57 @@ def test_saturated_verdicts_and_reports_are_the_same_in_every_engine(monkeypatch
     reports = [report(engine), report("reference")]
     assert reports[0] == reports[1]
     assert (reports[0] is True) == (rel == 0.0)
+
+
+def test_one_cause_one_verdict_on_every_second_order_row():
+    """A Pallas backward JAX cannot differentiate again: the four second-order rows SKIP
+    with one and the same reason, whichever exception each met (issue #43)."""
+    op, args = mul_kernel_backward()
+    report = jaxext.opcheck(op, args, checks=list(SECOND_ORDER), raise_exception=False)
+    assert report.skipped == SECOND_ORDER, str(report)
+    assert len({report[check].detail for check in SECOND_ORDER}) == 1, str(report)
+    assert "Linearization failed" in report["gradgradcheck"].detail
+
+
+@pytest.mark.parametrize("message", ["Higher-order AD not supported", ""], ids=["said", "bare"])
+def test_a_declared_higher_order_limit_is_a_skip(message):
+    """An op whose rules raise NotImplementedError when differentiated again ("Higher-order
+    AD not supported": JAX's Pallas flash and splash attention; a bare one: its
+    ``mha_reference``) declares a limit: SKIP on every second-order row with that
+    declaration, as once_differentiable, never a FAIL."""
+
+    @jax.custom_vjp
+    def op(x, w):
+        return x * w
+
+    @jax.custom_vjp
+    def backward_kernel(g, x, w):
+        return g * w, g * x
+
+    def refuse(*_):
+        raise NotImplementedError(message) if message else NotImplementedError
+
+    backward_kernel.defvjp(refuse, refuse)
+    op.defvjp(lambda x, w: (x * w, (x, w)), lambda res, g: backward_kernel(g, *res))
+    args = (np.linspace(0.5, 1.5, 6).reshape(2, 3), np.linspace(-1.0, 1.0, 6).reshape(2, 3))
+    report = jaxext.opcheck(op, args, checks=["gradcheck", *SECOND_ORDER], raise_exception=False)
+    assert report.statuses["gradcheck"] == "PASS", str(report)
+    assert report.skipped == SECOND_ORDER, str(report)  # the last two: a plain custom_vjp
+    for check in ("gradgradcheck", "fwd_over_rev"):
+        assert "declared not implemented" in report[check].detail, str(report)
+        said = f"NotImplementedError: {message}" if message else "(NotImplementedError)"
+        assert said in report[check].detail, str(report)
+
+
+def test_an_op_without_a_float64_path_is_not_called_jax_limited_nor_forward_less():
+    """Float32 accumulators in a loop carry (JAX's Pallas ``mha``): every row that raises at
+    float64 says so, the same reason on each; none says "JAX's own limit" or "no forward
+    mode" (the op has forward mode: it is a jaxext.custom_vjp)."""
+    op, args = float32_accumulator()
+    checks = ["forward_rule", "gradcheck", "jvp", "fwd_over_rev", "vmap", "platform_cpu"]
+    report = jaxext.opcheck(op, args, checks=checks, raise_exception=False)
+    assert report.skipped == tuple(checks), str(report)
+    assert len({report[check].detail for check in checks}) == 1, str(report)
+    detail = report["gradcheck"].detail
+    assert "no float64 path" in detail and "scan body function carry" in detail, detail
+    assert "JAX's own limit, not" not in detail and "no forward mode" not in detail, detail

@@ -558,6 +558,24 @@ def test_export_symbolic_shares_the_batch_dimension_where_the_op_ties_inputs(op,
     assert detail == f"exported with a symbolic leading dimension of {symbolic}: same values"
 
 
+def _linear_cross_entropy(x, w, labels):
+    """A fused linear + cross-entropy loss: token labels share x's batch dimension."""
+    logits = x @ w.T
+    picked = jnp.take_along_axis(logits, labels[:, None], -1)[:, 0]
+    return jnp.mean(jax.nn.logsumexp(logits, -1) - picked)
+
+
+def test_export_symbolic_gives_the_batch_dimension_to_integer_inputs_that_share_it():
+    # Token labels of the batch's length: with the symbolic dimension on x alone the
+    # labels' fixed length does not broadcast against it; jax.export takes both symbolic.
+    args = (f64(0, (4, 3)), f64(1, (5, 3)), np.array([0, 2, 4, 1]))
+    report = jaxext.opcheck(_linear_cross_entropy, args, checks=["export_symbolic"])
+    assert report["export_symbolic"].status == "PASS", str(report)
+    assert "input 0 and 1 integer input(s) of the same leading dimension" in (
+        report["export_symbolic"].detail
+    )
+
+
 # -- no state left behind -------------------------------------------------------------------
 
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._compare import Mismatch, leaf_mismatches, widened
+from ._dtype_refusal import deliberate, refused_by_jax, tracing_error
 from ._leaves import FloatLeaves, input_label
 
 __all__ = [
@@ -196,14 +197,18 @@ def refusal(fn: Callable, values: list, dtype: Any) -> str | None:
     does not accept is not a bug. A refusal is raised while tracing, before any
     computation, and its message names the dtype, whatever the exception's class (an op
     whose kernels have no handler for it raises a ``TypeError``; JAX refuses a bfloat16
-    FFT with a ``ValueError``); any other error is left for the check to report."""
+    FFT with a ``ValueError``); and it counts only on evidence (``_dtype_refusal``): the
+    op's own deliberate check, or JAX refusing the dtype for the op's math with every
+    float value in it (not a dtype the op mixes in itself, ``lax.add`` of a bfloat16 and
+    a float32). Any other error is left for the check to report."""
     name = jnp.dtype(dtype).name
-    try:
-        jax.eval_shape(fn, *values)
-    except Exception as err:  # noqa: BLE001 -- a refusal if it names the dtype, else the check's
+    err = tracing_error(fn, values)
+    if err is not None:
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        if name in first and not isinstance(
-            err, (jax.errors.JAXTypeError, jax.errors.JAXIndexError)
+        if (
+            name in first
+            and not isinstance(err, (jax.errors.JAXTypeError, jax.errors.JAXIndexError))
+            and (deliberate(err) or refused_by_jax(fn, values, dtype))
         ):
             return f"{name}: the op does not take it ({type(err).__name__}: {first})"
     return None

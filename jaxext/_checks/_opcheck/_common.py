@@ -34,7 +34,9 @@ __all__ = [
     "gradient_settings",
     "inner_product",
     "jitted_together",
+    "no_float64_path",
     "no_kernel",
+    "refused_forward_mode",
     "require_forward_mode",
     "vjp",
 ]
@@ -52,6 +54,49 @@ class Unresolved(CheckFailed):
 def require_forward_mode(op: OpUnderTest) -> None:
     if op.forward_error is not None:
         raise Skip(f"no forward mode (jax.jvp raises {op.forward_error})")
+
+
+def no_float64_path(op: OpUnderTest) -> str | None:
+    """Why the op does not run at its float64 inputs while it runs at float32 ones (float32
+    accumulators in a loop carry, as JAX's Pallas ``mha``), or ``None``: a property of
+    the op's own dtypes, the one cause of every row that raises, not JAX's limit and not
+    a missing forward mode. Found once per op."""
+    if "no_float64_path" not in op.cache:
+        op.cache["no_float64_path"] = None
+        try:
+            jax.eval_shape(op.call, *op.primals)
+        except Exception as err:  # noqa: BLE001 -- does it run at float32, then?
+            narrow = [
+                jnp.asarray(p, jnp.complex64 if jnp.iscomplexobj(p) else jnp.float32)
+                for p in op.primals
+            ]
+            try:
+                jax.eval_shape(op.call, *narrow)
+            except Exception:  # noqa: BLE001 -- runs at neither: the checks report it
+                return None
+            op.cache["no_float64_path"] = (
+                "the op has no float64 path (its own dtypes, not JAX's limit): with float64 "
+                f"inputs it raises {type(err).__name__}: {first_line(err)}; with float32 "
+                "inputs it runs; not checked at float64"
+            )
+    return op.cache["no_float64_path"]
+
+
+def refused_forward_mode(op: OpUnderTest, err: BaseException) -> str | None:
+    """``require_forward_mode``'s SKIP reason where ``err`` (or an exception it was raised
+    from) is the op's refusal of forward mode: a row that needs it without saying so (the
+    JVP of the VJP of a plain ``jax.custom_vjp`` whose ``fwd`` calls the op) gets the same
+    verdict as the rows that ask first; else ``None``."""
+    if op.forward_error is None:
+        return None
+    refusal = op.forward_error.split(": ", 1)[-1]
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if refusal and refusal in str(err):
+            return f"no forward mode (jax.jvp raises {op.forward_error})"
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def inner_product(u: Any, out: Any, *, absolute: bool = False) -> jax.Array:

@@ -16,7 +16,7 @@ from typing import Any
 from .._precision import float64_numerics
 from .._settings import Settings, as_args
 from . import ALL_CHECKS, CHECK_NAMES, CHECKS
-from ._common import Skip, Unresolved
+from ._common import Skip, Unresolved, no_float64_path, refused_forward_mode
 from ._kernels import checking_mode
 from ._op import CheckFailed, OpUnderTest
 from ._plain import jax_limit, underlying_error
@@ -67,8 +67,10 @@ def opcheck(
       finite differences, entry by entry (``jaxext.gradcheck``). A backward
       declared ``once_differentiable``, or one that runs but that plain JAX
       refuses to differentiate the same way with the custom rules inside it
-      stripped (a ``while_loop`` with a dynamic trip count ...), is a SKIP of
-      ``gradgradcheck`` with the error.
+      stripped (a ``while_loop`` with a dynamic trip count, a Pallas kernel ...), is
+      a SKIP of every second-order row it reaches, with one and the same reason
+      whatever exception each met; so is an op whose rules raise "Higher-order AD
+      not supported" (a declared limit).
     * ``fwd_over_rev``, ``rev_over_fwd``, ``fwd_over_fwd``: the other three
       compositions of second derivatives. ``fwd_over_rev``
       (``jax.jacfwd(jax.jacrev(f))``): the VJP's JVPs against its finite
@@ -82,8 +84,9 @@ def opcheck(
       op without forward mode (a plain ``jax.custom_vjp``; use
       ``jaxext.custom_vjp`` to get it).
     * ``jit``: values and gradients under ``jit`` equal eager ones.
-    * ``jit_reuse``: one jitted op, differentiated with respect to every subset
-      of its inputs in turn, and used several times in one differentiated
+    * ``jit_reuse``: one jitted op, differentiated with respect to subsets of its
+      inputs in turn (each input alone, and subsets covering every pair of inputs
+      both in, one in, neither), and used several times in one differentiated
       computation with different inputs differentiated (the others cut by
       ``stop_gradient`` or constants, as in ``op(a, c) + op(c, b) + op(a, b) ** 2``),
       gives the gradients of fresh traces; also with a freshly jitted op called
@@ -99,8 +102,9 @@ def opcheck(
       gives the same values and gradients; ``export_symbolic`` exports with a
       symbolic leading dimension on the first input of two or more dimensions,
       or, where the op ties it to other inputs (an elementwise op), on every input
-      of that leading dimension, one shared symbol
-      (SKIP when the op does not trace with either, or when that dimension is 0:
+      of that leading dimension, one shared symbol, integer array inputs of that
+      leading dimension (token labels) included (SKIP when the op does not trace
+      with either, or when that dimension is 0:
       ``jax.export``'s symbolic dimensions are at least 1). Calls of C++ kernels of
       :mod:`jaxext.cpp_extension` are exported with
       ``jax.export.DisabledSafetyCheck.custom_call`` for their targets.
@@ -244,6 +248,12 @@ def _jax_limit(name: str, op: OpUnderTest, settings: Settings, err: Exception) -
     raised = underlying_error(err)
     if raised is None:
         return None
+    no_float64 = no_float64_path(op)
+    if no_float64 is not None:  # one cause, one verdict: every row meets it
+        return no_float64
+    no_forward_mode = refused_forward_mode(op, raised)
+    if no_forward_mode is not None:  # one cause, one verdict: as the rows that ask first
+        return no_forward_mode
 
     def rerun(twin: OpUnderTest) -> None:
         with warnings.catch_warnings(), checking_mode():

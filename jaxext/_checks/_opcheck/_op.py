@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _engines
+from .._backward import zero_like
 from .._compare import Mismatch, leaf_mismatches, unravel, widened
 from .._engines._quick import entries
 from .._leaves import FloatLeaves, wide_dtype
@@ -155,9 +156,21 @@ def forward_mode_error(op: OpUnderTest) -> str | None:
     """Why ``jax.jvp`` cannot differentiate the op, or ``None``.
 
     A plain ``jax.custom_vjp`` raises its ``TypeError`` only when the JVP is
-    lowered, not when it is traced, so this lowers one.
+    lowered, not when it is traced, so this lowers one. An op whose primal or VJP does
+    not lower at these inputs (no float64 path, a backward that raises) has no
+    forward-mode error of its own: what fails is not forward mode.
     """
     primals = op.primals
+
+    def vjp_of_zero(*p):
+        out, pullback = jax.vjp(op.call, *p)
+        return pullback(jax.tree_util.tree_map(zero_like, out))
+
+    try:
+        jax.jit(op.call).lower(*primals)
+        jax.jit(vjp_of_zero).lower(*primals)
+    except Exception:  # noqa: BLE001 -- the op or its VJP does not run: no word on forward mode
+        return None
     try:
         jax.jit(lambda *p: jax.jvp(op.call, p, p)).lower(*primals)
     except TypeError as err:

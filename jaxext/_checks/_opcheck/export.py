@@ -81,21 +81,44 @@ def export_symbolic(op: OpUnderTest, settings: Settings) -> str:
     leading = primals[batched].shape[0]
     # The symbolic dimension on input `batched` alone; where the op ties its shape to
     # another input's (two inputs of an elementwise op), on every float input of the
-    # same leading dimension: one shared batch dimension.
+    # same leading dimension: one shared batch dimension; and on the integer array inputs
+    # of that leading dimension too (token labels sharing the batch dimension), which
+    # are then inputs of the exported function rather than constants of its shape.
     shared = [i for i, p in enumerate(primals) if p.ndim >= 1 and p.shape[0] == leading]
-    attempts = [[batched]] + ([shared] if shared != [batched] else [])
-    for symbolic in attempts:
+    leaves, treedef = jax.tree_util.tree_flatten(op.args)
+    others = [
+        position
+        for position, leaf in enumerate(leaves)
+        if position not in op.positions
+        and isinstance(leaf, (jax.Array, np.ndarray))
+        and leaf.ndim >= 1
+        and leaf.shape[0] == leading
+    ]
+    attempts = [([batched], [])] + ([(shared, [])] if shared != [batched] else [])
+    attempts += [(shared, others)] if others else []
+    for symbolic, tied in attempts:
         specs = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in primals]
+        specs += [jax.ShapeDtypeStruct(leaves[q].shape, leaves[q].dtype) for q in tied]
         scope = jax.export.SymbolicScope()  # one `b` for all of them
-        for i in symbolic:
-            dims = ", ".join(["b", *map(str, primals[i].shape[1:])])
+        for k, value in [(i, primals[i]) for i in symbolic] + [
+            (len(primals) + n, leaves[q]) for n, q in enumerate(tied)
+        ]:
+            dims = ", ".join(["b", *map(str, value.shape[1:])])
             shape = jax.export.symbolic_shape(dims, scope=scope)
-            specs[i] = jax.ShapeDtypeStruct(shape, primals[i].dtype)
+            specs[k] = jax.ShapeDtypeStruct(shape, value.dtype)
+
+        def fn(*values, tied=tied):
+            new = list(leaves)
+            for q, value in zip(tied, values[len(primals) :], strict=True):
+                new[q] = value
+            args = tuple(jax.tree_util.tree_unflatten(treedef, new))
+            return op.func(*op.args_with(values[: len(primals)], args))
+
         try:
-            call = _round_trip(fresh(op), specs)
+            call = _round_trip(fn, specs)
             break
         except Exception as err:  # noqa: BLE001 -- a capability the op lacks, not a wrong result
-            if symbolic is attempts[0]:
+            if symbolic == [batched] and not tied:
                 first_error = err
     else:
         message = str(first_error).splitlines()[0] if str(first_error) else ""
@@ -103,9 +126,15 @@ def export_symbolic(op: OpUnderTest, settings: Settings) -> str:
             f"the op does not trace with a symbolic leading dimension of {op.labels[batched]} "
             f"({type(first_error).__name__}: {message[:200]})"
         ) from first_error
+    tied_values = [leaves[q] for q in tied]
     names = " and ".join(op.labels[i] for i in symbolic)
+    if tied:
+        names += f" and {len(tied)} integer input(s) of the same leading dimension"
     what = f"a symbolic leading dimension of {names}"
     assert_trees_close(
-        call(*primals), op.jitted(*primals), what=f"output exported with {what}", rtol=TIGHT
+        call(*primals, *tied_values),
+        op.jitted(*primals),
+        what=f"output exported with {what}",
+        rtol=TIGHT,
     )
     return f"exported with {what}: same values"

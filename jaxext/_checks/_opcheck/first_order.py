@@ -25,6 +25,7 @@ from .._compare import unravel
 from .._settings import Settings
 from ._common import (
     Skip,
+    first_line,
     gradient_check,
     inner_product,
     jitted_together,
@@ -149,6 +150,17 @@ def grad_dtypes(op: OpUnderTest, settings: Settings) -> str:
         except NotImplementedError as err:  # no kernel for this dtype: what the op cannot do
             unsupported.append(no_kernel(err, dtype))
             continue
+        except Exception as err:
+            if dtype == jnp.float64:
+                raise
+            # Not a refusal (`dtype_refusal` found no evidence of one): the op's own error
+            # at this dtype, whatever its plain twin does (the twin runs the same code).
+            raise CheckFailed(
+                f"{jnp.dtype(dtype).name} inputs: tracing the gradients raises "
+                f"{type(err).__name__}: {first_line(err)} (float64 runs; not a refusal of the "
+                "dtype: no deliberate check of the op's, and JAX runs the op's math with every "
+                "float value in it)"
+            ) from None
         if found is not None:
             primal, grad, shape = found.primal, found.grad, tuple(found.primal.shape)
             raise CheckFailed(

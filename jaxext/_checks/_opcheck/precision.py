@@ -21,9 +21,11 @@ from .._leaves import is_complex, wide_dtype
 from .._settings import Settings
 from ._common import (
     Skip,
+    first_line,
     no_kernel,
 )
 from ._op import (
+    CheckFailed,
     OpUnderTest,
     assert_trees_close,
 )
@@ -54,6 +56,12 @@ def low_precision(op: OpUnderTest, settings: Settings) -> str:
         except NotImplementedError as err:  # no kernel for this dtype: what the op cannot do
             unsupported.append(no_kernel(err, dtype))
             continue
+        except Exception as err:  # not a refusal (no evidence of one): the op's own error
+            raise CheckFailed(
+                f"{name} inputs: the op raises {type(err).__name__}: {first_line(err)} (not a "
+                "refusal of the dtype: no deliberate check of the op's, and JAX runs the op's "
+                "math with every float value in it)"
+            ) from None
         # The reference is float64 at the *rounded* inputs: rounding an input of 150 to
         # bfloat16 moves it by 0.5, which is no error of the op's.
         rounded = [jnp.asarray(p, wide_dtype(p.dtype)) for p in low]

@@ -26,6 +26,7 @@ from ._common import (
     gradient_check,
     inner_product,
     jitted_together,
+    refused_forward_mode,
     require_forward_mode,
     vjp,
 )
@@ -33,22 +34,55 @@ from ._op import (
     CheckFailed,
     OpUnderTest,
 )
-from ._plain import same_failure, strip_custom_rules
+from ._plain import strip_custom_rules, underlying_error
 
 __all__ = ["fwd_over_fwd", "fwd_over_rev", "gradgradcheck", "rev_over_fwd"]
 
 
-def _skip_if_not_differentiable(op: OpUnderTest, settings: Settings, err: Exception) -> None:
-    """Raises ``Skip`` if ``err``, raised while differentiating the backward, means the
-    backward cannot be differentiated, by declaration (``once_differentiable``) or by
-    JAX's own limit: the backward itself runs, and JAX refuses to differentiate it the
-    same way with every custom rule inside it stripped (a ``while_loop`` with a dynamic
-    trip count, which reverse mode cannot differentiate). A backward that raises only
-    because a custom rule inside it does stays the op's FAIL."""
-    if isinstance(err, CheckFailed):
-        return
-    if isinstance(err, RuntimeError) and "once_differentiable" in str(err):
-        raise Skip(f"the backward is once_differentiable ({first_line(err)})") from err
+# What an op raises where it declares that its backward cannot be differentiated:
+# jaxext's `once_differentiable`, and JAX's Pallas TPU ops (flash and splash attention
+# raise `NotImplementedError("Higher-order AD not supported")` from their rules).
+_DECLARED = ("Higher-order AD not supported",)
+
+
+def _declared_limit(err: BaseException) -> str | None:
+    """The declaration that the backward cannot be differentiated again, found in ``err``
+    or an exception it was raised from (``raise ... from``), worded from the declaration
+    alone (the same on every row, whatever wraps it), or ``None``: jaxext's
+    ``once_differentiable``, a rule's "Higher-order AD not supported" (JAX's Pallas flash
+    and splash attention), or any ``NotImplementedError`` met while differentiating the
+    op again (``mha_reference``'s bare one; JAX's own for a rule it lacks)."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        line = first_line(err)
+        if "once_differentiable" in line:
+            return f"the backward is once_differentiable ({line})"
+        if isinstance(err, NotImplementedError) or any(w in line for w in _DECLARED):
+            said = f"{type(err).__name__}: {line}" if line else type(err).__name__
+            return (
+                "differentiating the op again is declared not implemented, by the op or "
+                f"by JAX ({said})"
+            )
+        err = err.__cause__
+    return None
+
+
+def _backward_limit(op: OpUnderTest, settings: Settings) -> str | None:
+    """Why JAX itself cannot differentiate the op's backward, or ``None``; found once per
+    op and the same on every second-order row it reaches.
+
+    The backward itself runs, and JAX refuses to differentiate it in reverse or in
+    forward mode with every custom rule inside it stripped (a Pallas kernel, which
+    ``jax.vjp`` cannot linearize; a ``while_loop`` with a dynamic trip count). All four
+    second-order rows differentiate the backward (``rev_over_fwd`` and ``fwd_over_fwd``
+    against reverse over reverse), so whichever exception surfaces in a row (JAX's
+    ``ValueError`` for a linearization, a transpose's ``AssertionError``, jaxext's
+    ``TypeError`` for a forward mode it could not derive), the cause is this one.
+    """
+    if "backward_limit" in op.cache:
+        return op.cache["backward_limit"]
+    op.cache["backward_limit"] = None
     u = op.cotangent(np.random.default_rng(settings.seed))
 
     def backward(*p):
@@ -56,23 +90,51 @@ def _skip_if_not_differentiable(op: OpUnderTest, settings: Settings, err: Except
 
     try:
         grads = jax.jit(backward)(*op.primals)
+        plain = strip_custom_rules(backward)
     except Exception:  # noqa: BLE001 -- the backward itself fails: that is the finding
-        return
-    plain = strip_custom_rules(backward)
+        return None
     compositions = {
         "reverse": lambda *p: jax.vjp(plain, *p)[1](grads),
         "forward": lambda *p: jax.jvp(plain, p, p)[1],
     }
+    refused = []
     for how, composition in compositions.items():
         try:
             jax.jit(composition)(*op.primals)
         except Exception as plain_err:  # noqa: BLE001 -- the evidence itself
-            if same_failure(err, plain_err):
-                raise Skip(
-                    "the backward runs but cannot be differentiated, JAX's own limit (plain "
-                    f"JAX, custom rules inside it stripped, refuses it the same way in {how} "
-                    f"mode): {type(err).__name__}: {first_line(err)}"
-                ) from err
+            refused.append(f"in {how} mode: {type(plain_err).__name__}: {first_line(plain_err)}")
+    if refused:
+        op.cache["backward_limit"] = (
+            "the backward runs but cannot be differentiated, JAX's own limit (plain JAX, "
+            f"custom rules inside it stripped, refuses it {'; '.join(refused)})"
+        )
+    return op.cache["backward_limit"]
+
+
+def _skip_if_not_differentiable(op: OpUnderTest, settings: Settings, err: Exception) -> None:
+    """Raises ``Skip`` if ``err``, raised by a second-order row, has a cause that is no
+    bug of the op: the op declares its backward not differentiable
+    (``once_differentiable``, "Higher-order AD not supported"), or it has no forward mode
+    and the row met that refusal (``refused_forward_mode``), or JAX itself cannot
+    differentiate the backward (``_backward_limit``). A mismatch stays a FAIL, and so
+    does a backward that raises only because a custom rule inside it does (stripped,
+    JAX differentiates it)."""
+    raised = underlying_error(err)
+    if raised is None:
+        return
+    no_forward_mode = refused_forward_mode(op, raised)
+    if no_forward_mode is not None:
+        raise Skip(no_forward_mode) from err
+    # The first second-order row to find the backward not differentiable names the cause
+    # for all of them: a row may meet the op's declaration where another met JAX's
+    # refusal first (flash attention: a linearization JAX refuses, then "Higher-order AD
+    # not supported"), and one cause gets one reason.
+    if "not_differentiable" not in op.cache:
+        reason = _declared_limit(raised) or _backward_limit(op, settings)
+        if reason is None:
+            return
+        op.cache["not_differentiable"] = reason
+    raise Skip(op.cache["not_differentiable"]) from err
 
 
 def gradgradcheck(op: OpUnderTest, settings: Settings) -> str:

@@ -69,9 +69,42 @@ def jit(op: OpUnderTest, settings: Settings) -> str:
 
 
 def _subsets(count: int) -> list[tuple[int, ...]]:
-    if count <= 4:
-        return [s for r in range(1, count + 1) for s in itertools.combinations(range(count), r)]
-    return [(i,) for i in range(count)] + [tuple(range(count))]
+    """Nonempty subsets of ``count`` inputs covering every pair of inputs in each of the
+    ways a subset can hold them (both differentiated, one, the other, neither), as
+    ``tests/helpers.py``'s ``grid`` covers pairs of values: a residual-layout bug shows
+    between two inputs, so pairs catch it; every subset would grow as ``2**count``.
+    Built greedily and deterministically (singletons first: each input alone)."""
+    singles = [(i,) for i in range(count)]
+    wanted = {
+        (i, j, a, b)
+        for i, j in itertools.combinations(range(count), 2)
+        for a in (True, False)
+        for b in (True, False)
+        if (a or b or count > 2)
+    }
+
+    def covers(subset: tuple[int, ...]) -> set:
+        chosen = set(subset)
+        return {
+            (i, j, i in chosen, j in chosen) for i, j in itertools.combinations(range(count), 2)
+        }
+
+    chosen = list(singles)
+    for subset in singles:
+        wanted -= covers(subset)
+    candidates = (
+        [s for r in range(2, count + 1) for s in itertools.combinations(range(count), r)]
+        if count <= 12
+        else [tuple(range(count))]
+    )
+    while wanted and candidates:
+        best = max(candidates, key=lambda s: len(covers(s) & wanted))
+        if not covers(best) & wanted:
+            break
+        chosen.append(best)
+        wanted -= covers(best)
+        candidates.remove(best)
+    return chosen
 
 
 def jit_reuse(op: OpUnderTest, settings: Settings) -> str:
