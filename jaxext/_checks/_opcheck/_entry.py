@@ -39,6 +39,7 @@ def opcheck(
     raise_exception: bool = True,
     seed: int = 0,
     platforms: Sequence[str] | None = None,
+    reference: Callable[..., Any] | None = None,
 ) -> OpcheckReport:
     """Checks a custom op under JAX's transformations; returns a report.
 
@@ -183,6 +184,8 @@ def opcheck(
     )  # fmt: skip
     if not isinstance(raise_exception, bool):
         raise TypeError(f"`raise_exception` must be True or False; got {raise_exception!r}.")
+    if reference is not None and not callable(reference):
+        raise TypeError(f"`reference` must be a function or None; got {reference!r}.")
     required = check_platforms(platforms)
     unrun = sorted(p for p in required if f"platform_{p}" not in selected)
     if unrun:
@@ -191,7 +194,7 @@ def opcheck(
             f"{[f'platform_{p}' for p in unrun]} are not run (see `checks` and `skip`)."
         )
     with float64_numerics():
-        op = OpUnderTest.build(func, args)
+        op = OpUnderTest.build(func, args, reference)
         op.cache["selected"] = frozenset(selected)
         op.cache["platforms"] = required
         results = tuple(_run(name, op, settings) for name in selected)
@@ -223,6 +226,8 @@ def _run(name: str, op: OpUnderTest, settings: Settings) -> CheckResult:
         with warnings.catch_warnings(), checking_mode():
             warnings.simplefilter("ignore", UserWarning)  # upcasts and the like: not findings
             detail, status = ALL_CHECKS[name](op, settings), "PASS"
+            if op.narrow is not None and name not in _SAYS_PRECISION:
+                detail = f"{detail} ({op.precision})"
     except Skip as reason:
         detail, status = str(reason), "SKIP"
     except Unresolved as reason:
@@ -236,6 +241,10 @@ def _run(name: str, op: OpUnderTest, settings: Settings) -> CheckResult:
         if limit is not None:
             detail, status = limit, "SKIP"
     return CheckResult(name, status, detail, time.perf_counter() - start)
+
+
+# The rows whose detail already says the dtypes the op ran in.
+_SAYS_PRECISION = frozenset({"gradcheck", "jvp", "gradgradcheck", "fwd_over_rev", "low_precision"})
 
 
 def _jax_limit(name: str, op: OpUnderTest, settings: Settings, err: Exception) -> str | None:
