@@ -389,3 +389,72 @@ def residual_layout_cached():
 
     op.defvjp(fwd, bwd, symbolic_zeros=True)
     return op, (f64(0, (3, 2)), f64(1, (3, 2)))
+
+
+# -- a float32 kernel and its plain-JAX reference (issue #43) ----------------------------------
+
+
+def rms_norm_reference(x, w):
+    """RMSNorm in plain JAX: the reference of the float32 kernel below."""
+    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * w
+
+
+def rms_norm_float32(bug=None):
+    """``(op, args)``: RMSNorm as a kernel computes it, in float32 whatever it is given
+    (a ``jaxext.custom_vjp`` with a hand-written backward), and its buggy twins:
+    ``"scale_1pct"`` (the weight's gradient 1% too large), ``"missing_term"`` (the input's
+    gradient without the normalisation's term), ``"swapped_residuals"`` (the backward
+    reads the saved input and normalised input in each other's place)."""
+
+    def rsqrt_of(x32):
+        return jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6)
+
+    @jaxext.custom_vjp
+    def op(x, w):
+        x32, w32 = x.astype(jnp.float32), w.astype(jnp.float32)
+        return (x32 * rsqrt_of(x32) * w32).astype(x.dtype)
+
+    def op_fwd(x, w):
+        x32 = x.astype(jnp.float32)
+        r = rsqrt_of(x32)
+        return op(x, w), (x32, x32 * r, w, r)
+
+    def op_bwd(res, g):
+        x32, xhat, w, r = res
+        if bug == "swapped_residuals":
+            x32, xhat = xhat, x32
+        gw = g.astype(jnp.float32) * w.astype(jnp.float32)
+        term = xhat * jnp.mean(gw * xhat, -1, keepdims=True)
+        dx = r * (gw - (0 if bug == "missing_term" else term))
+        dw = jnp.sum(g.astype(jnp.float32) * xhat, 0) * (1.01 if bug == "scale_1pct" else 1)
+        return dx.astype(g.dtype), dw.astype(w.dtype)
+
+    op.defvjp(op_fwd, op_bwd)
+    return op, (f64(0, (3, 8)), 1 + 0.1 * f64(1, (8,)))
+
+
+RMS_NORM_BUGS = ("scale_1pct", "missing_term", "swapped_residuals")
+
+
+def torch_rms_norm(torch, bug=None):
+    """The same math and the same backward (with ``bug``) as a ``torch.autograd.Function``."""
+
+    class RMSNorm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            r = torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6)
+            ctx.save_for_backward(x, x * r, w, r)
+            return x * r * w
+
+        @staticmethod
+        def backward(ctx, g):
+            x, xhat, w, r = ctx.saved_tensors
+            if bug == "swapped_residuals":
+                x, xhat = xhat, x
+            gw = g * w
+            term = xhat * (gw * xhat).mean(-1, keepdim=True)
+            dx = r * (gw - (0 if bug == "missing_term" else term))
+            dw = (g * xhat).sum(0) * (1.01 if bug == "scale_1pct" else 1)
+            return dx, dw
+
+    return RMSNorm.apply

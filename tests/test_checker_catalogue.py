@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import warnings
 
+import checker_ops
 import jax
 import jax.numpy as jnp
 import jax.test_util
@@ -1166,3 +1167,61 @@ def test_saturated_verdicts_and_reports_are_the_same_in_every_engine(monkeypatch
     reports = [report(engine), report("reference")]
     assert reports[0] == reports[1]
     assert (reports[0] is True) == (rel == 0.0)
+
+
+# -- a float32 kernel with its reference, and its buggy twins (issue #43) ---------------------
+
+_KERNEL_ROWS = ["gradcheck", "jvp", "gradgradcheck", "jit", "jit_reuse", "vmap", "checkpoint"]
+
+
+@pytest.mark.parametrize("reference", [True, False], ids=["reference", "differences"])
+def test_float32_kernel_gets_a_clean_table(reference):
+    """A correct RMSNorm computing in float32: no FAIL, whether judged against its
+    reference or by differences at a float32 step; its program comparisons pass at the
+    float32 tolerance, and the gradient rows say how they judged it."""
+    op, args = checker_ops.rms_norm_float32()
+    ref = checker_ops.rms_norm_reference if reference else None
+    report = jaxext.opcheck(op, args, checks=_KERNEL_ROWS, reference=ref, raise_exception=False)
+    assert report.failed == (), str(report)
+    detail = {r.name: r.detail for r in report.results}["gradcheck"]
+    assert ("reference's autodiff" in detail) is reference, detail
+    assert ("central differences at a step for float32" in detail) is not reference, detail
+    assert "float32" in detail, detail
+
+
+@pytest.mark.parametrize("reference", [True, False], ids=["reference", "differences"])
+@pytest.mark.parametrize("bug", checker_ops.RMS_NORM_BUGS)
+def test_float32_kernel_buggy_twin_fails(bug, reference):
+    """Each twin FAILs gradcheck and jvp (the JVP is derived from the backward), against
+    the reference and by float32 differences alike; torch.autograd.gradcheck (float64,
+    the same backward) rejects it, and accepts the correct one."""
+    op, args = checker_ops.rms_norm_float32(bug)
+    ref = checker_ops.rms_norm_reference if reference else None
+    report = jaxext.opcheck(
+        op, args, checks=["gradcheck", "jvp"], reference=ref, raise_exception=False
+    )
+    assert {r.name for r in report.results if r.status == "FAIL"} == {"gradcheck", "jvp"}, str(
+        report
+    )
+
+
+@pytest.mark.parametrize("bug", [None, *checker_ops.RMS_NORM_BUGS])
+def test_float32_kernel_torch_verdict(bug):
+    torch = pytest.importorskip("torch")
+    _, (x, w) = checker_ops.rms_norm_float32(bug)
+    inputs = tuple(torch.tensor(v, requires_grad=True) for v in (x, w))
+    verdict = torch.autograd.gradcheck(
+        checker_ops.torch_rms_norm(torch, bug), inputs, raise_exception=False
+    )
+    assert verdict is (bug is None)
+
+
+def test_gradcheck_reference_judges_the_float32_kernel():
+    op, args = checker_ops.rms_norm_float32()
+    ref = checker_ops.rms_norm_reference
+    assert jaxext.gradcheck(op, args, reference=ref, modes=("rev", "fwd"))
+    buggy, _ = checker_ops.rms_norm_float32("scale_1pct")
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(buggy, args, reference=ref)
+    assert info.value.kind == "reference"
+    assert "input 1" in str(info.value)
