@@ -716,3 +716,24 @@ def test_an_op_that_lowers_only_here_is_a_skip_elsewhere():
 def test_invalid_platforms(kwargs, error, match):
     with pytest.raises(error, match=match):
         jaxext.opcheck(jaxext.mul_constant, (f64(0, (3,)), 2.0), **kwargs)
+
+
+def _off_when_traced(kind):
+    """``x ** 2``, off by 1e-6 relative when traced by ``kind`` (a float64 op whose jit or
+    vmap program is subtly wrong): the program rows keep float64's tight tolerance."""
+
+    def op(x):
+        bump = 1e-6 if any(k.__name__ == kind for k in type(x).__mro__) else 0.0
+        return x * x * (1 + bump)
+
+    return op
+
+
+@pytest.mark.parametrize(
+    ("check", "kind"),
+    [("jit", "Tracer"), ("vmap", "BatchTracer")],
+)
+def test_float64_op_off_by_1e_6_under_a_transformation_fails(check, kind):
+    x = np.linspace(0.5, 1.5, 6)
+    report = jaxext.opcheck(_off_when_traced(kind), (x,), checks=[check], raise_exception=False)
+    assert report.failed == (check,), str(report)
