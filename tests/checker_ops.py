@@ -458,3 +458,34 @@ def torch_rms_norm(torch, bug=None):
             return dx, dw
 
     return RMSNorm.apply
+
+
+def loop_carry_float32(bug=0.0):
+    """``(op, args)``: ``x @ w`` as a kernel writes it, a float32 accumulator in a loop
+    carry (the op has no float64 path: at float64 inputs the carry's types differ), with
+    a hand-written backward whose weight gradient is ``1 + bug`` times too large. Its
+    arguments are float32."""
+
+    @jaxext.custom_vjp
+    def op(x, w):
+        def body(i, acc):
+            return acc + x[:, i] * w[i]
+
+        return jax.lax.fori_loop(0, x.shape[1], body, jnp.zeros(x.shape[:1], jnp.float32))
+
+    def op_fwd(x, w):
+        return op(x, w), (x, w)
+
+    def op_bwd(res, g):
+        x, w = res
+        dx = g[:, None] * w[None, :]
+        dw = (1 + bug) * jnp.sum(g[:, None] * x, 0)
+        return dx.astype(x.dtype), dw.astype(w.dtype)
+
+    op.defvjp(op_fwd, op_bwd)
+    args = (f64(0, (3, 4)).astype(np.float32), f64(1, (4,)).astype(np.float32))
+    return op, args
+
+
+def loop_carry_reference(x, w):
+    return x @ w

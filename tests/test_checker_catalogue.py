@@ -1225,3 +1225,24 @@ def test_gradcheck_reference_judges_the_float32_kernel():
         jaxext.gradcheck(buggy, args, reference=ref)
     assert info.value.kind == "reference"
     assert "input 1" in str(info.value)
+
+
+@pytest.mark.parametrize("reference", [True, False], ids=["reference", "differences"])
+def test_op_without_float64_path_is_checked_in_its_dtype(reference):
+    """A float32 accumulator in a loop carry (no float64 path): every row runs in float32
+    and says so, none is a SKIP "JAX's own limit"; no FAIL for the correct op; its twin
+    with a 1% weight gradient FAILs gradcheck and jvp."""
+    ref = checker_ops.loop_carry_reference if reference else None
+    op, args = checker_ops.loop_carry_float32()
+    report = jaxext.opcheck(op, args, checks=_KERNEL_ROWS, reference=ref, raise_exception=False)
+    assert report.failed == (), str(report)
+    for result in report.results:
+        assert result.status in ("PASS", "SKIP"), str(report)
+        assert "JAX's own limit" not in result.detail, str(report)
+        if result.status == "PASS":
+            assert "float32" in result.detail, str(report)
+    buggy, _ = checker_ops.loop_carry_float32(0.01)
+    report = jaxext.opcheck(
+        buggy, args, checks=["gradcheck", "jvp"], reference=ref, raise_exception=False
+    )
+    assert set(report.failed) == {"gradcheck", "jvp"}, str(report)

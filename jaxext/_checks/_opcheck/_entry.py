@@ -244,7 +244,7 @@ def _run(name: str, op: OpUnderTest, settings: Settings) -> CheckResult:
 
 
 # The rows whose detail already says the dtypes the op ran in.
-_SAYS_PRECISION = frozenset({"gradcheck", "jvp", "gradgradcheck", "fwd_over_rev", "low_precision"})
+_SAYS_PRECISION = frozenset({"gradcheck", "jvp", "low_precision"})
 
 
 def _jax_limit(name: str, op: OpUnderTest, settings: Settings, err: Exception) -> str | None:

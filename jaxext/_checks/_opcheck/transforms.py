@@ -217,7 +217,13 @@ def _batched_leaf(leaf: Any, rng: np.random.Generator) -> Any:
     # A JAX array stays a JAX array (the op sees what a user's code passes).
     xp = jnp if isinstance(leaf, jax.Array) else np
     if jnp.issubdtype(leaf.dtype, jnp.inexact):
-        return xp.stack([leaf * (1 + 0.1 * rng.standard_normal(leaf.shape)) for _ in range(_BATCH)])
+        # In the leaf's dtype (the random factors are float64: a float32 leaf stays float32).
+        return xp.stack(
+            [
+                (leaf * (1 + 0.1 * rng.standard_normal(leaf.shape))).astype(leaf.dtype)
+                for _ in range(_BATCH)
+            ]
+        )
     return xp.stack([leaf] * _BATCH)
 
 
