@@ -1,8 +1,11 @@
 """jaxext: PyTorch's "Extending PyTorch" toolkit, done the JAX way.
 
-Custom differentiable ops written as ``jax.custom_vjp`` functions, a gradient
-checker with PyTorch-style diagnostics, Flax layers built on the ops, and a
-``Function`` class for porting ``torch.autograd.Function`` code.
+``custom_vjp``, a drop-in for ``jax.custom_vjp`` that adds forward mode (``jvp``,
+``jacfwd``, ``hessian``) derived from the hand-written backward; ops built on it
+(``linear``, ``mul_constant``, and ``rms_norm`` with Pallas kernels); ``gradcheck``,
+``gradgradcheck`` and ``opcheck`` with PyTorch-style diagnostics; Flax NNX and Linen
+layers on the ops; ``Function`` for porting ``torch.autograd.Function`` code; and
+``cpp_extension`` for C++ (XLA FFI) kernels compiled at first use.
 """
 
 # The op-writing API first: the ops below are built on it (`from jaxext import ...`).

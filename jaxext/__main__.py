@@ -1,11 +1,13 @@
-"""``python -m jaxext``: environment report, opcheck tables of the ops, and a training demo."""
+"""``python -m jaxext``: what jaxext ships and where it runs, opcheck tables of the ops, a demo."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
 
 import jax
 import numpy as np
@@ -16,8 +18,9 @@ import jaxext
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m jaxext",
-        description="Opcheck jaxext's custom ops, then train an MLP of jaxext layers "
-        f"on scikit-learn's 8x8 digits (needs the demo extra: {_DEMO_INSTALL}).",
+        description="List jaxext's ops and layers, opcheck the ops (linear, mul_constant, "
+        "rms_norm), then train an MLP of jaxext layers (Linear, RMSNorm, MulConstant) on "
+        f"scikit-learn's 8x8 digits (needs the demo extra: {_DEMO_INSTALL}).",
     )
     parser.add_argument(
         "--epochs", type=_positive_int, default=20, help="training epochs (default: %(default)s)"
@@ -38,6 +41,11 @@ _DEMO_INSTALL = "pip install 'jaxext[demo]'"
 # The demo's optional dependencies: import name -> the package that provides it.
 _DEMO_PACKAGES = {"optax": "optax", "sklearn": "scikit-learn"}
 _PLOT_PACKAGES = {"matplotlib": "matplotlib"}
+# Where to read on: the guides for writing kernels and for using jaxext inside other libraries.
+_GUIDES = (
+    "guides/pallas_kernels.md (Pallas kernels)",
+    "guides/libraries.md (Equinox, diffrax, Flax)",
+)
 
 
 def _missing_packages(plot: bool) -> list[str]:
@@ -63,23 +71,52 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _opcheck_cases() -> list[tuple[Callable[..., Any], tuple[Any, ...]]]:
+    """Each built-in op with small float64 arguments for ``jaxext.opcheck``."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 3))
+    return [
+        (jaxext.linear, (x, rng.standard_normal((2, 3)), rng.standard_normal(2))),
+        (jaxext.mul_constant, (x, rng.standard_normal(3))),
+        (jaxext.rms_norm, (x, rng.standard_normal(3))),
+    ]
+
+
+def _layer_names(namespace: ModuleType) -> str:
+    """The layer classes a Flax namespace of jaxext exports, comma-separated."""
+    return ", ".join(n for n in namespace.__all__ if isinstance(getattr(namespace, n), type))
+
+
+def _rms_norm_placement(backend: str) -> str:
+    """Where ``jaxext.rms_norm`` runs by default on ``backend``."""
+    if backend == "cpu":
+        return (
+            "plain XLA; its Pallas kernels run on GPU and TPU\n"
+            '  (implementation="interpret" runs them on CPU, in interpret mode, for testing)'
+        )
+    return "its Pallas kernels (Triton on GPU, Mosaic on TPU)"
+
+
 def _report_environment() -> None:
+    import jaxext.linen
+    import jaxext.nnx
+
+    backend = jax.default_backend()
     print(f"jaxext {jaxext.__version__}, jax {jax.__version__}")
-    print(f"backend: {jax.default_backend()}")
+    print(f"backend: {backend}")
     for device in jax.devices():
         print(f"  device {device.id}: {device.device_kind} ({device.platform})")
+    print("ops: " + ", ".join(f"jaxext.{op.__name__}" for op, _ in _opcheck_cases()))
+    print(f"layers: jaxext.nnx: {_layer_names(jaxext.nnx)}")
+    print(f"        jaxext.linen: {_layer_names(jaxext.linen)}")
+    print(f"rms_norm on {backend}: {_rms_norm_placement(backend)}")
+    print(f"guides (in the repository's docs/): {', '.join(_GUIDES)}")
 
 
 def _run_opchecks() -> bool:
     """Runs ``jaxext.opcheck`` on the built-in ops; prints one table each."""
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((4, 3))
-    ops = [
-        (jaxext.linear, (x, rng.standard_normal((2, 3)), rng.standard_normal(2))),
-        (jaxext.mul_constant, (x, rng.standard_normal(3))),
-    ]
     all_ok = True
-    for op, args in ops:
+    for op, args in _opcheck_cases():
         try:
             report = jaxext.opcheck(op, args)
             print(report)

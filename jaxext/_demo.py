@@ -42,22 +42,25 @@ def load_digits_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
 class DigitsMLP(nnx.Module):
-    """``MulConstant(1/16) -> Linear -> relu -> Linear -> relu -> Linear``.
+    """``MulConstant(1/16) -> Linear -> RMSNorm -> relu -> Linear -> RMSNorm -> relu -> Linear``.
 
-    The constant maps the raw 0..16 pixel intensities into [0, 1], the job a
-    fixed preprocessing scale does, here as a layer with a custom backward.
+    Every layer is one of jaxext's. The constant maps the raw 0..16 pixel
+    intensities into [0, 1], the job a fixed preprocessing scale does, here as a
+    layer with a custom backward; each ``RMSNorm`` runs :func:`jaxext.rms_norm`.
     """
 
     def __init__(self, hidden: int = 128, *, rngs: nnx.Rngs) -> None:
         self.scale = jnnx.MulConstant(1.0 / 16.0)
         self.fc1 = jnnx.Linear(64, hidden, rngs=rngs)
+        self.norm1 = jnnx.RMSNorm(hidden, rngs=rngs)
         self.fc2 = jnnx.Linear(hidden, hidden, rngs=rngs)
+        self.norm2 = jnnx.RMSNorm(hidden, rngs=rngs)
         self.out = jnnx.Linear(hidden, 10, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = self.scale(x)
-        x = jax.nn.relu(self.fc1(x))
-        x = jax.nn.relu(self.fc2(x))
+        x = jax.nn.relu(self.norm1(self.fc1(x)))
+        x = jax.nn.relu(self.norm2(self.fc2(x)))
         return self.out(x)
 
 

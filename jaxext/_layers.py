@@ -23,8 +23,11 @@ from ._validation import is_static_scalar
 __all__ = [
     "apply_kernel",
     "check_mul_constant",
+    "check_rms_norm_input",
+    "check_rms_norm_options",
     "learnable_scale",
     "refuse_dot_general",
+    "refuse_mask",
     "refuse_missing_inputs",
     "uniform_range",
 ]
@@ -132,13 +135,17 @@ def check_rms_norm_options(
 ) -> None:
     """Refuses the Flax ``RMSNorm`` options :func:`jaxext.rms_norm` cannot honour.
 
-    The kernel normalises and scales over the last axis of one device's rows.
+    The op normalises and scales over the last axis of one device's rows. An axis
+    given by position (``reduction_axes=2``) is checked against the input, at the call
+    (:func:`check_rms_norm_input`); here, values that name no axis or several.
     """
     for name, value in (("reduction_axes", reduction_axes), ("feature_axes", feature_axes)):
-        if value not in (-1, (-1,), [-1]):
+        axes = _axes(value)
+        if not axes:
             raise ValueError(
-                f"{layer}: `{name}` must be -1 (the last axis, the only one the Pallas kernel "
-                f"normalises over); got {value!r}."
+                f"{layer}: `{name}` must name the last axis (-1, or its position, e.g. 2 "
+                f"for a 3-D input: the only axis jaxext.rms_norm normalises over); got "
+                f"{value!r}."
             )
     for name, value in (("axis_name", axis_name), ("axis_index_groups", axis_index_groups)):
         if value is not None:
@@ -146,6 +153,38 @@ def check_rms_norm_options(
                 f"{layer}: `{name}` must be None (statistics across devices are not "
                 f"supported; split rows, not features); got {value!r}."
             )
+
+
+def _axes(value: Any) -> tuple[int, ...] | None:
+    """``value`` as a tuple of ints (an int or a sequence of ints), else ``None``."""
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
+        return None
+    return tuple(int(v) for v in values)
+
+
+def check_rms_norm_input(
+    layer: str, x: jax.Array, *, reduction_axes: Any, feature_axes: Any, scale: Any
+) -> None:
+    """Refuses an input whose last axis is not the one ``reduction_axes`` and
+    ``feature_axes`` name (Flax's axes, positions taken modulo ``x.ndim``), or whose
+    features do not match ``scale``'s (``None``: no scale)."""
+    if x.ndim == 0:
+        raise ValueError(f"{layer}: `x` must have shape (..., features); got a scalar.")
+    last = x.ndim - 1
+    for name, value in (("reduction_axes", reduction_axes), ("feature_axes", feature_axes)):
+        if {a + x.ndim if a < 0 else a for a in _axes(value)} != {last}:
+            raise ValueError(
+                f"{layer}: `{name}` must be the last axis of `x` (-1 or {last} for `x` of "
+                f"shape {x.shape}; the only axis jaxext.rms_norm normalises over); got "
+                f"{value!r}."
+            )
+    if scale is not None and np.shape(scale) != (x.shape[-1],):
+        raise ValueError(
+            f"{layer}: `x` must have shape (..., features) with features = "
+            f"{np.shape(scale)[0]}, the size of `scale` of shape {np.shape(scale)}; got `x` "
+            f"of shape {x.shape}."
+        )
 
 
 def refuse_mask(mask: Any, layer: str) -> None:

@@ -20,6 +20,7 @@ from jax.typing import ArrayLike
 from ._layers import (
     apply_kernel,
     check_mul_constant,
+    check_rms_norm_input,
     check_rms_norm_options,
     learnable_scale,
     refuse_dot_general,
@@ -153,12 +154,15 @@ class MulConstant(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Drop-in for ``flax.linen.RMSNorm`` whose forward and backward are Pallas kernels.
+    """Drop-in for ``flax.linen.RMSNorm`` that runs :func:`jaxext.rms_norm`.
 
     Same attributes and parameter tree (``scale`` of shape ``(features,)`` from
     ``scale_init``, created at the first call) as ``flax.linen.RMSNorm``; the call
-    runs :func:`jaxext.rms_norm`. Outputs and gradients equal Flax's up to
-    rounding (both reduce in float32 at least).
+    runs :func:`jaxext.rms_norm` (by default plain XLA on CPU, its Pallas kernels
+    compiled on GPU and TPU; see ``implementation``). As in Flax, it computes in
+    ``dtype`` where ``dtype`` is wider than the input (float32 for bfloat16 input,
+    say). Outputs and gradients equal Flax's up to rounding (both reduce in float32
+    at least).
 
     Attributes:
         epsilon: added to the mean square (default ``1e-6``).
@@ -166,14 +170,16 @@ class RMSNorm(nn.Module):
         param_dtype: dtype of ``scale`` (default ``float32``).
         use_scale: whether to learn ``scale``.
         scale_init: initializer of ``scale`` (default ones).
-        reduction_axes: must be ``-1``.
-        feature_axes: must be ``-1``.
+        reduction_axes: the last axis: ``-1`` or its position (``2`` for a 3-D
+            input), an int or a sequence of them, as in Flax.
+        feature_axes: the last axis, as ``reduction_axes``.
         axis_name: must be ``None``.
         axis_index_groups: must be ``None``.
         use_fast_variance: accepted for compatibility (no effect on RMSNorm).
         force_float32_reductions: must be ``True`` (the kernel always reduces in
             float32 at least).
-        interpret: passed to :func:`jaxext.rms_norm` (``None``: per platform).
+        implementation: passed to :func:`jaxext.rms_norm`: ``"xla"``,
+            ``"pallas"``, ``"interpret"`` or ``None`` (default: per platform).
         block_rows: passed to :func:`jaxext.rms_norm`.
 
     Example:
@@ -196,7 +202,7 @@ class RMSNorm(nn.Module):
     axis_index_groups: Any = None
     use_fast_variance: bool = True
     force_float32_reductions: bool = True
-    interpret: bool | None = None
+    implementation: str | None = None
     block_rows: int | None = None
 
     @nn.compact
@@ -204,7 +210,9 @@ class RMSNorm(nn.Module):
         """Normalises ``x`` over its last axis and multiplies by ``scale``.
 
         Raises:
-            ValueError: if an unsupported attribute is set or ``mask`` is given.
+            ValueError: if an unsupported attribute is set, ``mask`` is given, or
+                ``x``'s last axis is not the one ``reduction_axes`` and
+                ``feature_axes`` name.
         """
         check_rms_norm_options(
             "linen.RMSNorm",
@@ -221,6 +229,13 @@ class RMSNorm(nn.Module):
         refuse_missing_inputs(x)
         refuse_mask(mask, "linen.RMSNorm")
         x = jnp.asarray(x)
+        check_rms_norm_input(
+            "linen.RMSNorm",
+            x,
+            reduction_axes=self.reduction_axes,
+            feature_axes=self.feature_axes,
+            scale=None,
+        )
         features = x.shape[-1]
         args = [x]
         if self.use_scale:
@@ -228,9 +243,19 @@ class RMSNorm(nn.Module):
             args.append(scale)
         # Flax's result dtype: `dtype`, else the inputs' and scale's, made floating.
         out_dtype = nn.dtypes.canonicalize_dtype(*args, dtype=self.dtype)
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            x = x.astype(out_dtype)
+        # Flax computes in `dtype` where it is wider than the input (its statistics and
+        # the product are in the promotion of x's dtype, `dtype` and float32).
+        compute = x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else out_dtype
+        if self.dtype is not None:
+            compute = jnp.promote_types(compute, self.dtype)
+        x = x.astype(compute)
         if not self.use_scale:
             scale = jnp.ones((features,), x.dtype)
-        y = rms_norm(x, scale, self.epsilon, interpret=self.interpret, block_rows=self.block_rows)
+        y = rms_norm(
+            x,
+            scale,
+            self.epsilon,
+            implementation=self.implementation,
+            block_rows=self.block_rows,
+        )
         return y.astype(out_dtype)

@@ -26,6 +26,7 @@ from jax.typing import ArrayLike
 from ._layers import (
     apply_kernel,
     check_mul_constant,
+    check_rms_norm_input,
     check_rms_norm_options,
     learnable_scale,
     refuse_dot_general,
@@ -215,12 +216,13 @@ class MulConstant(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """Drop-in for ``flax.nnx.RMSNorm`` whose forward and backward are Pallas kernels.
+    """Drop-in for ``flax.nnx.RMSNorm`` that runs :func:`jaxext.rms_norm`.
 
     Same constructor and parameter (``scale`` of shape ``(num_features,)``, from
     ``scale_init``) as ``flax.nnx.RMSNorm``; the call runs :func:`jaxext.rms_norm`
-    (interpret mode on CPU, a compiled kernel on GPU and TPU). Outputs and
-    gradients equal Flax's up to rounding (both reduce in float32 at least).
+    (by default plain XLA on CPU, its Pallas kernels compiled on GPU and TPU; see
+    ``implementation``). Outputs and gradients equal Flax's up to rounding (both
+    reduce in float32 at least).
 
     Args:
         num_features: size of the last axis of the input.
@@ -229,8 +231,10 @@ class RMSNorm(nnx.Module):
         param_dtype: dtype of ``scale`` (default ``float32``).
         use_scale: whether to learn ``scale``; without it the output is not scaled.
         scale_init: initializer of ``scale`` (default ones).
-        reduction_axes: must be ``-1`` (the kernel normalises over the last axis).
-        feature_axes: must be ``-1``.
+        reduction_axes: the last axis: ``-1`` or its position (``2`` for a 3-D
+            input), an int or a sequence of them, as in Flax (the op normalises
+            over the last axis only).
+        feature_axes: the last axis, as ``reduction_axes``.
         axis_name: must be ``None`` (no cross-device statistics).
         axis_index_groups: must be ``None``.
         use_fast_variance: accepted for compatibility; RMSNorm's statistic is the
@@ -239,11 +243,12 @@ class RMSNorm(nnx.Module):
             operands first, as in Flax.
         rngs: the ``nnx.Rngs`` whose ``params`` stream ``scale_init`` receives.
         scale_metadata: extra metadata for the ``scale`` ``nnx.Param``.
-        interpret: passed to :func:`jaxext.rms_norm` (``None``: per platform).
+        implementation: passed to :func:`jaxext.rms_norm`: ``"xla"``,
+            ``"pallas"``, ``"interpret"`` or ``None`` (default: per platform).
         block_rows: passed to :func:`jaxext.rms_norm`.
 
     Raises:
-        ValueError: if an option above is not one the kernel supports, or
+        ValueError: if an option above is not one the op supports, or
             ``num_features`` is not a positive integer.
 
     Example:
@@ -272,7 +277,7 @@ class RMSNorm(nnx.Module):
         promote_dtype: PromoteDtypeFn = dtypes.promote_dtype,
         rngs: nnx.Rngs,
         scale_metadata: Mapping[str, Any] = MappingProxyType({}),
-        interpret: bool | None = None,
+        implementation: str | None = None,
         block_rows: int | None = None,
     ):
         num_features = _feature_count(num_features, "num_features")
@@ -301,7 +306,7 @@ class RMSNorm(nnx.Module):
         self.axis_index_groups = axis_index_groups
         self.use_fast_variance = use_fast_variance
         self.promote_dtype = promote_dtype
-        self.interpret = interpret
+        self.implementation = implementation
         self.block_rows = block_rows
 
     def __call__(self, x: ArrayLike, mask: jax.Array | None = None) -> jax.Array:
@@ -315,8 +320,9 @@ class RMSNorm(nnx.Module):
             Array of ``x``'s shape.
 
         Raises:
-            ValueError: if ``mask`` is given or ``x``'s last axis is not
-                ``num_features``.
+            ValueError: if ``mask`` is given, ``x``'s last axis is not the one
+                ``reduction_axes`` and ``feature_axes`` name, or its size is not
+                ``scale``'s.
         """
         refuse_missing_inputs(x)
         refuse_mask(mask, "nnx.RMSNorm")
@@ -325,8 +331,19 @@ class RMSNorm(nnx.Module):
         x = jnp.asarray(x)
         if not jnp.issubdtype(x.dtype, jnp.floating):
             x = x.astype(jnp.float32)
+        check_rms_norm_input(
+            "nnx.RMSNorm",
+            x,
+            reduction_axes=self.reduction_axes,
+            feature_axes=self.feature_axes,
+            scale=scale,
+        )
         if scale is None:
             scale = jnp.ones((x.shape[-1],), x.dtype)
         return rms_norm(
-            x, scale, self.epsilon, interpret=self.interpret, block_rows=self.block_rows
+            x,
+            scale,
+            self.epsilon,
+            implementation=self.implementation,
+            block_rows=self.block_rows,
         )

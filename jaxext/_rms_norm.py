@@ -1,13 +1,21 @@
-"""`rms_norm`: a fused RMSNorm whose forward and backward are Pallas kernels.
+"""`rms_norm`: a fused RMSNorm, as plain XLA or as Pallas kernels (an implementation choice).
 
 This module is a template for an op written in ``jax.experimental.pallas``: its
-checks, the two kernels, the primal, ``fwd``, ``bwd`` and a ``jvp`` rule, written
-with the public ``jaxext.custom_vjp`` and JAX's public API only.
+checks, the two kernels, the same math in plain JAX, the primal, ``fwd``, ``bwd``
+and a ``jvp`` rule, written with the public ``jaxext.custom_vjp`` and JAX's public
+API only.
 
-* ``fwd`` runs the forward kernel, which returns the output and the per-row
+* ``implementation`` picks how the forward and backward run: ``"xla"`` (the math
+  below in plain JAX: the reference, and the default on CPU, where no kernel
+  compiler exists and XLA's fusion is fastest), ``"pallas"`` (the kernels compiled:
+  Triton on ``cuda``/``rocm``, Mosaic on ``tpu``; the default there),
+  ``"interpret"`` (the same kernels in Pallas's interpret mode on any platform: for
+  testing kernels on CPU) or ``None``, decided when the program is lowered with
+  ``lax.platform_dependent``, so one jitted program is right on each platform.
+* ``fwd`` runs the forward (kernel), which returns the output and the per-row
   ``rsqrt(mean(x**2) + eps)``; the residuals are ``x``, ``weight`` and that
   per-row factor, nothing else.
-* ``bwd`` runs the backward kernel: per row block it writes ``grad_x`` and a
+* ``bwd`` runs the backward (kernel): per row block it writes ``grad_x`` and a
   partial sum of ``grad_weight``; the partial sums are added up outside it.
 * A ``pallas_call`` cannot be transposed, so forward mode (``jvp``, ``jacfwd``)
   cannot be derived from ``bwd``: the op gives ``defvjp(..., jvp=...)`` a rule
@@ -15,12 +23,14 @@ with the public ``jaxext.custom_vjp`` and JAX's public API only.
 * Each kernel call is a ``jax.custom_jvp`` whose derivative is the same math in
   plain JAX, so the backward is itself differentiable: grad-of-grad and
   ``hessian`` work, their second-order part computed by XLA, not by a kernel.
+* Each kernel call has a ``jax.custom_batching.custom_vmap`` rule: a batch of
+  inputs is more rows for the kernel (one launch), and an empty batch is empty.
 
-Where each kernel runs is decided when the program is lowered, with
-``lax.platform_dependent``: interpret mode on CPU, Triton on ``cuda`` and
-``rocm``, Mosaic on ``tpu``. Rows are padded to a whole number of row blocks and
-features to a power of two (Triton's block shapes must be powers of two); the
-padding never reaches the results.
+Rows are padded to a whole number of row blocks and features to a power of two
+(Triton's block shapes must be powers of two); the padding never reaches the
+results. Interpret mode runs one single-block kernel call per row block in a
+``lax.map`` (Pallas's interpreter loop over a grid copies the whole array at each
+step: quadratic time in the rows).
 """
 
 from __future__ import annotations
@@ -40,6 +50,9 @@ from jaxext import check_array, custom_vjp
 
 __all__ = ["rms_norm"]
 
+_IMPLEMENTATIONS: tuple[str, ...] = ("xla", "pallas", "interpret")
+"""The values of ``rms_norm``'s ``implementation`` argument other than ``None``."""
+
 _FLOATS = ("bfloat16", "float16", "float32", "float64")
 # Default rows per block: as many as keep a block near 2**15 elements, within [16, 256]
 # (16 rows: a whole number of TPU sublane tiles for 32- and 16-bit types).
@@ -52,31 +65,33 @@ def rms_norm(
     weight: ArrayLike,
     eps: float = 1e-6,
     *,
-    interpret: bool | None = None,
+    implementation: str | None = None,
     block_rows: int | None = None,
 ) -> jax.Array:
-    """Applies RMSNorm ``x * rsqrt(mean(x**2, -1) + eps) * weight`` with Pallas kernels.
+    """Applies RMSNorm ``x * rsqrt(mean(x**2, -1) + eps) * weight``, in XLA or Pallas kernels.
 
     Normalises over the last axis; any leading shape. The forward and the
-    backward are each one ``jax.experimental.pallas`` kernel over blocks of rows,
-    tied together with :func:`jaxext.custom_vjp`. Statistics are computed in
-    float32 (float64 for float64 inputs), whatever the input dtype. The
-    residuals are ``x``, ``weight`` and the per-row ``rsqrt``.
+    backward are each plain XLA or one ``jax.experimental.pallas`` kernel over
+    blocks of rows (``implementation``), tied together with
+    :func:`jaxext.custom_vjp`. Statistics are computed in float32 (float64 for
+    float64 inputs), whatever the input dtype. The residuals are ``x``,
+    ``weight`` and the per-row ``rsqrt``.
 
     Forward mode (``jvp``, ``jacfwd``) uses a ``jvp`` rule in plain JAX (a
     ``pallas_call`` cannot be transposed), and second derivatives (grad of
     grad, ``hessian``) differentiate each kernel call through a plain-JAX rule
     of the same math: the first-order forward and backward run the kernels,
-    higher orders run XLA. Under ``vmap`` Pallas adds a grid axis. With rows
-    split over devices, call it inside ``jax.shard_map`` (on CPU with
-    ``check_vma=False``: Pallas's interpret mode in JAX 0.10 and 0.12 refuses
-    ``check_vma=True``); ``pallas_call`` refuses explicit mesh axes outside a
-    ``shard_map``. Export for one platform at a time (``jax.export`` with
-    ``platforms=["cuda"]`` or ``["tpu"]``; Triton's custom call needs
+    higher orders run XLA. Under ``vmap`` the batch becomes more rows of one
+    kernel call. With rows split over devices, call it inside ``jax.shard_map``
+    (for ``"interpret"``, with ``check_vma=False``: Pallas's interpret mode in
+    JAX 0.10 and 0.12 refuses ``check_vma=True``); ``pallas_call`` refuses
+    explicit mesh axes outside a ``shard_map``. Export the kernels for one
+    platform at a time (``jax.export`` with ``platforms=["cuda"]`` or
+    ``["tpu"]``; Triton's custom call needs
     ``DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")`` and, on a
-    machine without a GPU, a target GPU named with ``jax.sharding.AbstractDevice``
-    on an abstract mesh); a multi-platform export fails, and shape
-    polymorphism is not supported.
+    machine without a GPU, a target GPU named with
+    ``jax.sharding.AbstractDevice`` on an abstract mesh); a multi-platform
+    export fails, and shape polymorphism is not supported.
 
     Args:
         x: input of shape ``(..., features)``, floating (bfloat16, float16,
@@ -85,14 +100,16 @@ def rms_norm(
             floating dtype than ``x`` (e.g. float32 parameters, bfloat16 input).
         eps: a Python or NumPy real number, at least 0, added to the mean square
             (static: a new value compiles a new program).
-        interpret: ``None`` (default) picks per platform when the program is
-            lowered: Pallas interpret mode on CPU, the compiled kernel (Triton on
-            ``cuda``/``rocm``, Mosaic on ``tpu``) elsewhere. ``True`` runs
-            interpret mode everywhere (slow; for debugging), ``False`` the
-            compiled kernel only (on CPU, lowering then fails).
+        implementation: how the forward and backward run. ``"xla"``: plain JAX
+            (the reference; fastest on CPU). ``"pallas"``: the Pallas kernels
+            compiled (Triton on ``cuda``/``rocm``, Mosaic on ``tpu``; on CPU,
+            lowering fails). ``"interpret"``: the Pallas kernels in interpret
+            mode on any platform (slow; for testing the kernels on CPU).
+            ``None`` (default): picked per platform when the program is lowered,
+            ``"xla"`` on CPU and ``"pallas"`` on GPU and TPU.
         block_rows: rows per kernel block, a power of two. ``None`` picks one
             from the feature count (16 to 256). On TPU, several blocks need a
-            multiple of 16.
+            multiple of 16. No effect with ``"xla"``.
 
     Returns:
         Array of ``x``'s shape in the ``jnp`` promotion of ``x``'s and
@@ -101,11 +118,12 @@ def rms_norm(
     Raises:
         TypeError: if ``x`` or ``weight`` is not a floating array of one of the
             dtypes above, ``eps`` is not a real number (an array, say), or
-            ``interpret``/``block_rows`` has the wrong type.
+            ``implementation``/``block_rows`` has the wrong type.
         ValueError: if ``x`` is a scalar, has no features or a symbolic
             dimension (``jax.export`` shape polymorphism), ``weight`` is not
-            ``(features,)``, ``eps`` is negative or not finite, or
-            ``block_rows`` is not a positive power of two.
+            ``(features,)``, ``eps`` is negative or not finite,
+            ``implementation`` is not one of the above, or ``block_rows`` is not
+            a positive power of two.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -113,6 +131,9 @@ def rms_norm(
         >>> x, w = jnp.arange(6.0).reshape(2, 3), jnp.ones(3)
         >>> y = jaxext.rms_norm(x, w)
         >>> bool(jnp.allclose(y, x / jnp.sqrt(jnp.mean(x**2, -1, keepdims=True) + 1e-6)))
+        True
+        >>> y_kernel = jaxext.rms_norm(x, w, implementation="interpret")
+        >>> bool(jnp.allclose(y_kernel, y))
         True
         >>> jax.grad(lambda w: jaxext.rms_norm(x, w).sum())(w).shape
         (3,)
@@ -133,7 +154,9 @@ def rms_norm(
             f"`weight` must have shape (features,) = ({x.shape[-1]},) for `x` of shape "
             f"{x.shape}; got shape {weight.shape}."
         )
-    config = _Config(_check_eps(eps), _check_interpret(interpret), _check_block_rows(block_rows))
+    config = _Config(
+        _check_eps(eps), _check_implementation(implementation), _check_block_rows(block_rows)
+    )
     if isinstance(x, jax.core.Tracer) or isinstance(weight, jax.core.Tracer):
         return _rms_norm(x, weight, config)
     # An eager call runs as one compiled program, as jax.numpy's functions do.
@@ -165,10 +188,19 @@ def _check_eps(eps: Any) -> float:
     return eps
 
 
-def _check_interpret(interpret: Any) -> bool | None:
-    if interpret is not None and not isinstance(interpret, (bool, np.bool_)):
-        raise TypeError(f"`interpret` must be None, True or False; got {type(interpret).__name__}.")
-    return None if interpret is None else bool(interpret)
+def _check_implementation(implementation: Any) -> str | None:
+    if implementation is None:
+        return None
+    if not isinstance(implementation, str):
+        raise TypeError(
+            f"`implementation` must be None or one of {_IMPLEMENTATIONS}; got "
+            f"{type(implementation).__name__}."
+        )
+    if implementation not in _IMPLEMENTATIONS:
+        raise ValueError(
+            f"`implementation` must be None or one of {_IMPLEMENTATIONS}; got {implementation!r}."
+        )
+    return implementation
 
 
 def _check_block_rows(block_rows: Any) -> int | None:
@@ -186,7 +218,7 @@ class _Config(NamedTuple):
     """The static (hashable, non-differentiable) arguments."""
 
     eps: float
-    interpret: bool | None
+    implementation: str | None
     block_rows: int | None
 
 
@@ -285,114 +317,124 @@ def _vary_alike(args: tuple) -> tuple[tuple, dict]:
     return args, {"manual_axis_type": jax.typeof(args[0]).manual_axis_type}
 
 
-def _run(call, args: tuple, interpret: bool | None):
-    """Runs ``call(**pallas_options)(*args)`` compiled for the platform being lowered for.
+# -- launching a kernel: compiled over a grid, or interpreted one block at a time --------
 
-    ``lax.platform_dependent`` lowers only the branch of the platform the program is
-    lowered for (one platform at a time: a multi-platform ``jax.export`` would lower
-    each branch for every platform, and Triton's options are refused on TPU).
+
+def _launch(kernel, name: str, inputs: list, outputs: list, block_rows: int, mode: str):
+    """Runs ``kernel`` over blocks of ``block_rows`` rows; returns its outputs.
+
+    ``inputs`` are ``(array, per_row)`` pairs of 2-D arrays: a per-row one is cut into row
+    blocks, the others are seen whole by every block. ``outputs`` are ``(columns, dtype,
+    per_row)``: a per-row output has the inputs' rows; the others are one ``(1, columns)``
+    row per block, returned as ``(blocks, 1, columns)``. ``mode``: ``"triton"``,
+    ``"mosaic"``, ``"cpu"`` (compiled for CPU: Pallas's own error says interpret mode is
+    needed) or ``"interpret"``: one single-block call per row block in a ``lax.map``, in
+    linear time (Pallas's interpreter loop over a grid copies whole arrays at each step).
     """
-    if interpret:
-        return call(interpret=True)(*args)
-    from jax.experimental.pallas import tpu as pltpu
-    from jax.experimental.pallas import triton as pltriton
+    rows = next(a.shape[0] for a, per_row in inputs if per_row)
+    blocks = rows // block_rows
+    per_rows = [per_row for _, per_row in inputs]
+    args, typed = _vary_alike(tuple(a for a, _ in inputs))
 
-    def triton(*a):  # Pallas's default GPU backend (Mosaic GPU) cannot lower the reductions
-        return call(compiler_params=pltriton.CompilerParams())(*a)
+    def call(n_blocks: int, **options):
+        in_specs = [
+            pl.BlockSpec((block_rows, a.shape[1]), lambda i: (i, 0))
+            if per_row
+            else pl.BlockSpec(a.shape, lambda i: (0, 0))
+            for a, per_row in zip(args, per_rows, strict=True)
+        ]
+        out_specs, out_shape = [], []
+        for columns, dtype, per_row in outputs:
+            if per_row:
+                out_specs.append(pl.BlockSpec((block_rows, columns), lambda i: (i, 0)))
+                shape = (n_blocks * block_rows, columns)
+            else:  # the leading (block) axis squeezed: the kernel sees (1, columns)
+                out_specs.append(pl.BlockSpec((None, 1, columns), lambda i: (i, 0, 0)))
+                shape = (n_blocks, 1, columns)
+            out_shape.append(jax.ShapeDtypeStruct(shape, dtype, **typed))
+        return pl.pallas_call(
+            kernel,
+            grid=(n_blocks,),
+            in_specs=in_specs,
+            out_specs=out_specs,
+            out_shape=out_shape,
+            name=name,
+            **options,
+        )
 
-    branches = {
-        "cuda": triton,
-        "rocm": triton,
-        "tpu": lambda *a: call(compiler_params=pltpu.CompilerParams())(*a),
-        # interpret=False on CPU: Pallas's own lowering error says interpret mode is needed.
-        "cpu": lambda *a: call(interpret=interpret is None)(*a),
-    }
-    return lax.platform_dependent(*args, **branches)
+    if mode != "interpret":
+        from jax.experimental.pallas import tpu as pltpu
+        from jax.experimental.pallas import triton as pltriton
+
+        options = {
+            # Pallas's default GPU backend (Mosaic GPU) cannot lower the reductions.
+            "triton": {"compiler_params": pltriton.CompilerParams()},
+            "mosaic": {"compiler_params": pltpu.CompilerParams()},
+            "cpu": {"interpret": False},
+        }[mode]
+        return call(blocks, **options)(*args)
+
+    def one_block(row_blocks):
+        row_blocks = iter(row_blocks)
+        block_args = [next(row_blocks) if p else a for a, p in zip(args, per_rows, strict=True)]
+        return tuple(call(1, interpret=True)(*block_args))
+
+    blocked = tuple(
+        a.reshape(blocks, block_rows, a.shape[1]) for a, p in zip(args, per_rows, strict=True) if p
+    )
+    outs = lax.map(one_block, blocked)
+    return [
+        o.reshape(rows, o.shape[-1]) if per_row else o.reshape(blocks, 1, o.shape[-1])
+        for o, (_, _, per_row) in zip(outs, outputs, strict=True)
+    ]
 
 
-# Each kernel call is jitted: an eager call under a transformation (jax.jvp, jax.vjp outside
-# jit) then reuses one compiled program per shape instead of re-lowering the kernel.
-@functools.partial(jax.jit, static_argnums=2)
-def _forward_pallas(x: jax.Array, weight: jax.Array, config: _Config):
+def _forward_kernels(mode: str, x: jax.Array, weight: jax.Array, config: _Config):
     """``(y, inv)``: the forward kernel on ``x``'s rows; ``inv`` has shape ``x.shape[:-1]``."""
     lay = _layout(x.shape, config.block_rows)
     out_dtype = jnp.result_type(x, weight)
     cdt = _compute_dtype(x.dtype, weight.dtype)
     if lay.rows == 0:
         return jnp.zeros(x.shape, out_dtype), jnp.zeros(x.shape[:-1], cdt)
-    br, dp = lay.block_rows, lay.padded_features
-    args, typed = _vary_alike(
-        (
-            _pad(x, lay.padded_rows, dp, 1.0),
-            _pad(weight[None], 1, dp),
-            jnp.full((1, 1), 1.0 / lay.features, cdt),
-            jnp.full((1, 1), config.eps, cdt),
-        )
-    )
-    scalar = pl.BlockSpec((1, 1), lambda i: (0, 0))
-    call = functools.partial(
-        pl.pallas_call,
+    dp = lay.padded_features
+    y, inv = _launch(
         _forward_kernel,
-        grid=(lay.padded_rows // br,),
-        in_specs=[
-            pl.BlockSpec((br, dp), lambda i: (i, 0)),
-            pl.BlockSpec((1, dp), lambda i: (0, 0)),
-            scalar,
-            scalar,
+        "rms_norm_forward",
+        [
+            (_pad(x, lay.padded_rows, dp, 1.0), True),
+            (_pad(weight[None], 1, dp), False),
+            (jnp.full((1, 1), 1.0 / lay.features, cdt), False),
+            (jnp.full((1, 1), config.eps, cdt), False),
         ],
-        out_specs=[
-            pl.BlockSpec((br, dp), lambda i: (i, 0)),
-            pl.BlockSpec((br, 1), lambda i: (i, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((lay.padded_rows, dp), out_dtype, **typed),
-            jax.ShapeDtypeStruct((lay.padded_rows, 1), cdt, **typed),
-        ],
-        name="rms_norm_forward",
+        [(dp, out_dtype, True), (1, cdt, True)],
+        lay.block_rows,
+        mode,
     )
-    y, inv = _run(call, args, config.interpret)
     y = y[: lay.rows, : lay.features].reshape(x.shape)
     return y, inv[: lay.rows, 0].reshape(x.shape[:-1])
 
 
-@functools.partial(jax.jit, static_argnums=4)
-def _backward_pallas(x, weight, inv, g, config: _Config):
+def _backward_kernels(mode: str, x, weight, inv, g, config: _Config):
     """``(grad_x, grad_weight)`` from the backward kernel."""
     lay = _layout(x.shape, config.block_rows)
     if lay.rows == 0:
         return jnp.zeros(x.shape, x.dtype), jnp.zeros(weight.shape, weight.dtype)
-    br, dp = lay.block_rows, lay.padded_features
-    blocks = lay.padded_rows // br
-    row_block = pl.BlockSpec((br, dp), lambda i: (i, 0))
-    args, typed = _vary_alike(
-        (
-            _pad(x, lay.padded_rows, dp, 1.0),
-            _pad(weight[None], 1, dp),
-            _pad(inv[..., None], lay.padded_rows, 1, 1.0),
-            _pad(g, lay.padded_rows, dp),
-            jnp.full((1, 1), 1.0 / lay.features, inv.dtype),
-        )
-    )
-    call = functools.partial(
-        pl.pallas_call,
+    dp = lay.padded_features
+    dx, dw_parts = _launch(
         _backward_kernel,
-        grid=(blocks,),
-        in_specs=[
-            row_block,
-            pl.BlockSpec((1, dp), lambda i: (0, 0)),
-            pl.BlockSpec((br, 1), lambda i: (i, 0)),
-            row_block,
-            pl.BlockSpec((1, 1), lambda i: (0, 0)),
+        "rms_norm_backward",
+        [
+            (_pad(x, lay.padded_rows, dp, 1.0), True),
+            (_pad(weight[None], 1, dp), False),
+            (_pad(inv[..., None], lay.padded_rows, 1, 1.0), True),
+            (_pad(g, lay.padded_rows, dp), True),
+            (jnp.full((1, 1), 1.0 / lay.features, inv.dtype), False),
         ],
-        # One partial grad_weight per block: (blocks, 1, features), the leading axis squeezed.
-        out_specs=[row_block, pl.BlockSpec((None, 1, dp), lambda i: (i, 0, 0))],
-        out_shape=[
-            jax.ShapeDtypeStruct((lay.padded_rows, dp), x.dtype, **typed),
-            jax.ShapeDtypeStruct((blocks, 1, dp), inv.dtype, **typed),
-        ],
-        name="rms_norm_backward",
+        # One partial grad_weight per block, added up here.
+        [(dp, x.dtype, True), (dp, inv.dtype, False)],
+        lay.block_rows,
+        mode,
     )
-    dx, dw_parts = _run(call, args, config.interpret)
     dx = dx[: lay.rows, : lay.features].reshape(x.shape)
     dw = jnp.sum(dw_parts[:, 0, : lay.features], axis=0)
     return dx, dw.astype(weight.dtype)
@@ -419,9 +461,78 @@ def _backward_math(x, weight, inv, g):
     return dx.astype(x.dtype), dw.astype(weight.dtype)
 
 
+# -- the implementation choice ---------------------------------------------------------
+
+
+def _implemented(xla, kernels, args: tuple, config: _Config):
+    """``xla(*args)`` or ``kernels(mode, *args, config)``, as ``config.implementation`` says.
+
+    ``None`` and ``"pallas"`` choose with ``lax.platform_dependent``, which lowers only
+    the branch of the platform the program is lowered for (one platform at a time: a
+    multi-platform ``jax.export`` would lower each branch for every platform, and
+    Triton's options are refused on TPU).
+    """
+    implementation = config.implementation
+    if implementation == "xla":
+        return xla(*args)
+    if implementation == "interpret":
+        return kernels("interpret", *args, config)
+
+    def kernel(mode):
+        return lambda *a: kernels(mode, *a, config)
+
+    # None: plain XLA on CPU (no kernel compiler there) and on any other platform.
+    extra = {"cpu": xla, "default": xla} if implementation is None else {"cpu": kernel("cpu")}
+    return lax.platform_dependent(
+        *args, cuda=kernel("triton"), rocm=kernel("triton"), tpu=kernel("mosaic"), **extra
+    )
+
+
+def _empty_batch_safe(fn):
+    """``fn(*arrays)`` with a ``vmap`` rule: Pallas's batching (a grid axis), except that an
+    empty batch gives empty results (Pallas's batched kernel slices a block of the batch)."""
+    batched_fn = jax.custom_batching.custom_vmap(fn)
+
+    @batched_fn.def_vmap
+    def rule(axis_size, in_batched, *args):
+        if axis_size:
+            in_axes = tuple(0 if b else None for b in in_batched)
+            out = jax.vmap(fn, in_axes)(*args)
+        else:
+            unbatched = [
+                jax.ShapeDtypeStruct(a.shape[1:] if b else a.shape, a.dtype)
+                for a, b in zip(args, in_batched, strict=True)
+            ]
+            shapes = jax.eval_shape(fn, *unbatched)
+            out = tuple(jnp.zeros((0, *s.shape), s.dtype) for s in shapes)
+        return out, tuple(True for _ in out)
+
+    return batched_fn
+
+
+# Each call is jitted: an eager call under a transformation (jax.jvp, jax.vjp outside jit)
+# then reuses one compiled program per shape instead of re-lowering the kernel.
+@functools.partial(jax.jit, static_argnums=2)
+def _forward_impl(x, weight, config: _Config):
+    def forward(x, weight):
+        return _implemented(
+            functools.partial(_forward_math, eps=config.eps), _forward_kernels, (x, weight), config
+        )
+
+    return _empty_batch_safe(forward)(x, weight)
+
+
+@functools.partial(jax.jit, static_argnums=4)
+def _backward_impl(x, weight, inv, g, config: _Config):
+    def backward(*args):
+        return _implemented(_backward_math, _backward_kernels, args, config)
+
+    return _empty_batch_safe(backward)(x, weight, inv, g)
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def _forward(x, weight, config):
-    return _forward_pallas(x, weight, config)
+    return _forward_impl(x, weight, config)
 
 
 @_forward.defjvp
@@ -433,7 +544,7 @@ def _forward_jvp(config, primals, tangents):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
 def _backward(x, weight, inv, g, config):
-    return _backward_pallas(x, weight, inv, g, config)
+    return _backward_impl(x, weight, inv, g, config)
 
 
 @_backward.defjvp

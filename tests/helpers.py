@@ -486,3 +486,17 @@ def tiered(values, *, default, ids=None):
         )
         for v in values
     ]
+
+
+def importorskip_extra(module, extra):
+    """``pytest.importorskip(module)`` for a package of pyproject.toml's extra ``extra``.
+
+    Every test skipped for lack of one extra gives the same reason, naming the extra and its
+    install command, so the run's summary counts those skips on one line (a bare
+    ``importorskip`` gives one reason per module, none naming the extra).
+    """
+    import pytest
+
+    return pytest.importorskip(
+        module, reason=f"needs the `{extra}` extra: pip install 'jaxext[{extra}]'"
+    )

@@ -293,8 +293,10 @@ MUL_CONSTANT = Op(
 )
 
 
-# -- rms_norm (Pallas kernels: interpret mode on CPU, so few and small cases; its layers are
-# compared with Flax's in tests/test_rms_norm.py) -------------------------------------------
+# -- rms_norm: ``fn`` runs its Pallas kernels in interpret mode (every transformation of
+# tests/test_custom_vjp.py, so few and small cases); the default implementation (plain XLA on
+# CPU, the kernels lowered by opcheck's platform rows) is the opcheck case. Its layers are
+# compared with Flax's in tests/test_rms_norm.py -------------------------------------------
 
 
 def _rms_norm_reference(x, weight, eps=1e-6):
@@ -309,13 +311,18 @@ def _rms_scale_init(key, shape, dtype):
     return jax.random.normal(key, shape, dtype) + 1.0  # not all ones: a real weight gradient
 
 
+def _rms_norm_interpret(x, weight, eps=1e-6):
+    return jaxext.rms_norm(x, weight, eps, implementation="interpret")
+
+
 RMS_NORM = Op(
     name="rms_norm",
-    fn=jaxext.rms_norm,
+    fn=_rms_norm_interpret,
     reference=_rms_norm_reference,
     arrays=_rms_norm_arrays,
     float64_cases={
         "rms_norm-2d": lambda: (jaxext.rms_norm, (f64(0, (5, 3)), f64(1, (3,)))),
+        "rms_norm-2d-interpret": lambda: (_rms_norm_interpret, (f64(0, (5, 3)), f64(1, (3,)))),
     },
     opcheck_cases={
         "jaxext.rms_norm": lambda: (jaxext.rms_norm, (f64(0, (4, 3)), f64(1, (3,)))),

@@ -42,5 +42,6 @@ def test_benchmark_runs_on_cpu_and_labels_interpret_mode(tmp_path, spawn_python)
         # Interpret-mode Pallas rows are labelled and never reported as kernel timings.
         assert row["kernel_timing"] == (op != "rms_norm")
         assert (row["label"] == "interpret mode") == (op == "rms_norm")
+        assert row.get("implementation") == ("interpret" if op == "rms_norm" else None)
     table = (tmp_path / "accelerator_cpu_quick.md").read_text()
     assert "interpret mode" in table and "not kernel timings" in table

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close
+from helpers import assert_close, importorskip_extra
 
 import jaxext
 
@@ -273,7 +273,7 @@ def test_flax_nnx_custom_vjp_under_value_and_grad_of_jit(swapped):
 
 
 def test_equinox_filter_custom_vjp_with_python_float_inputs(swapped):
-    eqx = pytest.importorskip("equinox")
+    eqx = importorskip_extra("equinox", "libs")
 
     @eqx.filter_custom_vjp
     def f(vjp_arg, y):
@@ -377,7 +377,7 @@ def test_bwd_is_traced_once_per_compilation_as_with_jax_custom_vjp(order):
 
 
 def test_equinox_bwd_traced_once_under_jit(swapped):
-    eqx = pytest.importorskip("equinox")
+    eqx = importorskip_extra("equinox", "libs")
     traces = []
 
     @eqx.filter_custom_vjp

@@ -21,6 +21,7 @@ from types import ModuleType
 from urllib.parse import unquote, urlsplit
 
 import pytest
+from helpers import importorskip_extra
 
 import jaxext
 
@@ -218,7 +219,7 @@ def test_pages_have_no_number_cut_by_emphasis(site):
 @pytest.mark.parametrize("page", PAGES_WITH_CODE)
 def test_page_code_runs(page, tmp_path, docs_build):
     for module in PAGE_NEEDS.get(page, ()):
-        pytest.importorskip(module, reason=f"{page} needs {module}: pip install 'jaxext[libs]'")
+        importorskip_extra(module, "libs")
     blocks = [code for skip, code in _BLOCK.findall((DOCS / page).read_text()) if not skip]
     assert blocks, f"{page} has no Python block to run"
     result = docs_build.run(

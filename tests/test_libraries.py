@@ -26,13 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import run_json_worker
+from helpers import importorskip_extra, run_json_worker
 
 import jaxext
 
 WORKER = Path(__file__).with_name("_libraries_worker.py")
 LIBRARIES = ("flax", "equinox", "diffrax", "optax", "jaxopt", "optimistix", "lineax")
-INSTALL = "the `libs` extra: pip install 'jaxext[libs]'"
 
 # Same float64 math through two different custom_vjp implementations: the programs
 # differ (jaxext's rules are traced and staged differently), so the values agree to
@@ -53,7 +52,7 @@ PLAIN_JAX_REFUSES = "can't apply forward-mode autodiff (jvp) to a custom_vjp fun
 def results(tmp_path_factory, spawn_python):
     """``{"jax": checks, "jaxext": checks}``: the worker's measurements, each way."""
     for name in LIBRARIES:
-        pytest.importorskip(name, reason=f"needs {name}: {INSTALL}")
+        importorskip_extra(name, "libs")
     out = tmp_path_factory.mktemp("libraries")
     runs = {}
     for mode in ("jax", "jaxext"):
@@ -260,7 +259,7 @@ def _defined_with(monkeypatch, custom_vjp, define):
 
     Equinox is imported first, unpatched: its own loops decorate at import time.
     """
-    pytest.importorskip("equinox", reason=f"needs equinox: {INSTALL}")
+    importorskip_extra("equinox", "libs")
     with monkeypatch.context() as patch:
         patch.setattr(jax, "custom_vjp", custom_vjp)
         return define()
@@ -270,7 +269,7 @@ def _equinox_doubling():
     """An ``eqx.filter_custom_vjp`` whose output holds a Python float; returns the
     values Equinox's users meet: grad at an array, and at a Python float (eager and
     jitted), and ``jax.jvp`` (which plain JAX refuses)."""
-    eqx = pytest.importorskip("equinox", reason=f"needs equinox: {INSTALL}")
+    eqx = importorskip_extra("equinox", "libs")
 
     @eqx.filter_custom_vjp
     def doubled(x):
@@ -312,7 +311,7 @@ def test_equinox_python_float_input_as_with_jax(monkeypatch):
 
 def test_equinox_filter_custom_vjp_jvp(monkeypatch):
     """Forward mode through ``eqx.filter_custom_vjp`` with an array input."""
-    eqx = pytest.importorskip("equinox", reason=f"needs equinox: {INSTALL}")
+    eqx = importorskip_extra("equinox", "libs")
 
     def define():
         @eqx.filter_custom_vjp

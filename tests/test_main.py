@@ -7,14 +7,16 @@ import re
 import sys
 
 import jax
+import numpy as np
 import pytest
+from helpers import importorskip_extra
 
 import jaxext
 from jaxext import __main__ as main_module
 from jaxext._checks import CHECK_NAMES
 
-pytest.importorskip("optax")
-pytest.importorskip("sklearn")
+importorskip_extra("optax", "demo")
+importorskip_extra("sklearn", "demo")
 
 
 def _accuracy_line(text: str) -> float:
@@ -29,7 +31,17 @@ def test_main_job_prints_opcheck_tables_and_reaches_95_percent(capsys, tmp_path)
     out = capsys.readouterr().out
     assert f"jax {jax.__version__}" in out
     assert f"backend: {jax.default_backend()}" in out
-    for op in ("linear", "mul_constant"):
+    # what jaxext ships, and where rms_norm runs here
+    assert "\nops: jaxext.linear, jaxext.mul_constant, jaxext.rms_norm\n" in out
+    assert "\nlayers: jaxext.nnx: Linear, MulConstant, RMSNorm\n" in out
+    assert "\n        jaxext.linen: Dense, MulConstant, RMSNorm\n" in out
+    placement = {"cpu": "plain XLA"}.get(jax.default_backend(), "its Pallas kernels")
+    assert f"\nrms_norm on {jax.default_backend()}: {placement}" in out
+    guides = re.search(r"^guides \(in the repository's docs/\): (.*)$", out, flags=re.MULTILINE)
+    for guide in ("guides/pallas_kernels.md", "guides/libraries.md"):
+        assert guide in guides[1]
+        assert (pathlib.Path(__file__).parents[1] / "docs" / guide).is_file(), guide
+    for op in ("linear", "mul_constant", "rms_norm"):
         table = out.split(f"opcheck {op}\n", 1)[1].split("\n\n", 1)[0]
         rows = dict(re.findall(r"^(\w+) +(PASS|FAIL|SKIP) ", table, flags=re.MULTILINE))
         assert set(rows) == set(CHECK_NAMES), table
@@ -39,6 +51,18 @@ def test_main_job_prints_opcheck_tables_and_reaches_95_percent(capsys, tmp_path)
     assert len(re.findall(r"^epoch +\d+/20 ", out, flags=re.MULTILINE)) == 20
     assert _accuracy_line(out) >= 0.95
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_model_is_made_of_every_nnx_layer():
+    from flax import nnx
+
+    import jaxext.nnx
+    from jaxext._demo import DigitsMLP
+
+    model = DigitsMLP(hidden=8, rngs=nnx.Rngs(0))
+    used = {type(module) for _, module in nnx.iter_graph(model) if isinstance(module, nnx.Module)}
+    assert {jaxext.nnx.Linear, jaxext.nnx.MulConstant, jaxext.nnx.RMSNorm} <= used
+    assert model(np.ones((2, 64), np.float32)).shape == (2, 10)
 
 
 def test_training_is_deterministic_for_a_seed():

@@ -7,13 +7,13 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers import importorskip_extra
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
-pytest.importorskip("optax")
-pytest.importorskip("sklearn")
-pytest.importorskip("matplotlib")
+for _module in ("optax", "sklearn", "matplotlib"):
+    importorskip_extra(_module, "demo")
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 

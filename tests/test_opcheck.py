@@ -9,6 +9,7 @@ defect (the first check to fail, named in the error), never by a crash.
 
 from __future__ import annotations
 
+import re
 import sys
 
 import jax
@@ -662,6 +663,95 @@ def test_shipped_ops_lower_for_every_platform(op, args):
         assert report[f"platform_{platform}"].detail == (
             f"jitted forward, VJP and JVP lower for {name}"
         )
+
+
+def test_rms_norm_rows_say_which_kernels_they_lowered():
+    args = (f64(0, (4, 3)), f64(1, (3,)))
+    report = jaxext.opcheck(jaxext.rms_norm, args, checks=PLATFORM_ROWS, platforms=PLATFORMS)
+    assert report.statuses == dict.fromkeys(PLATFORM_ROWS, "PASS"), str(report)
+    assert report["platform_cpu"].detail.endswith(
+        "lower for CPU; Pallas parts lowered no kernel custom call (XLA or interpret mode)"
+    )
+    for platform, name, kind in (("cuda", "CUDA", "Triton"), ("rocm", "ROCm", "Triton")) + (
+        ("tpu", "TPU", "Mosaic"),
+    ):
+        assert report[f"platform_{platform}"].detail == (
+            f"jitted forward, VJP and JVP lower for {name}; Pallas kernels lowered to {kind} "
+            "custom calls (forward 1, VJP 2, JVP 1)"
+        )
+
+
+def _pallas_op(block, per_platform):
+    """``2 * x`` as a Pallas kernel over blocks of ``block`` (the backward in plain JAX),
+    its interpret mode picked per platform when lowered (as ``jaxext.rms_norm``) or by
+    the machine's backend (``interpret=jax.default_backend() == "cpu"``)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas import triton as pltriton
+
+    def kernel(x_ref, y_ref):
+        y_ref[...] = 2 * x_ref[...]
+
+    def double(x):
+        def call(**options):
+            spec = pl.BlockSpec(block, lambda i: (i, 0))
+            return pl.pallas_call(
+                kernel,
+                grid=(x.shape[0] // block[0],),
+                in_specs=[spec],
+                out_specs=spec,
+                out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                **options,
+            )(x)
+
+        if not per_platform:
+            return call(interpret=jax.default_backend() == "cpu")
+        return jax.lax.platform_dependent(
+            cpu=lambda: call(interpret=True),
+            cuda=lambda: call(compiler_params=pltriton.CompilerParams()),
+            rocm=lambda: call(compiler_params=pltriton.CompilerParams()),
+            tpu=lambda: call(compiler_params=pltpu.CompilerParams()),
+        )
+
+    @jaxext.custom_vjp
+    def op(x):
+        return double(x)
+
+    op.defvjp(lambda x: (double(x), None), lambda _, g: (2 * g,))
+    return op
+
+
+@pytest.mark.parametrize(
+    "block, per_platform, expected",
+    [
+        # The backend picks interpret mode: on this CPU machine every row lowers the
+        # interpreter's loop, a kernel for none; Triton could not even compile (8, 6).
+        ((8, 8), False, {"cuda": "FAIL", "rocm": "FAIL", "tpu": "FAIL"}),
+        ((8, 6), False, {"cuda": "FAIL", "rocm": "FAIL", "tpu": "FAIL"}),
+        # Per platform: the kernels are lowered, and Triton refuses a (8, 6) block.
+        ((8, 8), True, {"cuda": "PASS", "rocm": "PASS", "tpu": "PASS"}),
+        ((8, 6), True, {"cuda": "FAIL", "rocm": "FAIL", "tpu": "PASS"}),
+    ],
+    ids=["backend-8x8", "backend-8x6", "per_platform-8x8", "per_platform-8x6"],
+)
+def test_a_pallas_row_that_lowered_no_kernel_fails(block, per_platform, expected):
+    if jax.default_backend() != "cpu":
+        pytest.skip("the interpret mode the backend picks is this CPU machine's")
+    op = _pallas_op(block, per_platform)
+    report = jaxext.opcheck(
+        op, (f64(0, (16, block[1])),), checks=PLATFORM_ROWS, raise_exception=False
+    )
+    assert report.statuses == {"platform_cpu": "PASS"} | {
+        f"platform_{p}": status for p, status in expected.items()
+    }, str(report)
+    for platform, status in expected.items():
+        detail = report[f"platform_{platform}"].detail
+        if status == "PASS":
+            assert "Pallas kernels lowered to" in detail and "custom calls (forward 1" in detail
+        elif not per_platform:
+            assert re.search("holds? a Pallas kernel but lowered none for", detail), detail
+        else:
+            assert "not lower for" in detail and "power of 2" in detail, detail
 
 
 def test_an_op_that_does_not_lower_for_a_platform_fails_that_row():

@@ -77,3 +77,40 @@ def test_no_unexplained_jargon():
     root = Path(__file__).parent.parent
     for path in [root / "README.md", *sorted((root / "notebooks").glob("*.ipynb"))]:
         assert "seeds'" not in path.read_text().lower(), path.name
+
+
+def test_rms_norm_example_runs_and_matches_a_float64_reference():
+    code = _block_containing("jaxext.rms_norm(x, weight)")
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    x = np.asarray(namespace["x"], np.float64)
+    weight = np.asarray(namespace["weight"], np.float64)
+    inv = 1.0 / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(namespace["y"], x * inv * weight, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(namespace["gw"], np.sum(x * inv, axis=0), rtol=1e-5, atol=1e-5)
+
+
+ROOT = Path(__file__).parent.parent
+# Each front page, with how it links a guide.
+FRONT_PAGES = {"README.md": "docs/guides/", "docs/index.md": "guides/"}
+
+
+@pytest.mark.parametrize("page", sorted(FRONT_PAGES))
+def test_front_pages_show_every_op_and_layer_and_link_the_guides(page):
+    import jaxext.linen
+    import jaxext.nnx
+
+    text = (ROOT / page).read_text()
+    for op in ("jaxext.linear", "jaxext.mul_constant", "jaxext.rms_norm"):
+        assert f"`{op}`" in text, (page, op)
+    for namespace in (jaxext.nnx, jaxext.linen):
+        layers = [n for n in namespace.__all__ if isinstance(getattr(namespace, n), type)]
+        assert layers, namespace
+        for name in layers:  # `jaxext.nnx.RMSNorm`, or `MulConstant` "for both APIs"
+            assert re.search(rf"`({re.escape(namespace.__name__)}\.)?{name}`", text), (page, name)
+    # where rms_norm runs: plain XLA on CPU, the Pallas kernels on GPU and TPU
+    assert re.search(r"plain XLA\s+on\s+CPU", text) and 'implementation="interpret"' in text, page
+    for guide in ("pallas_kernels.md", "libraries.md"):
+        assert f"]({FRONT_PAGES[page]}{guide})" in text, (page, guide)
+    # the main job's opcheck tables, rms_norm's included
+    assert re.search(r"opcheck[^.]*\(`linear`,\s+`mul_constant`,\s+`rms_norm`\)", text), page

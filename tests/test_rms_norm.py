@@ -1,16 +1,19 @@
-"""``jaxext.rms_norm`` (Pallas kernels) and its Flax layers.
+"""``jaxext.rms_norm`` (plain XLA or Pallas kernels) and its Flax layers.
 
 Its gradcheck, gradgradcheck and full opcheck run from ``tests/ops_table.py``; its
 sharding cases (rows split) in ``tests/test_sharding.py``. Here: values, gradients
-and JVPs in every dtype against a float64 reference, uneven row counts, argument
-errors, lowering for GPU and TPU through ``jax.export`` on this CPU machine, and the
-NNX and Linen layers against Flax's own ``RMSNorm``. On CPU every kernel runs in
-Pallas interpret mode, which compiles slowly: the shapes are small and few.
+and JVPs in every dtype, of the XLA implementation against an independent float64
+reference and of the kernels (``implementation="interpret"``) against the XLA
+implementation run in float64; uneven row counts, empty batches, argument errors,
+lowering for GPU and TPU through ``jax.export`` on this CPU machine, and the NNX and
+Linen layers against Flax's own ``RMSNorm``. On CPU the kernels run in Pallas
+interpret mode, which compiles slowly: the shapes are small and few.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +29,20 @@ F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 
 def reference(x, weight, eps=1e-6):
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def xla_reference(x, weight, eps=1e-6):
+    """The op's XLA implementation: the reference of its kernels (run in float64)."""
+    return jaxext.rms_norm(x, weight, eps, implementation="xla")
+
+
+def kernels(x, weight, eps=1e-6, **options):
+    """The op's Pallas kernels, in interpret mode (this machine has no GPU or TPU)."""
+    return jaxext.rms_norm(x, weight, eps, implementation="interpret", **options)
+
+
+# implementation -> its float64 reference: the independent formula for XLA, XLA for the kernels
+REFERENCES = {"xla": reference, "interpret": xla_reference}
 
 
 def _measures(f, x, w, c, tx, tw):
@@ -64,27 +81,37 @@ def _cases(default, **axes):
 VALUE_CASES = _cases(
     # float32 on one block is also opcheck's (tests/ops_table.py); these add uneven row
     # blocks, the narrow dtypes, mixed dtypes and no rows.
-    {"2x7x5-blocks4-bfloat16-float32", "37x6-blocks16-float16-same", "empty-float32-float32"},
+    {
+        "2x7x5-blocks4-bfloat16-float32-interpret",
+        "37x6-blocks16-float16-same-interpret",
+        "empty-float32-float32-interpret",
+        "2x7x5-blocks4-bfloat16-float32-xla",
+        "37x6-blocks16-float16-same-xla",
+    },
     shape=SHAPES,
     dtype=[F32, BF16, F16],
     weight_dtype=["same", F32],
+    implementation=["interpret", "xla"],
 )
 
 
-@pytest.mark.parametrize("shape, block_rows, dtype, weight_dtype", VALUE_CASES[1])
-def test_values_gradients_and_jvp_match_float64(shape, block_rows, dtype, weight_dtype):
+@pytest.mark.parametrize("shape, block_rows, dtype, weight_dtype, implementation", VALUE_CASES[1])
+def test_values_gradients_and_jvp_match_float64(
+    shape, block_rows, dtype, weight_dtype, implementation
+):
     w_dtype = dtype if weight_dtype == "same" else weight_dtype
     x = jnp.asarray(rand(0, shape), dtype)
     w = jnp.asarray(rand(1, shape[-1:]) + 1.5, w_dtype)
     c, tx, tw = rand(2, shape), rand(3, shape), rand(4, shape[-1:])
 
     def f(x, w):
-        return jaxext.rms_norm(x, w, block_rows=block_rows)
+        return jaxext.rms_norm(x, w, implementation=implementation, block_rows=block_rows)
 
     got = jax.jit(lambda *a: _measures(f, *a))(x, w, c, jnp.asarray(tx, dtype), tw.astype(w_dtype))
     # The reference sees the inputs as rounded to their dtypes, and the same tangents.
+    ref = REFERENCES[implementation]
     want = in_float64(
-        lambda *a: _measures(reference, *a), x, w, c, jnp.asarray(tx, dtype), tw.astype(w_dtype)
+        lambda *a: _measures(ref, *a), x, w, c, jnp.asarray(tx, dtype), tw.astype(w_dtype)
     )
     y, (gx, gw), jvp = got
     assert y.dtype == jnp.result_type(dtype, w_dtype) and y.shape == shape
@@ -99,31 +126,90 @@ def test_values_gradients_and_jvp_match_float64(shape, block_rows, dtype, weight
 
 
 @pytest.mark.exhaustive  # float64 values and gradients are opcheck's too (tests/ops_table.py)
-def test_float64_is_computed_in_float64(x64):
+@pytest.mark.parametrize("implementation", ["xla", "interpret"])
+def test_float64_is_computed_in_float64(x64, implementation):
     x, w = jnp.asarray(rand(0, (6, 5), np.float64)), jnp.asarray(rand(1, (5,), np.float64))
-    y, grads, jvp = jax.jit(lambda *a: _measures(jaxext.rms_norm, *a))(x, w, x, x, w)
+    f = functools.partial(jaxext.rms_norm, implementation=implementation)
+    y, grads, jvp = jax.jit(lambda *a: _measures(f, *a))(x, w, x, x, w)
     want = _measures(reference, x, w, x, x, w)
     assert y.dtype == jnp.float64
     for a, b in zip(jax.tree.leaves((y, grads, jvp)), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-13)
 
 
-def test_eps_and_interpret_mode():
+def test_eps_zero_in_the_kernels():
     x, w = jnp.asarray(rand(0, (4, 3))), jnp.asarray(rand(1, (3,)))
     # eps = 0: padded rows (ones) keep the row sums finite, so no NaN leaks into grad_w
-    # (4 rows in blocks of 16). interpret=True: the interpreter on any platform.
-    got = jax.grad(lambda x, w: jnp.sum(jaxext.rms_norm(x, w, 0, interpret=True)), (0, 1))
-    want = in_float64(jax.grad(lambda x, w: jnp.sum(reference(x, w, 0.0)), (0, 1)), x, w)
+    # (4 rows in blocks of 16).
+    got = jax.grad(lambda x, w: jnp.sum(kernels(x, w, 0)), (0, 1))
+    want = in_float64(jax.grad(lambda x, w: jnp.sum(xla_reference(x, w, 0.0)), (0, 1)), x, w)
     for a, b in zip(got(x, w), want, strict=True):
         assert np.all(np.isfinite(a))
         assert_close_to_float64(a, b, n=12)
 
 
-def test_interpret_false_cannot_run_on_cpu():
+def test_compiled_kernels_cannot_run_on_cpu():
     if jax.default_backend() != "cpu":
         pytest.skip("checks the CPU backend")
     with pytest.raises(Exception, match="interpret"):
-        jaxext.rms_norm(jnp.ones((2, 3)), jnp.ones(3), interpret=False)
+        jaxext.rms_norm(jnp.ones((2, 3)), jnp.ones(3), implementation="pallas")
+
+
+def test_default_is_xla_on_cpu_and_the_kernels_on_gpu_and_tpu():
+    """One jitted program, chosen per platform when lowered (lax.platform_dependent)."""
+    x, w = jax.ShapeDtypeStruct((16, 8), jnp.float32), jax.ShapeDtypeStruct((8,), jnp.float32)
+    grad = jax.jit(jax.grad(lambda x, w: jnp.sum(jaxext.rms_norm(x, w) ** 2), (0, 1)))
+    cpu = grad.trace(x, w).lower(lowering_platforms=("cpu",)).as_text()
+    assert "custom_call" not in cpu and "while" not in cpu  # no kernel, no interpreter loop
+    with _lowering_target("cuda"):
+        cuda = grad.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert cuda.count("__gpu$xla.gpu.triton") == 2  # the forward and the backward kernel
+    tpu = grad.trace(x, w).lower(lowering_platforms=("tpu",)).as_text()
+    assert tpu.count("tpu_custom_call") == 2
+
+
+def test_interpret_mode_runs_one_block_per_step():
+    """Pallas's interpreter loop over a grid copies whole arrays at each step (quadratic in
+    the rows); the op runs a one-block kernel per row block in a ``lax.map`` instead."""
+    x, w = jnp.ones((64, 8)), jnp.ones(8)
+    jaxpr = jax.make_jaxpr(lambda x, w: kernels(x, w, block_rows=16))(x, w)
+    text = str(jaxpr)
+    assert "scan" in text and "length=4" in text
+    grids = [
+        eqn.params["grid_mapping"].grid
+        for eqn in _equations(jaxpr.jaxpr)
+        if eqn.primitive.name == "pallas_call"
+    ]
+    assert grids == [(1,)], grids
+
+
+def _equations(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _equations(inner)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "interpret", None])
+def test_vmap_over_an_empty_batch(implementation):
+    """Pallas's batched kernel slices a batch element that an empty batch does not have."""
+    f = functools.partial(jaxext.rms_norm, implementation=implementation)
+    x, w = jnp.ones((0, 3, 4)), jnp.ones(4)
+    assert jax.vmap(f, (0, None))(x, w).shape == (0, 3, 4)
+    gx, gw = jax.vmap(jax.grad(lambda x, w: jnp.sum(f(x, w)), (0, 1)), (0, None))(x, w)
+    assert gx.shape == (0, 3, 4) and gw.shape == (0, 4)
+    assert jax.vmap(f)(x, jnp.ones((0, 4))).shape == (0, 3, 4)  # weight batched too
+    # A batch of two: the kernels' batching gives what the formula gives.
+    x2, w2 = jnp.asarray(rand(0, (2, 3, 4))), jnp.asarray(rand(1, (2, 4)))
+    got = jax.vmap(jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))), (0, 1)))(x2, w2)
+    want = in_float64(
+        jax.vmap(jax.grad(lambda x, w: jnp.sum(jnp.sin(reference(x, w))), (0, 1))), x2, w2
+    )
+    for a, b in zip(got, want, strict=True):
+        assert_close_to_float64(a, b, n=12)
 
 
 @pytest.mark.parametrize(
@@ -141,7 +227,13 @@ def test_interpret_false_cannot_run_on_cpu():
         ((jnp.ones((2, 3)), jnp.ones(3), "1e-6"), {}, TypeError, "`eps` must be"),
         ((jnp.ones((2, 3)), jnp.ones(3), -1.0), {}, ValueError, "`eps` must be a finite"),
         ((jnp.ones((2, 3)), jnp.ones(3), float("nan")), {}, ValueError, "`eps` must be a finite"),
-        ((jnp.ones((2, 3)), jnp.ones(3)), {"interpret": "yes"}, TypeError, "`interpret`"),
+        ((jnp.ones((2, 3)), jnp.ones(3)), {"implementation": 1}, TypeError, "`implementation`"),
+        (
+            (jnp.ones((2, 3)), jnp.ones(3)),
+            {"implementation": "triton"},
+            ValueError,
+            r"`implementation` must be None or one of \('xla', 'pallas', .*; got 'triton'",
+        ),
         ((jnp.ones((2, 3)), jnp.ones(3)), {"block_rows": 12}, ValueError, "power of two"),
         ((jnp.ones((2, 3)), jnp.ones(3)), {"block_rows": 8.0}, TypeError, "`block_rows`"),
     ],
@@ -180,14 +272,15 @@ def _lowering_target(platform):
 
 
 @pytest.mark.parametrize(
-    "platform, interpret", [("cuda", False), ("tpu", False), ("rocm", None), ("cuda", None)]
+    "platform, implementation",
+    [("cuda", "pallas"), ("tpu", "pallas"), ("rocm", None), ("cuda", None)],
 )
-def test_forward_and_gradient_lower_for_accelerators(platform, interpret):
+def test_forward_and_gradient_lower_for_accelerators(platform, implementation):
     x = jax.ShapeDtypeStruct((10, 5), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((5,), jnp.float32)
 
     def forward(x, w):
-        return jaxext.rms_norm(x, w, interpret=interpret)
+        return jaxext.rms_norm(x, w, implementation=implementation)
 
     gradient = jax.grad(lambda x, w: jnp.sum(forward(x, w)), (0, 1))
     for fn, kernels in ((forward, 1), (gradient, 2)):  # the gradient runs fwd and bwd kernels
@@ -219,17 +312,20 @@ def _scale_init(key, shape, dtype):
     return jax.random.normal(key, shape, dtype) + 1.0
 
 
-def _layer_pair(api, options):
-    """(ours, Flax's) as ``f(params, x)`` with Flax's parameters, for one ``options``."""
+def _layer_pair(api, options, ours_options=None, x_shape=(2, 4)):
+    """(ours, Flax's) as ``f(params, x)`` with Flax's parameters, for one ``options``
+    (``ours_options``: given to jaxext's layer only)."""
+    ours_options = {**options, **(ours_options or {})}
     if api == "nnx":
         from flax import nnx
 
         import jaxext.nnx
 
-        def split(cls):
-            return nnx.split(cls(4, **options, rngs=nnx.Rngs(0)))
+        def split(cls, options):
+            return nnx.split(cls(x_shape[-1], **options, rngs=nnx.Rngs(0)))
 
-        (g_ours, state_ours), (g_flax, state_flax) = split(jaxext.nnx.RMSNorm), split(nnx.RMSNorm)
+        (g_ours, state_ours) = split(jaxext.nnx.RMSNorm, ours_options)
+        (g_flax, state_flax) = split(nnx.RMSNorm, options)
         assert jax.tree.structure(state_ours) == jax.tree.structure(state_flax)
         params = nnx.to_pure_dict(state_flax)
 
@@ -246,8 +342,8 @@ def _layer_pair(api, options):
 
     import jaxext.linen
 
-    ours, theirs = jaxext.linen.RMSNorm(**options), nn.RMSNorm(**options)
-    x = jnp.ones((2, 4))
+    ours, theirs = jaxext.linen.RMSNorm(**ours_options), nn.RMSNorm(**options)
+    x = jnp.ones(x_shape)
     params = theirs.init(jax.random.key(0), x)
     assert jax.tree.map(np.shape, ours.init(jax.random.key(0), x)) == jax.tree.map(np.shape, params)
     return (lambda p, x: ours.apply(p, x)), (lambda p, x: theirs.apply(p, x)), params
@@ -261,20 +357,39 @@ LAYER_CASES = {
     "bf16_input": ({"scale_init": _scale_init}, "bf16"),
     # bfloat16 compute dtype: Flax casts input and scale to bfloat16 first.
     "dtype_bf16": ({"dtype": jnp.bfloat16, "scale_init": _scale_init}, "f32"),
+    # A compute dtype wider than the input: Flax computes in it (linen: its statistics and
+    # product are in the promotion of the input's dtype, `dtype` and float32; bfloat16
+    # parameters: the case where computing in the input's dtype lost 3 digits).
+    "dtype_f32_bf16_input": (
+        {"dtype": F32, "param_dtype": BF16, "scale_init": _scale_init},
+        "bf16",
+    ),
+    "dtype_f64_f32_input": ({"dtype": jnp.float64, "scale_init": _scale_init}, "f32"),
 }
 
 
 @pytest.mark.parametrize(
-    "api, case",
+    "api, case, implementation",
     _cases(
-        {"nnx-float64", "linen-no_scale", "nnx-dtype_bf16", "linen-bf16_input"},
+        {
+            "nnx-float64-default",
+            "linen-no_scale-default",
+            "nnx-dtype_bf16-default",
+            "linen-bf16_input-default",
+            "linen-dtype_f32_bf16_input-default",
+            "linen-dtype_f64_f32_input-default",
+            "nnx-dtype_f32_bf16_input-default",
+            "linen-dtype_f32_bf16_input-interpret",
+            "nnx-bf16_input-interpret",
+        },
         api=["nnx", "linen"],
         case=list(LAYER_CASES),
+        implementation=[pytest.param(None, id="default"), "interpret"],
     )[1],
 )
-def test_layer_matches_flax_rmsnorm(api, case, x64):
+def test_layer_matches_flax_rmsnorm(api, case, implementation, x64):
     options, x_kind = LAYER_CASES[case]
-    ours, theirs, params = _layer_pair(api, options)
+    ours, theirs, params = _layer_pair(api, options, {"implementation": implementation})
     x_dtype = {"f64": jnp.float64, "bf16": jnp.bfloat16, "f32": jnp.float32}[x_kind]
     x = jnp.asarray(rand(5, (3, 2, 4)), x_dtype)
 
@@ -290,10 +405,11 @@ def test_layer_matches_flax_rmsnorm(api, case, x64):
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
-        # Flax in the same low precision is the reference: both round in the coarsest
-        # dtype around a float32 (or float64) reduction over 4 features or 6 rows.
-        rounds_in = coarsest(x_dtype, options.get("dtype"), options.get("param_dtype", F32))
-        tol = 1e-13 if x_kind == "f64" else 8 * float(jnp.finfo(rounds_in).eps)
+        # Flax in the same precision is the reference: each result rounds in its own dtype
+        # or a coarser compute `dtype`, around a float32 (or float64) reduction over 4
+        # features or 6 rows (same input, so no input rounding between the two).
+        rounds_in = coarsest(a.dtype, options.get("dtype"))
+        tol = 1e-13 if rounds_in == jnp.float64 else 8 * float(jnp.finfo(rounds_in).eps)
         scale = float(np.max(np.abs(np.asarray(b, np.float64))))
         np.testing.assert_allclose(
             np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=tol, atol=tol * scale
@@ -304,25 +420,63 @@ def test_layer_matches_flax_rmsnorm(api, case, x64):
     "option, value",
     [
         ("reduction_axes", (-2, -1)),
+        ("reduction_axes", 0),
+        ("reduction_axes", "last"),
         ("feature_axes", 0),
+        ("feature_axes", ()),
         ("axis_name", "batch"),
         ("axis_index_groups", [[0]]),
     ],
 )
-def test_layers_refuse_what_the_kernel_cannot_do(option, value):
-    from flax import linen as nn
+def test_layers_refuse_what_the_op_cannot_do(option, value):
     from flax import nnx
 
     import jaxext.linen
     import jaxext.nnx
 
+    x = jnp.ones((2, 4))
     with pytest.raises(ValueError, match=f"`{option}`"):
-        jaxext.nnx.RMSNorm(4, **{option: value}, rngs=nnx.Rngs(0))
+        jaxext.nnx.RMSNorm(4, **{option: value}, rngs=nnx.Rngs(0))(x)
     with pytest.raises(ValueError, match=f"`{option}`"):
-        jaxext.linen.RMSNorm(**{option: value}).init(jax.random.key(0), jnp.ones((2, 4)))
+        jaxext.linen.RMSNorm(**{option: value}).init(jax.random.key(0), x)
     with pytest.raises(ValueError, match="`mask`"):
-        jaxext.nnx.RMSNorm(4, rngs=nnx.Rngs(0))(jnp.ones((2, 4)), mask=jnp.ones((2, 4), bool))
-    del nn
+        jaxext.nnx.RMSNorm(4, rngs=nnx.Rngs(0))(x, mask=jnp.ones((2, 4), bool))
+
+
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+@pytest.mark.parametrize(
+    "axes",
+    [
+        {"reduction_axes": 2, "feature_axes": 2},
+        {"reduction_axes": (2,), "feature_axes": -1},
+        {"reduction_axes": [-1, 2], "feature_axes": (2,)},
+    ],
+    ids=["2", "tuple", "list-duplicate"],
+)
+def test_layers_take_the_last_axis_by_position_as_flax_does(api, axes, x64):
+    ours, theirs, params = _layer_pair(api, axes, x_shape=(2, 3, 4))
+    x = jnp.asarray(rand(5, (2, 3, 4)))
+    np.testing.assert_allclose(ours(params, x), theirs(params, x), rtol=1e-6, atol=1e-6)
+
+
+def test_nnx_shape_error_names_scale():
+    from flax import nnx
+
+    import jaxext.nnx
+
+    with pytest.raises(ValueError, match=r"`scale` of shape \(4,\); got `x` of shape \(2, 5\)"):
+        jaxext.nnx.RMSNorm(4, rngs=nnx.Rngs(0))(jnp.ones((2, 5)))
+
+
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_layers_under_vmap_over_an_empty_batch(api):
+    ours, theirs, params = _layer_pair(api, {})
+    x = jnp.ones((0, 3, 4))
+    assert jax.vmap(ours, (None, 0))(params, x).shape == (0, 3, 4)
+    grads = jax.vmap(jax.grad(lambda p, x: jnp.sum(ours(p, x))), (None, 0))(params, x)
+    assert jax.tree.leaves(grads)[0].shape == (0, 4)
+    want = jax.vmap(jax.grad(lambda p, x: jnp.sum(theirs(p, x))), (None, 0))(params, x)
+    assert jax.tree.map(jnp.shape, grads) == jax.tree.map(jnp.shape, want)
 
 
 def test_backward_keeps_x_weight_and_the_per_row_factor_only():
@@ -336,8 +490,8 @@ def test_backward_keeps_x_weight_and_the_per_row_factor_only():
 
 def test_shard_map_with_rows_split_on_one_device():
     # The multi-device cases are in tests/test_sharding.py (slow tier). Here, one device:
-    # run in interpret mode (check_vma=False, see the guide) and lowered for TPU with
-    # check_vma=True (the kernel results carry the mesh axes their operands vary over).
+    # the kernels run in interpret mode (check_vma=False, see the guide) and are lowered for
+    # TPU with check_vma=True (the kernel results carry the mesh axes their operands vary over).
     mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     x, w = jnp.asarray(rand(0, (8, 5))), jnp.asarray(rand(1, (5,)) + 1.0)
 
@@ -350,9 +504,10 @@ def test_shard_map_with_rows_split_on_one_device():
         )
         return jax.jit(jax.grad(mapped, (0, 1)))
 
-    got = grad_of(jaxext.rms_norm, False)(x, w)
     want = in_float64(grad_of(reference, False), x, w)
-    for a, b in zip(got, want, strict=True):
-        assert_close_to_float64(a, b, n=40)
+    # The kernels in interpret mode, and the default (XLA on CPU), which takes check_vma.
+    for got in (grad_of(kernels, False)(x, w), grad_of(jaxext.rms_norm, True)(x, w)):
+        for a, b in zip(got, want, strict=True):
+            assert_close_to_float64(a, b, n=40)
     exported = jax.export.export(grad_of(jaxext.rms_norm, True), platforms=["tpu"])(x, w)
     assert exported.mlir_module().count("tpu_custom_call") == 2

@@ -11,6 +11,12 @@ keep it cheap, each part is first lowered for every selected platform in one exp
 (``platforms=[...]``, about a third of the cost of one export per platform); only
 where that fails is it lowered for each platform alone, to say which refuses it.
 
+An op that holds a Pallas kernel (a ``pallas_call``) says what its rows lowered: the
+Triton or Mosaic custom calls found for each part, or none. A ``cuda``, ``rocm`` or
+``tpu`` row whose parts hold a ``pallas_call`` but lowered no kernel custom call (Pallas's
+interpreter loop, from ``interpret=True`` picked on the machine's backend rather than per
+platform with ``lax.platform_dependent``) FAILs: the op would run the emulation there.
+
 A call of a C++ kernel of :mod:`jaxext.cpp_extension` lowers for every platform (it
 is a custom call by name), but runs only where its handler is registered: a kernel
 with CPU handlers only makes the op CPU-only. That row is a SKIP naming the kernels,
@@ -19,12 +25,15 @@ or a FAIL where the caller asked for the platform (``opcheck(..., platforms=...)
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
+from jax.interpreters import partial_eval as pe
 
+from ..._jaxpr import inner_jaxprs
 from .._settings import Settings
 from ._common import Skip
 from ._common import first_line as _message_line
@@ -77,9 +86,14 @@ def _parts(op: OpUnderTest, settings: Settings) -> dict[str, Any]:
     else:
         jvp_skipped = f"no forward mode (jax.jvp raises {op.forward_error})"
     kernels: dict[str, list[str]] = {}
+    pallas = set()  # the parts that hold a pallas_call
     for part, fn in functions.items():
         try:
             kernels[part] = kernel_targets(fn, *primals)
+            jaxpr = jax.make_jaxpr(fn)(*primals).jaxpr
+            # Dead code first: a kernel whose result the part does not use lowers to nothing.
+            if _holds_pallas(pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[0]):
+                pallas.add(part)
         except Exception:  # noqa: BLE001 -- the lowering below reports it
             kernels[part] = []
     specs = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in primals]
@@ -97,7 +111,8 @@ def _parts(op: OpUnderTest, settings: Settings) -> dict[str, Any]:
         "specs": specs,
         "kernels": kernels,
         "jvp_skipped": jvp_skipped,
-        "lowered": lowered,
+        "lowered": lowered - pallas,  # a Pallas part is lowered per platform, to read it
+        "pallas": pallas,
     }
     op.cache["platform_parts"] = cached
     return cached
@@ -118,7 +133,7 @@ def _lower(fn: Callable, specs: list, platforms: list[str]) -> None:
     """
     traced = jax.jit(fn).trace(*specs)
     try:
-        traced.lower(lowering_platforms=tuple(platforms))
+        return traced.lower(lowering_platforms=tuple(platforms))
     except RuntimeError as err:
         # Newer JAX lowers a GPU kernel (Pallas's Triton) only for a named GPU model: where
         # none is present, one platform at a time is lowered for a representative one.
@@ -130,11 +145,38 @@ def _lower(fn: Callable, specs: list, platforms: list[str]) -> None:
         )
         mesh = jax.sharding.AbstractMesh((1,), ("_opcheck",), abstract_device=device)
         with jax.sharding.use_abstract_mesh(mesh):
-            jax.jit(fn).trace(*specs).lower(lowering_platforms=tuple(platforms))
+            return jax.jit(fn).trace(*specs).lower(lowering_platforms=tuple(platforms))
 
 
 # The GPU a kernel is lowered for where the machine has none and JAX asks for a model.
 _GPU_MODELS = {"cuda": "NVIDIA H100 80GB HBM3", "rocm": "gfx942"}
+
+# The custom calls a compiled Pallas kernel lowers to, by target name.
+_KERNEL_CALLS = {
+    "__gpu$xla.gpu.triton": "Triton",
+    "tpu_custom_call": "Mosaic",
+    "mosaic_gpu": "Mosaic GPU",
+    "mosaic_gpu_v2": "Mosaic GPU",
+}
+
+
+def _holds_pallas(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` holds a ``pallas_call`` (at any depth)."""
+    return any(
+        eqn.primitive.name == "pallas_call"
+        or any(_holds_pallas(body.jaxpr) for body in inner_jaxprs(eqn))
+        for eqn in jaxpr.eqns
+    )
+
+
+def _kernel_calls(lowered: Any) -> dict[str, int]:
+    """``{"Triton" or "Mosaic" or "Mosaic GPU": count}``: the kernel custom calls in a
+    lowered program."""
+    found: dict[str, int] = {}
+    for target in re.findall(r"custom_call @([\w$.]+)", lowered.as_text()):
+        if target in _KERNEL_CALLS:
+            found[_KERNEL_CALLS[target]] = found.get(_KERNEL_CALLS[target], 0) + 1
+    return found
 
 
 def _first_line(err: Exception) -> str:
@@ -171,11 +213,14 @@ def _platform_check(platform: str) -> Callable[[OpUnderTest, Settings], str]:
             raise Skip(f"{message} (pass platforms=[{platform!r}] to require it)")
         errors: dict[str, list[str]] = {}  # error -> the parts that raise it
         unknown = []
+        found: dict[str, dict[str, int]] = {}  # Pallas part -> its kernel custom calls
         for part, fn in parts["functions"].items():
             if part in parts["lowered"]:
                 continue
             try:
-                _lower(fn, parts["specs"], [platform])
+                lowered = _lower(fn, parts["specs"], [platform])
+                if part in parts["pallas"]:
+                    found[part] = _kernel_calls(lowered)
             except Exception as err:  # noqa: BLE001 -- reported, not raised
                 if _LOCAL_ONLY in str(err):
                     unknown.append(part)
@@ -196,7 +241,23 @@ def _platform_check(platform: str) -> Callable[[OpUnderTest, Settings], str]:
                 f"({backend}), as a host callback does: whether they lower for {name} "
                 f"cannot be told here"
             )
+        no_kernel = [part for part in parts["functions"] if part in found and not found[part]]
+        if no_kernel and platform != "cpu":
+            raise CheckFailed(
+                f"the {_listed(no_kernel)} {'holds' if len(no_kernel) == 1 else 'hold'} a "
+                f"Pallas kernel but lowered none for {name}: no Triton or Mosaic custom call, "
+                "only Pallas's interpreter loop (interpret mode; pick it per platform with "
+                "lax.platform_dependent, not by the machine's backend)"
+            )
         detail = f"jitted {_listed(list(parts['functions']))} lower for {name}"
+        if found:
+            kinds = sorted({kind for calls in found.values() for kind in calls})
+            counts = ", ".join(f"{part} {sum(calls.values())}" for part, calls in found.items())
+            detail += (
+                f"; Pallas kernels lowered to {'/'.join(kinds)} custom calls ({counts})"
+                if kinds
+                else "; Pallas parts lowered no kernel custom call (XLA or interpret mode)"
+            )
         if parts["jvp_skipped"] is not None:
             detail += f"; JVP: SKIP, {parts['jvp_skipped']}"
         return detail
