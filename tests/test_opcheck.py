@@ -827,3 +827,20 @@ def test_float64_op_off_by_1e_6_under_a_transformation_fails(check, kind):
     x = np.linspace(0.5, 1.5, 6)
     report = jaxext.opcheck(_off_when_traced(kind), (x,), checks=[check], raise_exception=False)
     assert report.failed == (check,), str(report)
+
+
+def test_rms_norm_kernels_against_their_xla_implementation():
+    """``jaxext.rms_norm``'s Pallas kernels (interpret mode) judged against its own XLA
+    implementation as the reference: the gradient rows compare with its float64 autodiff."""
+    rows = ["gradcheck", "jvp", "gradgradcheck", "fwd_over_rev"]
+
+    def kernels(x, w):
+        return jaxext.rms_norm(x, w, implementation="interpret")
+
+    def xla(x, w):
+        return jaxext.rms_norm(x, w, implementation="xla")
+
+    args = (f64(0, (4, 3)), f64(1, (3,)))
+    report = jaxext.opcheck(kernels, args, checks=rows, reference=xla)
+    assert report.statuses == dict.fromkeys(rows, "PASS"), str(report)
+    assert all("reference's autodiff" in r.detail for r in report.results), str(report)
