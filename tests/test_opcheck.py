@@ -661,7 +661,7 @@ def test_shipped_ops_lower_for_every_platform(op, args):
     assert report.statuses == dict.fromkeys(PLATFORM_ROWS, "PASS"), str(report)
     for platform, name in zip(PLATFORMS, ("CPU", "CUDA", "ROCm", "TPU"), strict=True):
         assert report[f"platform_{platform}"].detail == (
-            f"jitted forward, VJP and JVP lower for {name}"
+            f"jitted forward, VJP and JVP lower for {name}; at float64, float32 and bfloat16 inputs"
         )
 
 
@@ -670,14 +670,15 @@ def test_rms_norm_rows_say_which_kernels_they_lowered():
     report = jaxext.opcheck(jaxext.rms_norm, args, checks=PLATFORM_ROWS, platforms=PLATFORMS)
     assert report.statuses == dict.fromkeys(PLATFORM_ROWS, "PASS"), str(report)
     assert report["platform_cpu"].detail.endswith(
-        "lower for CPU; Pallas parts lowered no kernel custom call (XLA or interpret mode)"
+        "lower for CPU; Pallas parts lowered no kernel custom call (XLA or interpret mode); "
+        "at float64, float32 and bfloat16 inputs"
     )
     for platform, name, kind in (("cuda", "CUDA", "Triton"), ("rocm", "ROCm", "Triton")) + (
         ("tpu", "TPU", "Mosaic"),
     ):
         assert report[f"platform_{platform}"].detail == (
             f"jitted forward, VJP and JVP lower for {name}; Pallas kernels lowered to {kind} "
-            "custom calls (forward 1, VJP 2, JVP 1)"
+            "custom calls (forward 1, VJP 2, JVP 1); at float64, float32 and bfloat16 inputs"
         )
 
 
@@ -844,3 +845,24 @@ def test_rms_norm_kernels_against_their_xla_implementation():
     report = jaxext.opcheck(kernels, args, checks=rows, reference=xla)
     assert report.statuses == dict.fromkeys(rows, "PASS"), str(report)
     assert all("reference's autodiff" in r.detail for r in report.results), str(report)
+
+
+def test_platform_rows_lower_at_every_dtype_the_op_takes():
+    """An op whose TPU lowering breaks at bfloat16 only (here: an eig, which has no TPU
+    lowering, on that path): the TPU row FAILs naming bfloat16, though float64 lowers."""
+
+    def op(x):
+        def on_tpu(x):
+            if x.dtype == jnp.bfloat16:
+                eig = jnp.real(jnp.linalg.eigvals(x.astype(jnp.float32)))[0]
+                return 2 * x + (0 * eig).astype(x.dtype)
+            return 2 * x
+
+        return jax.lax.platform_dependent(x, cpu=lambda x: 2 * x, tpu=on_tpu, default=on_tpu)
+
+    report = jaxext.opcheck(
+        op, (np.eye(3) + f64(0, (3, 3)) / 10,), checks=PLATFORM_ROWS, raise_exception=False
+    )
+    assert report.failed == ("platform_tpu",), str(report)
+    detail = report["platform_tpu"].detail
+    assert "do not lower for TPU (at bfloat16)" in detail and "'eig'" in detail, detail

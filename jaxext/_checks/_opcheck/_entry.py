@@ -120,6 +120,10 @@ def opcheck(
       (``NotImplementedError``), is a SKIP with the op's message. Complex inputs
       run as complex64 (there is no complex bfloat16: an op whose inputs are
       all complex runs float32 only).
+    * ``platform_cpu``, ``platform_cuda``, ``platform_rocm``, ``platform_tpu``:
+      the op's jitted forward, VJP and JVP lower for that platform (lowering
+      only, no hardware needed), at each dtype the op takes (float64, and
+      float32 and bfloat16 where it lowers for this machine's backend).
 
     Complex inputs and outputs are checked in JAX's convention (a cotangent
     ``c`` pairs with a tangent ``t`` as ``Re(c t)``; the VJP of a holomorphic
