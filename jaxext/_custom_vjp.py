@@ -931,7 +931,9 @@ class _TangentMap:
         examples = [stand_in(a) for a in self.ct_avals]
         hint = self.op.spec.forward_mode_hint or (
             f"give a JVP rule: `{self.op.name}.defvjp(fwd, bwd, jvp=jvp)` with "
-            "`jvp(*nondiff_args, residuals, tangents) -> output tangent`"
+            "`jvp(*nondiff_args, residuals, tangents) -> output tangent`; or, where the "
+            "derivative of `fwd` is the one meant (a custom_vjp that saves memory), construct "
+            "the op with `jaxext.custom_vjp(..., differentiate_fwd=True)`"
         )
         self.check_linear(res_arrays, examples, hint)
         return _forward_mode.tangent_from_backward(self, res_arrays, t_in)

@@ -8,17 +8,26 @@ holds the ways it does so, tried in order of cost until one works
 1. **Transposing the backward** (``jax.linear_transpose``): one backward's worth of work.
 2. **Transposing its linearization at zero** (``jax.vjp`` of the backward at ``g = 0``,
    applied to ``t``): the same map for a linear backward, and what makes the backward
-   transposable when it calls another op whose own rules JAX must use to transpose it (a
+   transposable when it calls an op JAX can differentiate but not transpose (a
    ``jaxext.Function`` with a ``vmap`` staticmethod, which lowers through
-   ``jax.custom_batching.custom_vmap``; any ``jaxext.custom_vjp`` op whose primal JAX
-   cannot transpose). About twice the work of 1.
+   ``jax.custom_batching.custom_vmap``). About twice the work of 1.
 3. **The backward row by row**: the rows of ``J`` are ``bwd(e_i)`` for the unit
    cotangents ``e_i``, so ``J t = [<bwd(e_i), t>]_i``; batched with ``vmap`` in chunks
    (or one at a time where the backward cannot be batched). This works for any backward
    JAX can evaluate (a ``while_loop``, a host callback, an FFI kernel) and costs one
    backward per output element (real and imaginary parts of a complex output count
    twice), so it runs only up to the op's ``forward_mode_max_outputs``
-   (:data:`DEFAULT_MAX_OUTPUTS`).
+   (:data:`DEFAULT_MAX_OUTPUTS`). A zero tangent entry contributes zero, so entry
+   ``(k, i)`` of ``jacfwd`` is exactly ``bwd(e_k)[i]``, reverse mode's, NaN included.
+4. **Transposing the linearization through the custom rules of the calls inside**: where a
+   call inside the backward has a primal JAX cannot transpose (a ``jaxext.custom_vjp`` op
+   around a host callback) and the output is too large for 3; those rules are trusted.
+
+Ways 1 and 2 transpose the backward **by its values** (:func:`by_values`, in
+``_value_transpose``): ``stop_gradient`` as the identity, ``custom_jvp``/``custom_vjp``
+calls as their primal, products by a coefficient independent of ``g`` zero-safe. So each
+way gives the map the backward computes, reverse mode's numbers: ``jax.jacfwd`` equals the
+transpose of ``jax.jacrev`` entrywise, or forward mode raises the error below.
 
 Beyond that limit, or where no way works, :func:`tangent_from_backward` raises a
 ``TypeError`` naming the op and the two remedies: a ``jvp`` rule, or the
@@ -33,9 +42,10 @@ when to); and :func:`batched_outputs`, which tells the tangent's batching rule w
 output tangents a ``vmap`` batch reaches (an output the batch does not reach keeps an
 unbatched tangent, as its primal does).
 
-Caveat of way 2: a backward is taken to be linear in ``g`` (``_linearity`` refuses the
-nonlinear operations it can see); an op inside it that is nonlinear in ``g`` and opaque
-to that walk would be linearized at ``g = 0`` rather than refused.
+Linearity: a backward is taken to be linear in ``g`` where ``_linearity`` cannot prove
+otherwise; what that walk cannot see into (host callbacks, FFI and Pallas kernels, unknown
+primitives, a ``while_loop`` whose trip count depends on ``g``) is trusted, and listed in
+``docs/limitations.md``.
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from ._avals import stand_in
 from ._jaxpr import call_body
 from ._rule_contracts import RuleTypeError, RuleValueError
+from ._value_transpose import by_values
 
 __all__ = [
     "DEFAULT_MAX_OUTPUTS",
@@ -149,33 +160,47 @@ def tangent_from_backward(
 
     examples = [stand_in(a) for a in lin.ct_avals]
     failures: list[BaseException] = []
-    for way in (_transposed, _transposed_linearization):
+    try:  # ways 1 and 2, on the backward read by its values (``_value_transpose``)
+        values = by_values(backward, [examples])
+        ways = [(way, values) for way in (_transposed, _transposed_linearization)]
+    except (RuleTypeError, RuleValueError):
+        raise
+    except Exception as err:  # noqa: BLE001 -- the backward cannot be traced: row by row
+        failures.append(err)
+        ways = []
+    for way, fn in ways:
         try:
-            return [jnp.asarray(o) for o in way(backward, examples, t_in)]
+            return [jnp.asarray(o) for o in way(fn, examples, t_in)]
         except (RuleTypeError, RuleValueError):
             raise
         except Exception as err:  # noqa: BLE001 -- the next way, or the error below
             failures.append(err)
     n = _basis_size(lin.ct_avals)
     limit = lin.op.spec.forward_mode_max_outputs
-    if n > limit:
-        raise _no_forward_mode(
-            lin,
-            failures[0],
+    if n <= limit:
+        try:
+            return _row_by_row(backward, lin.ct_avals, t_in)
+        except (RuleTypeError, RuleValueError):
+            raise
+        except Exception as err:  # noqa: BLE001 -- the last way, or the error below
+            row_problem = (
+                f"evaluating the backward once per output element failed too "
+                f"({type(err).__name__}: {_first_line(err)})"
+            )
+            row_error: BaseException = err
+    else:
+        row_problem = (
             f"evaluating the backward once per output element would take {n} backward "
-            f"passes, more than the op's forward_mode_max_outputs={limit}",
-        ) from failures[0]
-    try:
-        return _row_by_row(backward, lin.ct_avals, t_in)
+            f"passes, more than the op's forward_mode_max_outputs={limit}"
+        )
+        row_error = failures[0]
+    try:  # way 4 (trusted): the custom rules of calls whose values JAX cannot transpose
+        return [jnp.asarray(o) for o in _transposed_linearization(backward, examples, t_in)]
     except (RuleTypeError, RuleValueError):
         raise
-    except Exception as err:  # noqa: BLE001 -- re-raised with the way out
-        raise _no_forward_mode(
-            lin,
-            failures[0],
-            f"evaluating the backward once per output element failed too "
-            f"({type(err).__name__}: {_first_line(err)})",
-        ) from err
+    except Exception:  # noqa: BLE001 -- reported through the first failure below
+        pass
+    raise _no_forward_mode(lin, failures[0], row_problem) from row_error
 
 
 def _transposed(backward: Callable[..., Any], examples: list[Any], t_in: Sequence[Any]) -> Any:
@@ -236,7 +261,12 @@ def _row_by_row(
 
     def entry(i: Any) -> Any:
         grads = backward(unit(i))
-        terms = [jnp.real(jnp.sum(g * t)) for g, t in zip(grads, t_in, strict=True)]
+        # A zero tangent entry contributes zero, also against a non-finite row entry: entry
+        # (k, i) of jacfwd is then exactly bwd(e_k)[i], jacrev's.
+        terms = [
+            jnp.real(jnp.sum(jnp.where(t == 0, jnp.zeros_like(g * t), g * t)))
+            for g, t in zip(grads, t_in, strict=True)
+        ]
         return sum(terms) if terms else jnp.zeros((), jnp.float32)
 
     indices = jnp.arange(n)

@@ -23,8 +23,8 @@ __all__ = ["Body", "call_body", "inner_jaxprs"]
 
 # The parameters under which a call-like equation keeps the jaxpr it runs, in the order
 # they are tried: jit/pjit/closed_call/checkpoint, then custom_jvp_call/custom_vjp_call/
-# custom_vmap_call, then the older custom rules' name.
-_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+# then the older custom rules' name, then custom_vmap_call's.
+_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr", "call")
 
 
 class Body(NamedTuple):

@@ -13,8 +13,20 @@ nothing. This module classifies each value of the backward's jaxpr as
 * ``AFFINE``: linear plus a term that does not depend on the inputs,
 * ``NONLINEAR``: any other use of the inputs,
 
-and reports, per output, why it is not linear. Primitives it does not know are given
-the benefit of the doubt (``UNKNOWN``): the walk only reports what it can prove.
+and reports, per output, why it is not linear. It walks into every construct that
+carries a jaxpr: calls (``jit``, ``remat``, ``custom_jvp``/``custom_vjp`` calls, whose
+primal is what the backward computes, ``custom_vmap``), ``cond`` branches, and ``scan`` and
+``while_loop`` bodies (to a fixed point of the carry's kinds, for any trip count). It knows
+the operations JAX itself linearizes in some operands only: ``sort`` in its payload (the
+keys must not depend on the inputs: ``lax.sort_key_val(perm, g)`` is linear), gathers and
+scatters in their data (not their indices).
+
+Primitives it does not know are given the benefit of the doubt (``UNKNOWN``): the walk
+only reports what it can prove. So are, and only these are, trusted: host callbacks, FFI
+and Pallas kernels and other primitives outside its tables; a ``while_loop`` whose trip
+count depends on the inputs (an iterative solve, linear to its tolerance); a scatter of
+the inputs into a residual (``zeros.at[ids].add(g)`` with ``zeros`` saved by ``fwd``).
+``docs/limitations.md`` lists them for users.
 """
 
 from __future__ import annotations
@@ -80,6 +92,8 @@ _LINEAR_IN_FIRST = {
     "optimization_barrier",
     "select_and_scatter_add",
     "reduce_window_sum",
+    # The identity in value (what forward mode transposes: see ``_value_transpose``).
+    "stop_gradient",
 }
 # Bilinear: linear when exactly one operand depends on the inputs.
 _BILINEAR = {"mul", "dot_general", "conv_general_dilated"}
@@ -137,6 +151,30 @@ _NONLINEAR = {
     "rem",
     "lgamma",
     "digamma",
+    "reduce_prod",
+    "cumprod",
+    "cummax",
+    "cummin",
+    "cumlogsumexp",
+    "top_k",
+    "scatter-mul",
+    "scatter_mul",
+    "scatter-min",
+    "scatter_min",
+    "scatter-max",
+    "scatter_max",
+}
+# Sums in two operands, with the rest (indices) not depending on the inputs:
+# a scatter writes or adds its updates into its operand, a dynamic_update_slice writes one
+# into the other, a pad surrounds its operand with its padding value.
+_ADDITIVE_IN_TWO = {
+    "scatter",
+    "scatter-add",
+    "scatter_add",
+    "scatter-sub",
+    "scatter_sub",
+    "dynamic_update_slice",
+    "pad",
 }
 
 
@@ -172,12 +210,21 @@ def _walk(
             return (Kind.ZERO if _is_zero(atom.val) else Kind.CONST, "")
         return env.get(atom, (Kind.CONST, ""))
 
+    # Values fixed when the function is written: functions of literals and NumPy constants.
+    fixed = {v for v, value in zip(jaxpr.constvars, consts, strict=True) if _is_numpy(value)}
     for eqn in jaxpr.eqns:
         ins = [read(a) for a in eqn.invars]
-        outs = _rule(eqn, ins)
+        known = [isinstance(a, jax.extend.core.Literal) or a in fixed for a in eqn.invars]
+        outs = _rule(eqn, ins, known)
         for v, k in zip(eqn.outvars, outs, strict=True):
             env[v] = k
+        if all(known):
+            fixed.update(eqn.outvars)
     return [read(v) for v in jaxpr.outvars]
+
+
+def _is_numpy(value: Any) -> bool:
+    return isinstance(value, (np.ndarray, np.generic))
 
 
 def _is_zero_constant(value: Any) -> bool:
@@ -202,7 +249,11 @@ def _worst(ins: Sequence[tuple[Kind, str]]) -> tuple[Kind, str]:
     return max(ins, key=lambda kr: kr[0], default=(Kind.CONST, ""))
 
 
-def _rule(eqn: Any, ins: Sequence[tuple[Kind, str]]) -> list[tuple[Kind, str]]:
+def _rule(
+    eqn: Any, ins: Sequence[tuple[Kind, str]], known: Sequence[bool] = ()
+) -> list[tuple[Kind, str]]:
+    """The kinds of ``eqn``'s outputs; ``known`` flags operands fixed when the function is
+    written (of literals and NumPy constants), as opposed to residuals."""
     n_out = len(eqn.outvars)
     name = eqn.primitive.name
     kinds = [k for k, _ in ins]
@@ -216,6 +267,28 @@ def _rule(eqn: Any, ins: Sequence[tuple[Kind, str]]) -> list[tuple[Kind, str]]:
         zero = zero or (name in _ADDITIVE and all(k == Kind.ZERO for k in kinds))
         return [(Kind.ZERO if zero else Kind.CONST, "")] * n_out
     here = f"`{name}`"
+    if name == "convert_element_type" and not _is_inexact(eqn.params["new_dtype"]):
+        return [(Kind.NONLINEAR, here)] * n_out  # rounded to an integer or a bool
+    if name == "sort":  # JAX linearizes sort in its payload operands; the keys must not vary
+        n_keys = eqn.params["num_keys"]
+        if any(k >= Kind.LINEAR for k in kinds[:n_keys]):
+            return [(Kind.NONLINEAR, here)] * n_out
+        return [ins[i] if kinds[i] >= Kind.LINEAR else (Kind.CONST, "") for i in range(n_out)]
+    if name in _ADDITIVE_IN_TWO:
+        # scatter(operand, indices, updates); dynamic_update_slice(operand, update, *indices)
+        summed = (0, 2) if name.startswith("scatter") else (0, 1)
+        if any(k >= Kind.LINEAR for i, k in enumerate(kinds) if i not in summed):
+            return [(Kind.NONLINEAR, here)] * n_out
+        out = _sum_of([ins[i] for i in summed], here)
+        if out[0] == Kind.AFFINE and not all(known[i] for i in summed if kinds[i] == Kind.CONST):
+            # Written into a residual: a buffer of zeros (``zeros.at[ids].add(g)``, the
+            # common way to scatter a gradient) or not, unknown here: trusted.
+            out = (Kind.UNKNOWN, "")
+        return [out] * n_out
+    if name == "while":
+        return _while(eqn, ins, here)
+    if name == "scan":
+        return _scan(eqn, ins, here)
     if name in _ADDITIVE:
         if any(k == Kind.CONST for k in kinds) and any(k >= Kind.LINEAR for k in kinds):
             if Kind.UNKNOWN in kinds:
@@ -256,3 +329,76 @@ def _rule(eqn: Any, ins: Sequence[tuple[Kind, str]]) -> list[tuple[Kind, str]]:
     if body is not None:
         return _walk(body.jaxpr, kinds, body.consts)
     return [(Kind.UNKNOWN, "")] * n_out
+
+
+def _is_inexact(dtype: Any) -> bool:
+    return bool(np.issubdtype(np.dtype(dtype), np.inexact))
+
+
+def _sum_of(ins: Sequence[tuple[Kind, str]], here: str) -> tuple[Kind, str]:
+    """The kind of a sum of terms of kinds ``ins`` (as ``_ADDITIVE``)."""
+    kinds = [k for k, _ in ins]
+    if any(k == Kind.CONST for k in kinds) and any(k >= Kind.LINEAR for k in kinds):
+        if Kind.UNKNOWN in kinds:
+            return (Kind.UNKNOWN, "")
+        return (Kind.AFFINE, here)
+    if all(k == Kind.ZERO for k in kinds):
+        return (Kind.ZERO, "")
+    return _worst(ins)
+
+
+def _join(a: tuple[Kind, str], b: tuple[Kind, str], here: str) -> tuple[Kind, str]:
+    """The kind of a value that is of kind ``a`` or ``b`` (by a loop's trip count)."""
+    if a[0] == Kind.ZERO:
+        return b
+    if b[0] == Kind.ZERO:
+        return a
+    return _sum_of([a, b], here)
+
+
+def _fixpoint(
+    step: Callable[[list[tuple[Kind, str]]], list[tuple[Kind, str]]],
+    carry: list[tuple[Kind, str]],
+    here: str,
+) -> list[tuple[Kind, str]]:
+    """The kinds a loop's carry takes over any number of iterations of ``step``."""
+    for _ in range(len(Kind) * len(carry) + 1):  # kinds only grow: this many steps suffice
+        new = [_join(c, o, here) for c, o in zip(carry, step(carry), strict=True)]
+        if [k for k, _ in new] == [k for k, _ in carry]:
+            return carry
+        carry = new
+    return carry
+
+
+def _while(eqn: Any, ins: Sequence[tuple[Kind, str]], here: str) -> list[tuple[Kind, str]]:
+    """A ``while_loop``: its carry over any number of iterations; ``UNKNOWN`` where its trip
+    count depends on the inputs."""
+    n_cond, n_body = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    cond, body = eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]
+    cond_consts, body_consts = list(ins[:n_cond]), list(ins[n_cond : n_cond + n_body])
+    carry = list(ins[n_cond + n_body :])
+
+    def step(carry: list[tuple[Kind, str]]) -> list[tuple[Kind, str]]:
+        return _walk(body.jaxpr, [k for k, _ in body_consts + carry], body.consts)
+
+    carry = _fixpoint(step, carry, here)
+    (pred,) = _walk(cond.jaxpr, [k for k, _ in cond_consts + carry], cond.consts)
+    if pred[0] >= Kind.LINEAR:
+        # A trip count that depends on the inputs: an iterative solver run to a tolerance,
+        # linear to that tolerance. Not provably linear, not provably not: trusted.
+        return [c if c[0] >= Kind.AFFINE else (Kind.UNKNOWN, "") for c in carry]
+    return carry
+
+
+def _scan(eqn: Any, ins: Sequence[tuple[Kind, str]], here: str) -> list[tuple[Kind, str]]:
+    """A ``scan``: its carry over any number of iterations, and its stacked outputs."""
+    n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    body = eqn.params["jaxpr"]
+    consts, xs = list(ins[:n_consts]), list(ins[n_consts + n_carry :])
+    carry = list(ins[n_consts : n_consts + n_carry])
+
+    def walk(carry: list[tuple[Kind, str]]) -> list[tuple[Kind, str]]:
+        return _walk(body.jaxpr, [k for k, _ in consts + carry + xs], body.consts)
+
+    carry = _fixpoint(lambda c: walk(c)[:n_carry], carry, here)
+    return carry + walk(carry)[n_carry:]

@@ -1,0 +1,196 @@
+"""A backward re-evaluated by its values, so that transposing it gives the map it computes.
+
+Forward mode of a ``jaxext.custom_vjp`` op transposes its backward ``g -> J^T g``, or the
+backward's linearization at ``g = 0`` (``_jvp_from_vjp``). Both go through JAX's derivative
+rules of the operations inside, and three kinds of operation have rules that differ from
+the values they compute, so that the transpose would differ from reverse mode's numbers:
+
+* ``stop_gradient`` computes the identity and has the derivative 0 (and no transpose):
+  the backward's linearization through it is 0, a silent zero.
+* A ``custom_jvp`` or ``custom_vjp`` call (every ``jaxext.custom_vjp`` op is a
+  ``custom_jvp_call``) computes its primal, and is differentiated by its custom rule,
+  which need not be the derivative of those values.
+* A product ``g * c`` (or quotient ``g / c``) by a coefficient that does not depend on
+  ``g`` transposes to ``t * c``; where a masked branch has an infinite coefficient
+  (``where(x > 0, g / sqrt(x), 0)`` at ``x = 0``), the transpose multiplies the zero the
+  mask sends back by ``inf``: a NaN that reverse mode never computes.
+
+:func:`by_values` traces the backward once and returns a function that evaluates its jaxpr
+with ``stop_gradient`` as the identity, custom derivative calls as their primal bodies
+(walked in turn), calls (``jit``, ``remat``) walked through, and those products bound as
+:data:`scale_p`, whose transpose keeps a zero cotangent zero (``0 * inf`` is ``0``
+there, so a NaN of the transpose is one the backward's own values hold). The result
+computes the same values as the backward, and its transpose is the map it computes.
+
+What it does not rewrite: loops and branches (``while``, ``scan``, ``cond``) keep their
+bodies as written (JAX transposes ``scan`` and ``cond`` by their rules, so a
+``stop_gradient`` or custom rule inside one is linearized by its rule); a product inside
+a ``dot_general`` is not made zero-safe. ``custom_vmap`` calls are kept too: JAX
+differentiates them through their body.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import Literal, Primitive
+from jax.interpreters import ad, batching, mlir
+
+from ._jaxpr import call_body
+
+__all__ = ["by_values", "scale_p"]
+
+# Calls evaluated by their primal body: their derivative rules are not their values'.
+_BY_BODY = {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
+# Calls walked through (their derivative is their body's anyway).
+_CALLS = {"jit", "pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint"}
+
+
+def by_values(fn: Callable[..., Any], examples: Sequence[Any]) -> Callable[..., Any]:
+    """``fn`` traced at ``examples`` and re-evaluated by its values (module docstring).
+
+    Args:
+        fn: the function, called as ``fn(*examples)``; its inputs are the values it is
+            linear in (the backward's cotangents).
+        examples: its arguments (arrays or ``jax.ShapeDtypeStruct``s).
+
+    Returns:
+        A function of the same arguments and results, computing the same values.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jaxext._value_transpose import by_values
+        >>> bwd = lambda g: 3.0 * jax.lax.stop_gradient(g)
+        >>> (t,) = jax.linear_transpose(by_values(bwd, [1.0]), 1.0)(1.0)
+        >>> float(t)  # the derivative through stop_gradient would be 0
+        3.0
+    """
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*examples)
+    out_tree = jax.tree_util.tree_structure(out_shape)
+    jaxpr, consts = closed.jaxpr, list(closed.consts)
+
+    def run(*args: Any) -> Any:
+        flat = jax.tree_util.tree_leaves(args)
+        out = _eval(jaxpr, consts, flat, [True] * len(flat))
+        return jax.tree_util.tree_unflatten(out_tree, out)
+
+    return run
+
+
+def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], linear: Sequence[bool]):
+    """Evaluates ``jaxpr``; ``linear`` flags the inputs that depend on the linear inputs."""
+    env: dict[Any, tuple[Any, bool]] = {}
+    for v, c in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = (c, False)
+    for v, a, f in zip(jaxpr.invars, args, linear, strict=True):
+        env[v] = (a, f)
+
+    def read(atom: Any) -> tuple[Any, bool]:
+        return (atom.val, False) if isinstance(atom, Literal) else env[atom]
+
+    for eqn in jaxpr.eqns:
+        read_in = [read(a) for a in eqn.invars]
+        vals, flags = [v for v, _ in read_in], [f for _, f in read_in]
+        outs = _eval_eqn(eqn, vals, flags)
+        dependent = any(flags)
+        for v, o in zip(eqn.outvars, outs, strict=True):
+            env[v] = (o, dependent)
+    return [read(v)[0] for v in jaxpr.outvars]
+
+
+def _eval_eqn(eqn: Any, vals: list[Any], flags: list[bool]) -> list[Any]:
+    name = eqn.primitive.name
+    if any(flags):
+        if name == "stop_gradient":
+            return list(vals)
+        if name in ("mul", "div") and flags[0] != flags[1] and not (name == "div" and flags[1]):
+            x, c = (vals[0], vals[1]) if flags[0] else (vals[1], vals[0])
+            return [scale_p.bind(x, c, divide=name == "div")]
+        if name in _BY_BODY or name in _CALLS:
+            body = call_body(eqn)
+            if body is not None:
+                return _eval(body.jaxpr, list(body.consts), vals, flags)
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns: Sequence[Any] = ()
+    if isinstance(params, tuple):  # (subfuns, params) in older JAX
+        subfuns, params = params
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*subfuns, *vals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+# -- scale_p: x * c (or x / c), linear in x, whose transpose keeps a zero cotangent zero ----
+
+scale_p = Primitive("jaxext_zero_safe_scale")
+
+
+def _impl(x: Any, c: Any, *, divide: bool) -> Any:
+    return lax.div(x, c) if divide else lax.mul(x, c)
+
+
+def _abstract(x: Any, c: Any, *, divide: bool) -> Any:
+    del divide
+    big = x if len(x.shape) >= len(c.shape) else c
+    return big.update(dtype=x.dtype, weak_type=x.weak_type and c.weak_type)
+
+
+def _jvp(primals: Sequence[Any], tangents: Sequence[Any], *, divide: bool):
+    x, c = primals
+    tx, tc = tangents
+    out = scale_p.bind(x, c, divide=divide)
+    terms = []
+    if type(tx) is not ad.Zero:
+        terms.append(scale_p.bind(tx, c, divide=divide))
+    if type(tc) is not ad.Zero:
+        terms.append(lax.neg(lax.div(lax.mul(out, tc), c)) if divide else lax.mul(x, tc))
+    if not terms:
+        return out, ad.Zero.from_primal_value(out)
+    return out, terms[0] if len(terms) == 1 else lax.add(*terms)
+
+
+def _transpose(ct: Any, x: Any, c: Any, *, divide: bool) -> list[Any]:
+    if ad.is_undefined_primal(c):  # only ever built with x the linear operand
+        raise NotImplementedError("jaxext_zero_safe_scale is linear in its first operand only")
+    aval = x.aval
+    if type(ct) is ad.Zero:
+        return [ad.Zero(aval), None]
+    value = lax.div(ct, c) if divide else lax.mul(ct, c)
+    value = jnp.where(ct == 0, jnp.zeros_like(value), value)
+    if value.shape != aval.shape:  # x was a scalar broadcast against c
+        value = jnp.sum(value)
+    return [value.astype(aval.dtype), None]
+
+
+def _batch(args: Sequence[Any], dims: Sequence[Any], *, divide: bool):
+    size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not batching.not_mapped)
+    out_shape = np.broadcast_shapes(
+        *(
+            tuple(s for i, s in enumerate(a.shape) if i != d)
+            if d is not batching.not_mapped
+            else a.shape
+            for a, d in zip(args, dims, strict=True)
+        )
+    )
+    full = []
+    for a, d in zip(args, dims, strict=True):
+        if d is batching.not_mapped:
+            full.append(jnp.broadcast_to(a, (size, *out_shape)))
+            continue
+        a = jnp.moveaxis(a, d, 0)
+        if a.ndim - 1 < len(out_shape):
+            a = a.reshape((size,) + (1,) * len(out_shape))
+        full.append(jnp.broadcast_to(a, (size, *out_shape)))
+    return scale_p.bind(*full, divide=divide), 0
+
+
+scale_p.def_impl(_impl)
+scale_p.def_abstract_eval(_abstract)
+ad.primitive_jvps[scale_p] = _jvp
+ad.primitive_transposes[scale_p] = _transpose
+batching.primitive_batchers[scale_p] = _batch
+mlir.register_lowering(scale_p, mlir.lower_fun(_impl, multiple_results=False))

@@ -1,0 +1,285 @@
+"""Forward mode's contract (issue #45): ``jax.jacfwd`` equals ``jax.jacrev`` entrywise, or
+forward mode raises the error that names the op and the remedies; never a third outcome.
+
+- A property test over the project's op table (``tests/ops_table.py``) and the checker
+  catalogue's correct ops (plain ``jax.custom_vjp`` ops among them swapped for
+  ``jaxext.custom_vjp``, as a user of the drop-in does): float64 ``jacfwd`` against
+  ``jacrev``, entrywise.
+- One test per way forward mode used to differ from reverse mode silently, or to refuse a
+  correct backward: a ``stop_gradient`` in the backward (exact zeros), a guarded backward
+  (NaN from a masked branch), a backward nonlinear where the linearity walk did not look
+  (``custom_vmap``, a scatter, loops), a ``sort_key_val`` un-permuting the cotangent.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import FLOAT64_TOL, tiered
+from jax import lax
+from jax.custom_batching import custom_vmap
+from ops_table import OPS
+from test_checker_catalogue import CORRECT
+
+import jaxext
+
+# -- the property: jacfwd == jacrev over the op table and the catalogue -------------------------
+
+
+def _swapped(op):
+    """A plain ``jax.custom_vjp`` op as the same rules on ``jaxext.custom_vjp``."""
+    if not isinstance(op, jax.custom_vjp):
+        return op
+    new = jaxext.custom_vjp(op.fun, nondiff_argnums=op.nondiff_argnums)
+    new.defvjp(op.fwd, op.bwd, symbolic_zeros=op.symbolic_zeros)
+    return new
+
+
+def _is_array(leaf):
+    return isinstance(leaf, (np.ndarray, jax.Array))
+
+
+def _flat_real(fn, args):
+    """``fn`` as a function of the real parts (and imaginary parts) of its float array
+    leaves, returning its inexact outputs raveled into one real float64 vector."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    diff = [_is_array(x) and jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact) for x in leaves]
+    cplx = [d and jnp.iscomplexobj(x) for x, d in zip(leaves, diff, strict=True)]
+
+    def wide(x):
+        return jnp.asarray(x, jnp.complex128 if jnp.iscomplexobj(x) else jnp.float64)
+
+    params = []
+    for x, d, c in zip(leaves, diff, cplx, strict=True):
+        if d:
+            params += [wide(x).real, wide(x).imag] if c else [wide(x)]
+
+    def flat(*ps):
+        it = iter(ps)
+        new = []
+        for x, d, c in zip(leaves, diff, cplx, strict=True):
+            if not d:
+                new.append(x)
+            elif c:
+                new.append(jax.lax.complex(next(it), next(it)))
+            else:
+                new.append(next(it))
+        out = fn(*jax.tree_util.tree_unflatten(tree, new))
+        parts = []
+        for o in jax.tree_util.tree_leaves(out):
+            if not jnp.issubdtype(jnp.asarray(o).dtype, jnp.inexact):
+                continue
+            parts += [jnp.real(o).ravel(), jnp.imag(o).ravel()] if jnp.iscomplexobj(o) else [o]
+        return jnp.concatenate([jnp.ravel(p).astype(jnp.float64) for p in parts])
+
+    return flat, params
+
+
+def _cases():
+    cases = {}
+    for op in OPS:
+        for name, build in op.float64_cases.items():
+            cases[f"table-{name}"] = build
+    for name, (build, *_) in CORRECT.items():
+        cases[f"catalogue-{name}"] = build
+    return cases
+
+
+CASES = _cases()
+# One case of each kind in the default tier (a jaxext op, a Function, a layer, swapped
+# plain custom_vjp ops with symbolic zeros, nondiff_argnums and a while_loop backward,
+# once_differentiable); the rest run with -m exhaustive.
+DEFAULT = [
+    "table-linear-2d-bias",
+    "table-Function-MulConstant",
+    "table-nnx.Linear-1d-nobias",
+    "catalogue-perm_index",
+    "catalogue-embedding_int_ids",
+    "catalogue-argsort_index_plain_vjp",
+    "catalogue-nondiff_argnums",
+    "catalogue-symbolic_zeros_two_outputs",
+    "catalogue-fixed_point_backward",
+    "catalogue-once_differentiable",
+    "catalogue-perturbed_residuals_done_right",
+]
+
+
+@pytest.mark.parametrize("name", tiered(list(CASES), default=DEFAULT))
+def test_jacfwd_equals_jacrev(name, x64):
+    fn, args = CASES[name]()
+    flat, params = _flat_real(_swapped(fn), args)
+    argnums = tuple(range(len(params)))
+    rev = jax.jacrev(flat, argnums=argnums)(*params)
+    fwd = jax.jacfwd(flat, argnums=argnums)(*params)
+    for r, f in zip(rev, fwd, strict=True):
+        r, f = np.asarray(r), np.asarray(f)
+        scale = max(1.0, float(np.max(np.abs(r[np.isfinite(r)]), initial=0.0)))
+        np.testing.assert_allclose(f, r, rtol=FLOAT64_TOL, atol=FLOAT64_TOL * scale)
+
+
+# -- the silent differences and the false refusal, each fixed --------------------------------
+
+
+def _op(primal, bwd, *, residual=lambda x: x, transposed=True):
+    """A ``jaxext.custom_vjp`` op; ``transposed``: row by row off, so that forward mode must
+    transpose the backward (ways 1 and 2 of ``_jvp_from_vjp``)."""
+    op = jaxext.custom_vjp(primal, forward_mode_max_outputs=0 if transposed else 4096)
+    op.defvjp(lambda x: (primal(x), residual(x)), bwd)
+    return op
+
+
+def _assert_forward_is_reverse(op, x, t):
+    """jvp, jit(jvp) and jacfwd against jacrev (float64, entrywise)."""
+    jac = np.asarray(jax.jacrev(op)(x))
+    tol = dict(rtol=FLOAT64_TOL, atol=FLOAT64_TOL)
+    np.testing.assert_allclose(jax.jacfwd(op)(x), jac, **tol)
+    np.testing.assert_allclose(jax.jit(jax.jacfwd(op))(x), jac, **tol)
+    np.testing.assert_allclose(jax.jvp(op, (x,), (t,))[1], jac @ np.asarray(t), **tol)
+    jitted = jax.jit(lambda x, t: jax.jvp(op, (x,), (t,))[1])(x, t)
+    np.testing.assert_allclose(jitted, jac @ np.asarray(t), **tol)
+    return jac
+
+
+def test_stop_gradient_in_the_backward_is_its_value(x64):
+    """``cos(x) * stop_gradient(g)`` (``grad_output.detach()``): exact zeros before."""
+    op = _op(jnp.sin, lambda x, g: (jnp.cos(x) * lax.stop_gradient(g),))
+    x, t = jnp.array([0.3, 1.0, 2.0]), jnp.array([0.5, -1.0, 0.25])
+    jac = _assert_forward_is_reverse(op, x, t)
+    np.testing.assert_allclose(np.diag(jac), np.cos(x), rtol=1e-15)  # reverse mode is right
+
+
+def test_custom_jvp_in_the_backward_is_transposed_by_its_values(x64):
+    """A call inside the backward whose custom JVP rule is not its values' derivative: the
+    backward computes ``2 g``, and forward mode must give what the backward computes."""
+
+    @jax.custom_jvp
+    def double(g):
+        return 2.0 * g
+
+    double.defjvp(lambda p, t: (double(p[0]), 3.0 * t[0]))  # a different derivative
+    op = _op(lambda x: 2.0 * x, lambda _, g: (double(g),))
+    x, t = jnp.array([0.3, 1.0, 2.0]), jnp.array([0.5, -1.0, 0.25])
+    jac = _assert_forward_is_reverse(op, x, t)
+    np.testing.assert_allclose(jac, 2.0 * np.eye(3), rtol=1e-15)
+
+
+def _safe_sqrt_op():
+    def primal(x):
+        return jnp.where(x > 0, jnp.sqrt(jnp.where(x > 0, x, 1.0)), 0.0)
+
+    return _op(primal, lambda x, g: (jnp.where(x > 0, g * 0.5 / jnp.sqrt(x), 0.0),))
+
+
+def test_masked_branch_gives_no_nan(x64):
+    """A guarded backward at x = 0 (its masked branch is inf there): NaN before."""
+    op, x = _safe_sqrt_op(), jnp.array([0.0, 1.0, 4.0])
+    jac = _assert_forward_is_reverse(op, x, jnp.array([0.0, 1.0, 1.0]))
+    np.testing.assert_array_equal(jac, np.diag([0.0, 0.5, 0.25]))
+    _assert_forward_is_reverse(op, x, jnp.array([1.0, 1.0, 1.0]))
+    # Batched tangents (vmap of jvp) take the zero-safe product's batching rule.
+    ts = jnp.eye(3)
+    batched = jax.vmap(lambda t: jax.jvp(op, (x,), (t,))[1])(ts)
+    np.testing.assert_array_equal(batched, jac.T)
+    # Second order: the tangent's derivative in the residual x (jacfwd of jacfwd).
+    hess = jax.jacfwd(jax.jacfwd(op))(jnp.array([1.0, 4.0]))
+    np.testing.assert_allclose(hess, jax.jacfwd(jax.jacrev(op))(jnp.array([1.0, 4.0])))
+
+
+def _assert_nan_only_where_reverse_has_one(op, x):
+    rev, fwd = np.asarray(jax.jacrev(op)(x)), np.asarray(jax.jacfwd(op)(x))
+    assert np.isnan(rev).any()
+    assert not (np.isnan(fwd) & ~np.isnan(rev)).any()
+    np.testing.assert_array_equal(fwd[~np.isnan(rev)], rev[~np.isnan(rev)])
+
+
+INF_COEFFICIENT = jnp.array([1.0, jnp.inf, 2.0])
+
+
+def test_nan_only_where_reverse_mode_has_one(x64):
+    """An unguarded infinite coefficient: reverse mode's rows hold NaN (0 * inf) off the
+    diagonal; forward mode gives reverse mode's number wherever that is not NaN, and NaN
+    nowhere else."""
+    c = INF_COEFFICIENT
+    _assert_nan_only_where_reverse_has_one(
+        _op(lambda x: x * c, lambda _, g: (g * c,)), jnp.array([0.3, 1.0, 2.0])
+    )
+
+
+def test_nan_only_where_reverse_mode_has_one_row_by_row(x64):
+    """The same, row by row (a while_loop backward, which JAX cannot transpose): a zero
+    tangent entry meets a NaN entry of a row as zero."""
+    c = INF_COEFFICIENT
+
+    def bwd(_, g):
+        return (lax.while_loop(lambda s: s[0] < 1, lambda s: (s[0] + 1, s[1] * c), (0, g))[1],)
+
+    op = _op(lambda x: x * c, bwd, transposed=False)
+    _assert_nan_only_where_reverse_has_one(op, jnp.array([0.3, 1.0, 2.0]))
+
+
+def _clip(g):
+    return jnp.clip(g, -0.1, 0.1)
+
+
+@custom_vmap
+def _vmapped_clip(g):
+    return _clip(g)
+
+
+_vmapped_clip.def_vmap(lambda n, in_batched, g: (_vmapped_clip(g), in_batched[0]))
+
+
+NONLINEAR_BACKWARDS = {
+    "clip-in-custom_vmap": lambda g: _vmapped_clip(g),
+    "affine-at-set": lambda g: jnp.ones(3).at[0].set(g[0]),
+    "clip-in-while_loop": lambda g: lax.fori_loop(0, 2, lambda i, a: _clip(a), g),
+    "clip-in-scan": lambda g: lax.scan(lambda a, _: (_clip(a), None), g, None, length=2)[0],
+    "affine-in-scan": lambda g: lax.scan(lambda a, _: (2 * a + 1, None), g, None, length=2)[0],
+    "rounded-to-int": lambda g: g.astype(jnp.int32).astype(g.dtype),
+}
+
+
+@pytest.mark.parametrize("name", list(NONLINEAR_BACKWARDS))
+def test_nonlinear_backward_is_refused_with_the_remedies(name, x64):
+    """Linearized or evaluated row by row before (0.1x the derivative for a clip)."""
+    backward = NONLINEAR_BACKWARDS[name]
+
+    def clipped(x):
+        return x
+
+    op = _op(clipped, lambda _, g: (backward(g),), residual=lambda x: None, transposed=False)
+    x = jnp.array([0.3, 1.0, 2.0])
+    jax.jacrev(op)(x)  # reverse mode works
+    for forward in (lambda: jax.jvp(op, (x,), (x,)), lambda: jax.jit(jax.jacfwd(op))(x)):
+        with pytest.raises(jaxext.RuleTypeError, match="jvp=jvp") as info:
+            forward()
+        assert "`clipped`" in str(info.value) and "differentiate_fwd=True" in str(info.value)
+
+
+def test_linear_loops_keep_forward_mode(x64):
+    """Loops linear in the cotangent are not refused: a scan, a while_loop."""
+    for backward in (
+        lambda g: lax.scan(lambda a, _: (2 * a, None), g, None, length=2)[0],
+        lambda g: lax.fori_loop(0, 2, lambda i, a: 2 * a, g),
+    ):
+        op = _op(lambda x: 4 * x, lambda _, g, b=backward: (b(g),), transposed=False)
+        jac = _assert_forward_is_reverse(op, jnp.array([0.3, 1.0, 2.0]), jnp.ones(3))
+        np.testing.assert_array_equal(jac, 4 * np.eye(3))
+
+
+def test_sort_key_val_unpermuting_the_cotangent_is_linear(x64):
+    """MoE-style dispatch: refused before ("uses the cotangent nonlinearly (in `sort`)")."""
+    perm = jnp.array([2, 0, 3, 1])
+    op = _op(lambda x: x[perm], lambda _, g: (lax.sort_key_val(perm, g)[1],))
+    x = jnp.array([0.3, 1.0, 2.0, -1.5])
+    jac = _assert_forward_is_reverse(op, x, jnp.array([0.5, -1.0, 0.25, 2.0]))
+    np.testing.assert_array_equal(jac, np.eye(4)[np.asarray(perm)])
+
+
+def test_sort_key_val_with_cotangent_keys_is_refused(x64):
+    """Sorting by the cotangent itself is nonlinear, and still refused."""
+    op = _op(lambda x: x, lambda _, g: (lax.sort_key_val(g, g)[1],), residual=lambda x: None)
+    with pytest.raises(jaxext.RuleTypeError, match="sort"):
+        jax.jvp(op, (jnp.array([0.3, 1.0]),), (jnp.ones(2),))
