@@ -52,7 +52,7 @@ from checker_ops import (
     symbolic_zero_as_ones,
     symbolic_zeros_two_outputs,
 )
-from helpers import LinearFunction, OnceCube, tiered
+from helpers import LinearFunction, OnceCube, tiered, xfail_if_bfloat16_jvp_regression
 
 import jaxext
 from jaxext._checks import CHECK_NAMES
@@ -370,21 +370,6 @@ WRONG_VERDICTS: dict[str, tuple[set[str], str]] = {
 }
 
 
-# Not the checker's defect but the op's, which the platform rows now show by lowering the
-# JVP at bfloat16 too: since main e9763b6 (#45) forward mode through a bwd that casts
-# the cotangent (convert_element_type) at bfloat16 raises RuleTypeError ("uses the
-# cotangent nonlinearly"; `jax.jvp(jaxext.mul_constant, ...)` at bfloat16 raises it).
-_BFLOAT16_JVP = (
-    "since #45 (e9763b6) the JVP at bfloat16 raises RuleTypeError (convert_element_type)"
-)
-WRONG_VERDICTS.update(
-    {
-        name: ({f"platform_{p}" for p in ("cpu", "cuda", "rocm", "tpu")}, _BFLOAT16_JVP)
-        for name in ("mul_constant_numpy_0d", "perturbed_residuals_done_right", "function_linear")
-    }
-)
-
-
 # Issue #35's ops: the full battery on each is the exhaustive tier's (about 10 s each);
 # the default tier runs each in the checks it concerns (``FOCUSED``).
 FOCUSED = {
@@ -445,6 +430,7 @@ def test_correct_op_gets_no_fail_and_only_the_expected_skips(name):
     report = jaxext.opcheck(op, args, raise_exception=False)
     if name in WRONG_VERDICTS and set(report.failed) == WRONG_VERDICTS[name][0]:
         raise KnownCheckerDefect(str(report))
+    xfail_if_bfloat16_jvp_regression(report)
     assert report.failed == (), str(report)
     assert report.unresolved == (), str(report)  # every difference resolves a correct op here
     # A SKIP nobody expected fails too: a check that silently stops running is noticed.

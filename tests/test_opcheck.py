@@ -29,7 +29,7 @@ from checker_ops import (
     residuals_by_perturbed_reused,
     symbolic_zero_as_ones,
 )
-from helpers import Cube, tiered
+from helpers import Cube, tiered, xfail_if_bfloat16_jvp_regression
 from ops_table import OPS
 
 import jaxext
@@ -70,45 +70,12 @@ CORRECT_OPS = {
 }
 
 
-# Since main e9763b6 (#45) jax.jvp of these ops at bfloat16 raises RuleTypeError (their
-# bwd casts the cotangent: convert_element_type taken as nonlinear); the platform rows,
-# which lower the JVP at bfloat16 too, FAIL for it. Not the checker's defect.
-_BFLOAT16_JVP_REGRESSION = {"jaxext.mul_constant_0d", "jaxext.mul_constant_array"}
-
-
-class _KnownRegression(Exception):
-    """Raised where the platform rows FAIL exactly as that regression makes them: a fixed
-    op makes the strict xfail XPASS (noticed); any other failure is a plain one."""
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(
-            name,
-            marks=[
-                pytest.mark.xfail(
-                    strict=True,
-                    raises=_KnownRegression,
-                    reason="#45 (e9763b6): the JVP at bfloat16 raises RuleTypeError",
-                )
-            ]
-            if name in _BFLOAT16_JVP_REGRESSION
-            else [],
-        )
-        for name in sorted(CORRECT_OPS)
-    ],
-)
+@pytest.mark.parametrize("name", sorted(CORRECT_OPS))
 def test_correct_ops_pass(name):
     make, expected_skips = CORRECT_OPS[name]
     op, args = make()
     report = jaxext.opcheck(op, args, raise_exception=False)
-    if (
-        name in _BFLOAT16_JVP_REGRESSION
-        and set(report.failed) == {f"platform_{p}" for p in PLATFORMS}
-        and "(at bfloat16): RuleTypeError" in report["platform_cpu"].detail
-    ):
-        raise _KnownRegression(str(report))
+    xfail_if_bfloat16_jvp_regression(report)
     assert report.failed == (), str(report)
     # unwritten_outputs applies to ops with C++ kernels only (tests/test_cpp_extension.py);
     # jit_reuse to ops with two float array leaves or more (subsets of them to differentiate).
