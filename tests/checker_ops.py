@@ -475,3 +475,103 @@ def float32_accumulator():
 
     op.defvjp(lambda x: (op(x), x), lambda x, g: ((2 * x * g).astype(x.dtype),))
     return op, (f64(0, (3, 4)),)
+
+
+# -- a float32 kernel and its plain-JAX reference (issue #43) ----------------------------------
+
+
+def rms_norm_reference(x, w):
+    """RMSNorm in plain JAX: the reference of the float32 kernel below."""
+    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * w
+
+
+def rms_norm_float32(bug=None):
+    """``(op, args)``: RMSNorm as a kernel computes it, in float32 whatever it is given
+    (a ``jaxext.custom_vjp`` with a hand-written backward), and its buggy twins:
+    ``"scale_1pct"`` (the weight's gradient 1% too large), ``"missing_term"`` (the input's
+    gradient without the normalisation's term), ``"swapped_residuals"`` (the backward
+    reads the saved input and normalised input in each other's place)."""
+
+    def rsqrt_of(x32):
+        return jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6)
+
+    @jaxext.custom_vjp
+    def op(x, w):
+        x32, w32 = x.astype(jnp.float32), w.astype(jnp.float32)
+        return (x32 * rsqrt_of(x32) * w32).astype(x.dtype)
+
+    def op_fwd(x, w):
+        x32 = x.astype(jnp.float32)
+        r = rsqrt_of(x32)
+        return op(x, w), (x32, x32 * r, w, r)
+
+    def op_bwd(res, g):
+        x32, xhat, w, r = res
+        if bug == "swapped_residuals":
+            x32, xhat = xhat, x32
+        gw = g.astype(jnp.float32) * w.astype(jnp.float32)
+        term = xhat * jnp.mean(gw * xhat, -1, keepdims=True)
+        dx = r * (gw - (0 if bug == "missing_term" else term))
+        dw = jnp.sum(g.astype(jnp.float32) * xhat, 0) * (1.01 if bug == "scale_1pct" else 1)
+        return dx.astype(g.dtype), dw.astype(w.dtype)
+
+    op.defvjp(op_fwd, op_bwd)
+    return op, (f64(0, (3, 8)), 1 + 0.1 * f64(1, (8,)))
+
+
+RMS_NORM_BUGS = ("scale_1pct", "missing_term", "swapped_residuals")
+
+
+def torch_rms_norm(torch, bug=None):
+    """The same math and the same backward (with ``bug``) as a ``torch.autograd.Function``."""
+
+    class RMSNorm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            r = torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6)
+            ctx.save_for_backward(x, x * r, w, r)
+            return x * r * w
+
+        @staticmethod
+        def backward(ctx, g):
+            x, xhat, w, r = ctx.saved_tensors
+            if bug == "swapped_residuals":
+                x, xhat = xhat, x
+            gw = g * w
+            term = xhat * (gw * xhat).mean(-1, keepdim=True)
+            dx = r * (gw - (0 if bug == "missing_term" else term))
+            dw = (g * xhat).sum(0) * (1.01 if bug == "scale_1pct" else 1)
+            return dx, dw
+
+    return RMSNorm.apply
+
+
+def loop_carry_float32(bug=0.0):
+    """``(op, args)``: ``x @ w`` as a kernel writes it, a float32 accumulator in a loop
+    carry (the op has no float64 path: at float64 inputs the carry's types differ), with
+    a hand-written backward whose weight gradient is ``1 + bug`` times too large. Its
+    arguments are float32."""
+
+    @jaxext.custom_vjp
+    def op(x, w):
+        def body(i, acc):
+            return acc + x[:, i] * w[i]
+
+        return jax.lax.fori_loop(0, x.shape[1], body, jnp.zeros(x.shape[:1], jnp.float32))
+
+    def op_fwd(x, w):
+        return op(x, w), (x, w)
+
+    def op_bwd(res, g):
+        x, w = res
+        dx = g[:, None] * w[None, :]
+        dw = (1 + bug) * jnp.sum(g[:, None] * x, 0)
+        return dx.astype(x.dtype), dw.astype(w.dtype)
+
+    op.defvjp(op_fwd, op_bwd)
+    args = (f64(0, (3, 4)).astype(np.float32), f64(1, (4,)).astype(np.float32))
+    return op, args
+
+
+def loop_carry_reference(x, w):
+    return x @ w

@@ -36,7 +36,9 @@ class GradcheckError(AssertionError):
             loop), ``"grad_dtype"`` (a gradient's dtype or shape differs from
             its input's), ``"random_cotangent"`` (the VJP of a random cotangent
             differs from its product with the numerical Jacobian: a backward
-            not linear in its cotangent), ``"unresolved"`` (not a failure: the
+            not linear in its cotangent), ``"reference"`` (values, VJPs or JVPs
+            differ from the autodiff of ``gradcheck``'s ``reference=`` in
+            float64), ``"unresolved"`` (not a failure: the
             entries the finite differences cannot resolve, carried by a
             ``GradcheckUnresolvedWarning``).
         order: 1 for ``gradcheck``, 2 for ``gradgradcheck``.

@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -25,11 +26,13 @@ from ._backward import (
     zero_cotangent,
 )
 from ._compare import Mismatch, directional_mismatches, entry_mismatches
+from ._dtype_tolerance import computed_dtypes
 from ._gradcheck_report import GradcheckError, dtype_error, gradcheck_error
 from ._jacobians import FlatJacobians
 from ._leaves import FloatLeaves
 from ._precision import float64_numerics
 from ._problem import Problem, first_order, second_order, second_order_forward
+from ._reference import reference_mismatch, reference_rtol
 from ._settings import Settings
 
 __all__ = ["FULL_MAX_ENTRIES", "STEP_SCALE", "check_gradients", "step_sizes"]
@@ -293,3 +296,28 @@ def _grad_dtypes(func: Callable[..., Any], args: tuple) -> GradcheckError | None
     if found is None:
         return None
     return dtype_error(found.label, found.index, found.path, found.primal, found.grad)
+
+
+def against_reference(
+    func: Callable[..., Any], reference: Callable[..., Any], args: tuple, settings: Settings
+) -> GradcheckError | None:
+    """``gradcheck(..., reference=)``: ``func`` at ``args`` in their own dtypes against
+    JAX's autodiff of ``reference`` in float64 (``_reference``), or ``None``."""
+    with float64_numerics():
+        view = FloatLeaves.of(func, args, argument="inputs")
+        primals = [jnp.asarray(v) for v in view.values]
+        traced = jax.make_jaxpr(lambda *p: jax.vjp(view.call, *p))(*primals)
+        rtol = reference_rtol(computed_dtypes(traced))
+        twin = FloatLeaves.of(reference, args, argument="inputs")
+        for mode in settings.modes:
+            found = reference_mismatch(
+                view.call, twin.call, primals, view.labels, rtol=rtol,
+                forward=mode == "fwd", reverse=mode == "rev", seed=settings.seed,
+            )  # fmt: skip
+            if found is not None:
+                how = "reverse mode (VJP)" if mode == "rev" else "forward mode (JVP)"
+                return GradcheckError(
+                    f"Mismatch against the reference's autodiff in float64, {how}: {found}",
+                    kind="reference", order=1, mode=mode,
+                )  # fmt: skip
+    return None

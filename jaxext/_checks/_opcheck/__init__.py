@@ -2,10 +2,11 @@
 
 Each check takes the op under test and the settings, and returns a short detail for
 the report, raises ``Skip`` with the reason it does not apply, or raises
-``CheckFailed`` with the diagnostic. Comparisons of two float64 programs that compute
+``CheckFailed`` with the diagnostic. Comparisons of two programs that compute
 the same math (jit against eager, vmap against a loop, checkpointed against plain ...)
-use ``TIGHT``, a normwise relative tolerance far above float64 rounding and far below
-any bug.
+use ``op.rtol``, a normwise relative tolerance from the dtypes the op computes in
+(``_dtype_tolerance``): for an op computing in float64 only, ``TIGHT`` (1e-9), far
+above float64 rounding and far below any bug; for a float32 kernel, 1e-5.
 
 The checks are grouped by family: ``kernels`` (C++ kernels' unwritten results),
 ``first_order``, ``second_order``, ``transforms`` (jit, vmap, checkpoint), ``export``,

@@ -16,8 +16,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from .._dtype_tolerance import narrowest
 from .._gradients import check_gradients
+from .._leaves import wide_dtype
+from .._reference import reference_mismatch, reference_rtol
 from .._settings import Settings
 from ._op import (
     CheckFailed,
@@ -37,6 +41,7 @@ __all__ = [
     "no_float64_path",
     "no_kernel",
     "refused_forward_mode",
+    "reference_check",
     "require_forward_mode",
     "vjp",
 ]
@@ -176,10 +181,66 @@ def gradient_check(
 
 
 def _run_gradient_check(op: OpUnderTest, settings: Settings, order, modes, inner):
+    low = narrowest(op.computes_in)
+    if op.narrow is None and (low is None or jnp.finfo(low).bits >= 64):
+        return check_gradients(
+            op.func, op.args, order=order, settings=gradient_settings(settings, modes),
+            undefined=False, batched=False, reentrant=False, inner=inner,
+        )  # fmt: skip
+    # No float64 path (the op refuses float64, or computes in float32 whatever it is
+    # given): the op at its own dtypes, as a function of float64 inputs rounded to them,
+    # differenced at a step and held to tolerances for the narrowest dtype it computes in.
+    eps = float(jnp.finfo(low).eps) if low is not None else 2.0**-52
+    narrow = Settings(
+        eps=eps ** (1 / 3), atol=max(settings.atol, 1000 * eps), rtol=max(settings.rtol, 100 * eps),
+        nondet_tol=settings.nondet_tol, fast_mode=None, modes=modes,
+        num_directions=settings.num_directions, seed=settings.seed,
+    )  # fmt: skip
+    dtypes = [p.dtype for p in op.primals]
+
+    def rounded(*values):
+        return op.call(*(jnp.asarray(v).astype(d) for v, d in zip(values, dtypes, strict=True)))
+
+    wide = tuple(np.asarray(p.astype(wide_dtype(p.dtype))) for p in op.primals)
     return check_gradients(
-        op.func, op.args, order=order, settings=gradient_settings(settings, modes),
+        rounded, wide, order=order, settings=narrow,
         undefined=False, batched=False, reentrant=False, inner=inner,
     )  # fmt: skip
+
+
+def reference_check(op: OpUnderTest, settings: Settings, order: int, mode: str) -> str:
+    """The gradient rows of an op with a reference (``opcheck(..., reference=)``): its
+    values and VJPs (``mode="rev"``) or JVPs (``"fwd"``), at ``order`` 2 those of its
+    VJP for a random cotangent, against JAX's autodiff of the reference in float64."""
+    rtol = reference_rtol(op.computes_in)
+
+    def reference(*values):
+        return op.reference(*op.args_with(values))
+
+    fn, ref = op.call, reference
+    if order == 2:
+        u = op.cotangent(np.random.default_rng(settings.seed + 11))
+        u_wide = jax.tree_util.tree_map(
+            lambda c: c.astype(wide_dtype(c.dtype)) if jnp.issubdtype(c.dtype, jnp.inexact) else c,
+            u,
+        )
+        fn = lambda *p: vjp(op.call, p, u)  # noqa: E731
+        ref = lambda *p: vjp(reference, p, u_wide)  # noqa: E731
+    found = reference_mismatch(
+        fn, ref, op.primals, op.labels, rtol=rtol, forward=mode == "fwd",
+        reverse=mode == "rev", seed=settings.seed + 10 * order,
+    )  # fmt: skip
+    if found is not None:
+        raise CheckFailed(f"against the reference (its autodiff in float64): {found}")
+    what = {
+        (1, "rev"): "values and VJPs", (1, "fwd"): "values and JVPs",
+        (2, "rev"): "VJPs of the VJP", (2, "fwd"): "JVPs of the VJP",
+    }[order, mode]  # fmt: skip
+    computes = sorted(d.name for d in op.computes_in) or ["float64"]
+    return (
+        f"{what} match the reference's autodiff in float64 (normwise rtol {rtol:g}; the op "
+        f"computes in {', '.join(computes)})"
+    )
 
 
 def first_line(err: Exception) -> str:

@@ -39,11 +39,13 @@ def opcheck(
     raise_exception: bool = True,
     seed: int = 0,
     platforms: Sequence[str] | None = None,
+    reference: Callable[..., Any] | None = None,
 ) -> OpcheckReport:
     """Checks a custom op under JAX's transformations; returns a report.
 
     The JAX counterpart of ``torch.library.opcheck``, with the checks a custom
-    VJP op can get wrong. All run in float64 on ``args`` (keep them small: a
+    VJP op can get wrong. All run in float64 (but for an op with no float64
+    path, below) on ``args`` (keep them small: a
     few elements per dimension), in this order:
 
     * ``unwritten_outputs``: for an op that calls C++ kernels of
@@ -122,6 +124,10 @@ def opcheck(
       (``NotImplementedError``), is a SKIP with the op's message. Complex inputs
       run as complex64 (there is no complex bfloat16: an op whose inputs are
       all complex runs float32 only).
+    * ``platform_cpu``, ``platform_cuda``, ``platform_rocm``, ``platform_tpu``:
+      the op's jitted forward, VJP and JVP lower for that platform (lowering
+      only, no hardware needed), at each dtype the op takes (float64, and
+      float32 and bfloat16 where it lowers for this machine's backend).
 
     Complex inputs and outputs are checked in JAX's convention (a cotangent
     ``c`` pairs with a tangent ``t`` as ``Re(c t)``; the VJP of a holomorphic
@@ -134,9 +140,24 @@ def opcheck(
     autodiff and batching of the primal) raises the same way; otherwise it is
     that check's FAIL.
 
-    Comparisons of two programs computing the same math in float64 (jit and
-    eager, vmap and a loop ...) allow a normwise relative error of 1e-9; NaN in
-    the same places on both sides (``jnp.log`` at negative inputs) agrees.
+    Comparisons of two programs computing the same math (jit and eager, vmap
+    and a loop ...) allow a normwise relative error from the dtypes the op
+    computes in, read from its programs (its jaxprs' values, kernels' bodies
+    included): 1e-9 for an op computing in float64 only, 1e-5 for one that
+    computes in float32 (a kernel that casts its inputs), 4e-3 in float16,
+    3.2e-2 in bfloat16; NaN in the same places on both sides (``jnp.log`` at
+    negative inputs) agrees. The ``jit`` row compiles the op as ``jax.jit``
+    does.
+
+    An op with no float64 path (its float64 call raises: a float32 loop
+    carry, a kernel that refuses float64) runs every check in the dtypes it
+    takes (float32 for float64 ``args``), each row saying so; ``low_precision``
+    is then a SKIP. The gradient rows of such an op, or of one that computes in
+    float32, are judged against ``reference`` where one is given (values, VJPs
+    and JVPs, and those of the VJP at second order, against JAX's autodiff of
+    the reference in float64, normwise within 1e-4 for float32), else by
+    finite differences at a step for its dtype (``eps(dtype) ** (1/3)``, with
+    ``atol`` and ``rtol`` at least ``1000 eps`` and ``100 eps``).
 
     Args:
         func: the op: a function of the positional arguments ``args``.
@@ -158,6 +179,11 @@ def opcheck(
             ``"rocm"``, ``"tpu"`` (default: none required). A platform named here
             whose C++ kernels have no handler for it is a FAIL of its
             ``platform_<name>`` row instead of a SKIP; its row must be selected.
+        reference: the op's math in plain JAX, a function of the same arguments
+            (default: none). ``gradcheck``, ``jvp``, ``gradgradcheck`` and
+            ``fwd_over_rev`` then compare the op with JAX's autodiff of it in
+            float64 instead of finite differences, as kernel libraries test a
+            kernel against its XLA reference.
 
     Returns:
         The ``OpcheckReport``; ``print(report)`` shows the table.
@@ -177,6 +203,18 @@ def opcheck(
         >>> report = jaxext.opcheck(jaxext.linear, (x, w), checks=["gradcheck", "vmap"])
         >>> report.failed
         ()
+
+        A float32 kernel, judged against its plain-JAX reference:
+
+        >>> import jax.numpy as jnp
+        >>> def kernel(x, w):  # computes in float32 whatever it is given
+        ...     return jaxext.linear(x.astype(jnp.float32), w.astype(jnp.float32))
+        >>> report = jaxext.opcheck(
+        ...     kernel, (x, w), checks=["gradcheck", "jit"], reference=lambda x, w: x @ w.T
+        ... )
+        >>> print(report["gradcheck"].detail)  # doctest: +NORMALIZE_WHITESPACE
+        values and VJPs match the reference's autodiff in float64 (normwise rtol 0.0001;
+        the op computes in float32, float64)
     """
     args = as_args(func, args, argument="args")
     selected = _selected(checks, skip)
@@ -187,6 +225,8 @@ def opcheck(
     )  # fmt: skip
     if not isinstance(raise_exception, bool):
         raise TypeError(f"`raise_exception` must be True or False; got {raise_exception!r}.")
+    if reference is not None and not callable(reference):
+        raise TypeError(f"`reference` must be a function or None; got {reference!r}.")
     required = check_platforms(platforms)
     unrun = sorted(p for p in required if f"platform_{p}" not in selected)
     if unrun:
@@ -195,7 +235,7 @@ def opcheck(
             f"{[f'platform_{p}' for p in unrun]} are not run (see `checks` and `skip`)."
         )
     with float64_numerics():
-        op = OpUnderTest.build(func, args)
+        op = OpUnderTest.build(func, args, reference)
         op.cache["selected"] = frozenset(selected)
         op.cache["platforms"] = required
         results = tuple(_run(name, op, settings) for name in selected)
@@ -227,6 +267,8 @@ def _run(name: str, op: OpUnderTest, settings: Settings) -> CheckResult:
         with warnings.catch_warnings(), checking_mode():
             warnings.simplefilter("ignore", UserWarning)  # upcasts and the like: not findings
             detail, status = ALL_CHECKS[name](op, settings), "PASS"
+            if op.narrow is not None and name not in _SAYS_PRECISION:
+                detail = f"{detail} ({op.precision})"
     except Skip as reason:
         detail, status = str(reason), "SKIP"
     except Unresolved as reason:
@@ -240,6 +282,10 @@ def _run(name: str, op: OpUnderTest, settings: Settings) -> CheckResult:
         if limit is not None:
             detail, status = limit, "SKIP"
     return CheckResult(name, status, detail, time.perf_counter() - start)
+
+
+# The rows whose detail already says the dtypes the op ran in.
+_SAYS_PRECISION = frozenset({"gradcheck", "jvp", "low_precision"})
 
 
 def _jax_limit(name: str, op: OpUnderTest, settings: Settings, err: Exception) -> str | None:

@@ -19,6 +19,7 @@ import numpy as np
 from .. import _engines
 from .._backward import zero_like
 from .._compare import Mismatch, leaf_mismatches, unravel, widened
+from .._dtype_tolerance import computed_dtypes, rtol_for
 from .._engines._quick import entries
 from .._leaves import FloatLeaves, wide_dtype
 
@@ -53,21 +54,54 @@ class OpUnderTest(FloatLeaves):
     Attributes:
         forward_error: why ``jax.jvp`` cannot differentiate the op (the
             ``TypeError`` a plain ``jax.custom_vjp`` raises), or ``None``.
+        reference: the op's math in plain JAX, a function of the same arguments
+            (``opcheck(..., reference=)``), or ``None``.
+        narrow: why the op runs in the dtypes it takes rather than float64 (its
+            float64 call raised this), or ``None``.
         cache: results one check computes for another (``opcheck`` puts the
             names of the selected checks under ``"selected"``).
     """
 
     forward_error: str | None = None
+    # the same math in plain JAX (`opcheck(..., reference=)`), or None
+    reference: Callable[..., Any] | None = None
+    # why the op is checked in the dtypes it takes (it has no float64 path), or None
+    narrow: str | None = None
     # results shared between checks (and the names of the checks selected)
     cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def build(cls, func: Callable[..., Any], args: tuple) -> OpUnderTest:
+    def build(
+        cls, func: Callable[..., Any], args: tuple, reference: Callable[..., Any] | None = None
+    ) -> OpUnderTest:
+        """The op at ``args``' float leaves widened to float64 (complex128); an op that
+        raises there but runs at the dtypes given (float32 for float64 ones) is kept at
+        those, ``narrow`` saying why."""
         view = FloatLeaves.of(func, args, argument="args")
         values = [jnp.asarray(leaf, dtype=wide_dtype(leaf.dtype)) for leaf in view.values]
         fields = {f.name: getattr(view, f.name) for f in dataclasses.fields(FloatLeaves)}
-        op = cls(**{**fields, "args": view.args_with(values)})
+        op = cls(**{**fields, "args": view.args_with(values), "reference": reference})
+        try:
+            jax.eval_shape(op.call, *op.primals)
+        except Exception as err:  # noqa: BLE001 -- no float64 path: its own dtypes, below
+            taken = [jnp.asarray(leaf, dtype=_taken_dtype(leaf.dtype)) for leaf in view.values]
+            narrow = dataclasses.replace(op, args=view.args_with(taken))
+            try:
+                jax.eval_shape(narrow.call, *narrow.primals)
+            except Exception:  # noqa: BLE001 -- it fails there too: the rows report it
+                pass
+            else:
+                first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+                op = dataclasses.replace(narrow, narrow=f"{type(err).__name__}: {first}")
         return dataclasses.replace(op, forward_error=forward_mode_error(op))
+
+    @property
+    def precision(self) -> str:
+        """The dtypes the op runs in, for a row's detail (``""`` for float64)."""
+        if self.narrow is None:
+            return ""
+        taken = sorted({jnp.dtype(p.dtype).name for p in self.primals})
+        return f"in {', '.join(taken)}: the op has no float64 path"
 
     # -- calling -------------------------------------------------------------------------
 
@@ -122,6 +156,21 @@ class OpUnderTest(FloatLeaves):
             self.cache["pullback"] = self.quick_jit(lambda p, u: jax.vjp(self.call, *p)[1](u))
         return self.cache["pullback"]
 
+    @property
+    def computes_in(self) -> frozenset[np.dtype]:
+        """The floating dtypes the op's programs compute in (``_dtype_tolerance``): its
+        forward, its VJP and (with forward mode) its JVP, traced once."""
+        if "computes_in" not in self.cache:
+            self.cache["computes_in"] = _computed_dtypes(self)
+        return self.cache["computes_in"]
+
+    @property
+    def rtol(self) -> float:
+        """The normwise relative tolerance between two programs of the op (jit and eager,
+        vmap and a loop ...): from the dtypes it computes in (``TIGHT``, 1e-9, for an op
+        that computes in float64 only)."""
+        return rtol_for(self.computes_in)
+
     def output_shapes(self) -> Any:
         """The shapes and dtypes of the op's output (traced once)."""
         if "output_shapes" not in self.cache:
@@ -135,7 +184,10 @@ class OpUnderTest(FloatLeaves):
 
     def tangents(self, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
         """Random tangents for the float inputs (complex for a complex input)."""
-        return tuple(_standard_normal(rng, p.shape, p.dtype) for p in self.primals)
+        # In the primal's dtype: JAX takes only a tangent of its primal's dtype.
+        return tuple(
+            np.asarray(_standard_normal(rng, p.shape, p.dtype), p.dtype) for p in self.primals
+        )
 
 
 # The op's evaluations in a check's largest program (vmap's: output, gradient and JVP
@@ -150,6 +202,36 @@ def _standard_normal(rng: np.random.Generator, shape: tuple[int, ...], dtype: An
         pairs = rng.standard_normal((*shape, 2))
         return pairs[..., 0] + 1j * pairs[..., 1]
     return rng.standard_normal(shape)
+
+
+def _taken_dtype(dtype: Any) -> np.dtype:
+    """The dtype an op without a float64 path is checked in: the one given, or float32
+    (complex64) for a float64 (complex128) one."""
+    dtype = np.dtype(dtype)
+    if dtype == np.float64:
+        return np.dtype(np.float32)
+    return np.dtype(np.complex64) if dtype == np.complex128 else dtype
+
+
+def _computed_dtypes(op: OpUnderTest) -> frozenset[np.dtype]:
+    """The dtypes of ``op.computes_in``: a program that fails to trace adds none (the
+    checks that run it report its error)."""
+    primals = tuple(op.primals)
+    programs = [lambda *p: op.call(*p)]
+    try:
+        cotangent = op.cotangent(np.random.default_rng(0))
+    except Exception:  # noqa: BLE001 -- an op that fails to trace: its rows say why
+        return frozenset()
+    programs.append(lambda *p: jax.vjp(op.call, *p)[1](cotangent))
+    if op.forward_error is None:
+        programs.append(lambda *p: jax.jvp(op.call, p, p)[1])
+    found: set[np.dtype] = set()
+    for program in programs:
+        try:
+            found |= computed_dtypes(jax.make_jaxpr(program)(*primals))
+        except Exception:  # noqa: BLE001 -- reported by the checks that run it
+            continue
+    return frozenset(found)
 
 
 def forward_mode_error(op: OpUnderTest) -> str | None:

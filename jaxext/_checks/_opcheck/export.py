@@ -9,9 +9,6 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from .._backward import (
-    TIGHT,
-)
 from .._settings import Settings
 from ._common import (
     Skip,
@@ -60,10 +57,10 @@ def export(op: OpUnderTest, settings: Settings) -> str:
             f"the op cannot be exported with jax.export: {type(err).__name__}: "
             f"{str(err).splitlines()[0] if str(err) else ''}"
         ) from err
-    assert_trees_close(call(*primals), op.jitted(*primals), what="exported output", rtol=TIGHT)
+    assert_trees_close(call(*primals), op.jitted(*primals), what="exported output", rtol=op.rtol)
     expected = jax.jit(gradient)(*primals)
     for label, a, e in zip(op.labels, call_gradient(*primals), expected, strict=True):
-        assert_trees_close(a, e, what=f"exported gradient of {label}", rtol=TIGHT)
+        assert_trees_close(a, e, what=f"exported gradient of {label}", rtol=op.rtol)
     return "serialized, deserialized and called: same values and gradients"
 
 
@@ -135,6 +132,6 @@ def export_symbolic(op: OpUnderTest, settings: Settings) -> str:
         call(*primals, *tied_values),
         op.jitted(*primals),
         what=f"output exported with {what}",
-        rtol=TIGHT,
+        rtol=op.rtol,
     )
     return f"exported with {what}: same values"

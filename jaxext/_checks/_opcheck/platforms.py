@@ -4,9 +4,12 @@ Cross-platform lowering, as ``jax.export.export(jax.jit(f), platforms=[p])`` doe
 (``jax.jit(f).trace(...).lower(lowering_platforms=(p,))``), makes a program for
 platform ``p`` on any machine, without that platform's hardware or plugin: one row
 per platform lowers the op's jitted forward, VJP and (where the op has forward mode)
-JVP for it. Lowering only: nothing is compiled, run or serialized (so neither the
-``flatbuffers`` package that serialization needs nor its checks, which the
-``export`` check covers, come into it). To
+JVP for it, at each dtype the op takes: its own (float64), and float32 and bfloat16
+where it lowers for this machine's backend (a kernel's Triton or Mosaic lowering may
+take float32 and bfloat16 only; a TPU's refusal of 64-bit types where a narrower
+dtype lowers is noted in the row, not failed). Lowering only: nothing is compiled,
+run or serialized (so neither the ``flatbuffers`` package that serialization needs
+nor its checks, which the ``export`` check covers, come into it). To
 keep it cheap, each part is first lowered for every selected platform in one export
 (``platforms=[...]``, about a third of the cost of one export per platform); only
 where that fails is it lowered for each platform alone, to say which refuses it.
@@ -30,10 +33,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import partial_eval as pe
 
 from ..._jaxpr import inner_jaxprs
+from .._backward import complex_counterpart
 from .._settings import Settings
 from ._common import Skip
 from ._common import first_line as _message_line
@@ -68,26 +73,24 @@ def check_platforms(platforms: Any) -> frozenset[str]:
 
 
 def _parts(op: OpUnderTest, settings: Settings) -> dict[str, Any]:
-    """What every platform row lowers, made once per op: ``{part: function}``, the
-    argument specs, the C++ kernels each part calls, and why the JVP is left out."""
+    """What every platform row lowers, made once per op: ``{dtypes: {part: function}}``
+    for each set of input dtypes the op takes (``_dtypes``), the argument specs of each,
+    the C++ kernels each part calls, and why the JVP is left out."""
     cached = op.cache.get("platform_parts")
     if cached is not None:
         return cached
     rng = np.random.default_rng(settings.seed + 12)
     primals, u, v = op.primals, op.cotangent(rng), op.tangents(rng)
     fresh = _fresh(op)
-    functions: dict[str, Callable] = {
-        "forward": fresh,
-        "VJP": lambda *p: _vjp(fresh, p, u),
-    }
     jvp_skipped = None
-    if op.forward_error is None:
-        functions["JVP"] = lambda *p: jax.jvp(fresh, p, v)[1]
-    else:
+    if op.forward_error is not None:
         jvp_skipped = f"no forward mode (jax.jvp raises {op.forward_error})"
+    specs = _dtypes(op)
+    variants = {label: _functions(op, fresh, specs[label], u, v) for label in specs}
+    own = next(iter(specs))
     kernels: dict[str, list[str]] = {}
     pallas = set()  # the parts that hold a pallas_call
-    for part, fn in functions.items():
+    for part, fn in variants[own].items():
         try:
             kernels[part] = kernel_targets(fn, *primals)
             jaxpr = jax.make_jaxpr(fn)(*primals).jaxpr
@@ -96,26 +99,72 @@ def _parts(op: OpUnderTest, settings: Settings) -> dict[str, Any]:
                 pallas.add(part)
         except Exception:  # noqa: BLE001 -- the lowering below reports it
             kernels[part] = []
-    specs = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in primals]
     selected = op.cache.get("selected", frozenset(f"platform_{p}" for p in PLATFORMS))
     together = [p for p in PLATFORMS if f"platform_{p}" in selected]
-    lowered = set()  # the parts that lowered for every selected platform at once
-    for part, fn in functions.items():
-        try:
-            _lower(fn, specs, together)
-            lowered.add(part)
-        except Exception:  # noqa: BLE001 -- each platform alone below, to say which
-            pass
+    lowered = set()  # the (dtypes, part) that lowered for every selected platform at once
+    for label, functions in variants.items():
+        for part, fn in functions.items():
+            if part in pallas:
+                continue  # a Pallas part is lowered per platform, to read its kernels
+            try:
+                _lower(fn, specs[label], together)
+                lowered.add((label, part))
+            except Exception:  # noqa: BLE001 -- each platform alone below, to say which
+                pass
     cached = {
-        "functions": functions,
+        "variants": variants,
         "specs": specs,
         "kernels": kernels,
         "jvp_skipped": jvp_skipped,
-        "lowered": lowered - pallas,  # a Pallas part is lowered per platform, to read it
+        "lowered": lowered,
         "pallas": pallas,
     }
     op.cache["platform_parts"] = cached
     return cached
+
+
+def _dtypes(op: OpUnderTest) -> dict[str, list[jax.ShapeDtypeStruct]]:
+    """``{label: argument specs}``: the op's own dtypes (float64, or those it takes
+    without a float64 path) first, then float32 and bfloat16 where the op takes them
+    (it lowers there for this machine's backend; complex inputs as complex64); ``label``
+    names the dtypes."""
+    found: dict[str, list[jax.ShapeDtypeStruct]] = {}
+    for dtype in (None, jnp.float32, jnp.bfloat16):
+        specs = [
+            jax.ShapeDtypeStruct(
+                p.shape, p.dtype if dtype is None else complex_counterpart(p.dtype, dtype)
+            )
+            for p in op.primals
+        ]
+        label = "/".join(sorted({np.dtype(s.dtype).name for s in specs}))
+        if label in found:
+            continue
+        if dtype is not None:
+            try:  # taken: it lowers for this machine's backend
+                jax.jit(op.call).trace(*specs).lower()
+            except Exception:  # noqa: BLE001 -- a dtype the op does not take: not lowered
+                continue
+        found[label] = specs
+    return found
+
+
+def _functions(op: OpUnderTest, fresh: Callable, specs: list, u: Any, v: Any) -> dict:
+    """The forward, VJP and (with forward mode) JVP of the op at inputs of ``specs``'
+    dtypes, the cotangent and tangents cast to the dtypes they pair with there."""
+    outputs = jax.eval_shape(fresh, *specs)
+    u = jax.tree_util.tree_map(
+        lambda c, o: jnp.asarray(c, o.dtype) if jnp.issubdtype(o.dtype, jnp.inexact) else c,
+        u,
+        outputs,
+    )
+    v = tuple(jnp.asarray(t, s.dtype) for t, s in zip(v, specs, strict=True))
+    functions: dict[str, Callable] = {
+        "forward": fresh,
+        "VJP": lambda *p: _vjp(fresh, p, u),
+    }
+    if op.forward_error is None:
+        functions["JVP"] = lambda *p: jax.jvp(fresh, p, v)[1]
+    return functions
 
 
 # What lowering raises for an op that lowers only for the backend of the machine it
@@ -183,6 +232,11 @@ def _first_line(err: Exception) -> str:
     return f"{type(err).__name__}: {_message_line(err)}"[:300]
 
 
+def _union(lists: Any) -> list[str]:
+    """The items of ``lists`` in first-seen order, once each."""
+    return list(dict.fromkeys(item for items in lists for item in items))
+
+
 def _listed(names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
@@ -211,26 +265,36 @@ def _platform_check(platform: str) -> Callable[[OpUnderTest, Settings], str]:
             if required:
                 raise CheckFailed(f"{message} (asked for with `platforms`)")
             raise Skip(f"{message} (pass platforms=[{platform!r}] to require it)")
-        errors: dict[str, list[str]] = {}  # error -> the parts that raise it
+        errors: dict[str, dict[str, list[str]]] = {}  # error -> {part: its dtypes}
         unknown = []
         found: dict[str, dict[str, int]] = {}  # Pallas part -> its kernel custom calls
-        for part, fn in parts["functions"].items():
-            if part in parts["lowered"]:
-                continue
-            try:
-                lowered = _lower(fn, parts["specs"], [platform])
-                if part in parts["pallas"]:
-                    found[part] = _kernel_calls(lowered)
-            except Exception as err:  # noqa: BLE001 -- reported, not raised
-                if _LOCAL_ONLY in str(err):
-                    unknown.append(part)
-                else:
-                    errors.setdefault(_first_line(err), []).append(part)
+        no_64_bit = []  # dtypes with 64-bit types a TPU cannot lower (it has none)
+        own = next(iter(parts["specs"]))
+        for label, functions in parts["variants"].items():
+            for part, fn in functions.items():
+                if (label, part) in parts["lowered"]:
+                    continue
+                try:
+                    lowered = _lower(fn, parts["specs"][label], [platform])
+                    if part in parts["pallas"] and (label == own or not found.get(part)):
+                        found[part] = _kernel_calls(lowered)
+                except Exception as err:  # noqa: BLE001 -- reported, not raised
+                    if _LOCAL_ONLY in str(err):
+                        unknown.append(part)
+                    elif platform == "tpu" and "64" in label and "64-bit" in str(err):
+                        # A TPU has no 64-bit types: a limit of the platform, noted, where
+                        # the op lowers at a narrower dtype it takes; else the row's FAIL.
+                        if len(parts["specs"]) == 1:
+                            errors.setdefault(_first_line(err), {}).setdefault(part, [label])
+                        no_64_bit.append(label)
+                    else:
+                        errors.setdefault(_first_line(err), {}).setdefault(part, []).append(label)
+        unknown, no_64_bit = _union([unknown]), _union([no_64_bit])
         if errors:
             raise CheckFailed(
                 "; ".join(
-                    f"the {_listed(which)} {'does' if len(which) == 1 else 'do'} not lower "
-                    f"for {name}: {error}"
+                    f"the {_listed(list(which))} {'does' if len(which) == 1 else 'do'} not "
+                    f"lower for {name} (at {_listed(_union(which.values()))}): {error}"
                     for error, which in errors.items()
                 )
             )
@@ -241,7 +305,8 @@ def _platform_check(platform: str) -> Callable[[OpUnderTest, Settings], str]:
                 f"({backend}), as a host callback does: whether they lower for {name} "
                 f"cannot be told here"
             )
-        no_kernel = [part for part in parts["functions"] if part in found and not found[part]]
+        functions = list(parts["variants"][own])
+        no_kernel = [part for part in functions if part in found and not found[part]]
         if no_kernel and platform != "cpu":
             raise CheckFailed(
                 f"the {_listed(no_kernel)} {'holds' if len(no_kernel) == 1 else 'hold'} a "
@@ -249,7 +314,7 @@ def _platform_check(platform: str) -> Callable[[OpUnderTest, Settings], str]:
                 "only Pallas's interpreter loop (interpret mode; pick it per platform with "
                 "lax.platform_dependent, not by the machine's backend)"
             )
-        detail = f"jitted {_listed(list(parts['functions']))} lower for {name}"
+        detail = f"jitted {_listed(functions)} lower for {name}"
         if found:
             kinds = sorted({kind for calls in found.values() for kind in calls})
             counts = ", ".join(f"{part} {sum(calls.values())}" for part, calls in found.items())
@@ -260,6 +325,10 @@ def _platform_check(platform: str) -> Callable[[OpUnderTest, Settings], str]:
             )
         if parts["jvp_skipped"] is not None:
             detail += f"; JVP: SKIP, {parts['jvp_skipped']}"
+        taken = [label for label in parts["specs"] if label not in no_64_bit]
+        detail += f"; at {_listed(taken)} inputs"
+        if no_64_bit:
+            detail += f" ({_listed(no_64_bit)}: not lowered, TPUs have no 64-bit types)"
         return detail
 
     check.__name__ = f"platform_{platform}"

@@ -15,9 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._backward import (
-    TIGHT,
-)
 from .._compare import widened
 from .._settings import Settings
 from ._common import (
@@ -26,6 +23,7 @@ from ._common import (
     gradient_check,
     inner_product,
     jitted_together,
+    reference_check,
     refused_forward_mode,
     require_forward_mode,
     vjp,
@@ -139,6 +137,8 @@ def _skip_if_not_differentiable(op: OpUnderTest, settings: Settings, err: Except
 
 def gradgradcheck(op: OpUnderTest, settings: Settings) -> str:
     try:
+        if op.reference is not None:
+            return reference_check(op, settings, 2, "rev")
         gradient_check(op, settings, 2, "rev")
     except Exception as err:
         _skip_if_not_differentiable(op, settings, err)
@@ -155,6 +155,12 @@ def _second_order(op: OpUnderTest, settings: Settings, outer: str, inner: str) -
 
 
 def fwd_over_rev(op: OpUnderTest, settings: Settings) -> str:
+    if op.reference is not None:
+        try:
+            return reference_check(op, settings, 2, "fwd")
+        except Exception as err:
+            _skip_if_not_differentiable(op, settings, err)
+            raise
     _second_order(op, settings, "fwd", "rev")
     return "second derivatives (JVP of the VJP) match central differences"
 
@@ -205,7 +211,7 @@ def _second_order_forward(op: OpUnderTest, settings: Settings, outer: str) -> st
     else:
         value, scale = float(inner_product(u, got)), float(inner_product(u, got, absolute=True))
     expected, expected_scale = _contract(reference, s)
-    allowed = TIGHT * max(scale, expected_scale)
+    allowed = op.rtol * max(scale, expected_scale)
     if not abs(value - expected) <= allowed:
         raise CheckFailed(
             f"u . D2f[t, s] = {value:.12g} from {how} but {expected:.12g} from the VJP "

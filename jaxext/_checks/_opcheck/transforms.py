@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._backward import (
-    TIGHT,
     batched_mismatches,
     loop_and_vmap,
     pick,
@@ -59,12 +58,15 @@ def jit(op: OpUnderTest, settings: Settings) -> str:
     rng = np.random.default_rng(settings.seed + 2)
     primals, u = op.primals, op.cotangent(rng)
     eager = op.call(*primals)
-    jitted = op.jitted(*primals)
-    assert_trees_close(jitted, eager, what="output under jit vs eager", rtol=TIGHT)
+    # Compiled as the user's `jax.jit` compiles it (not with the quick engine's options:
+    # a float32 op compiled at LLVM -O0 rounds otherwise than at the default).
+    function = fresh(op)
+    jitted = jax.jit(function)(*primals)
+    assert_trees_close(jitted, eager, what="output under jit vs eager", rtol=op.rtol)
     eager_grads = vjp(op.call, primals, u)
-    jitted_grads = op.pullback(primals, u)
+    jitted_grads = jax.jit(lambda p, c: vjp(function, p, c))(primals, u)
     for label, a, e in zip(op.labels, jitted_grads, eager_grads, strict=True):
-        assert_trees_close(a, e, what=f"gradient of {label} under jit vs eager", rtol=TIGHT)
+        assert_trees_close(a, e, what=f"gradient of {label} under jit vs eager", rtol=op.rtol)
     return "values and gradients under jit equal eager ones"
 
 
@@ -170,7 +172,7 @@ def jit_reuse(op: OpUnderTest, settings: Settings) -> str:
                     f"gradient of {op.labels[i]} differentiating only "
                     f"{[op.labels[j] for j in s]} ({how}) vs all inputs at once"
                 )
-                assert_trees_close(a, full[id(u)][i], what=what, rtol=TIGHT)
+                assert_trees_close(a, full[id(u)][i], what=what, rtol=op.rtol)
     if merged_error is not None:  # raised only with every subset in one program
         raise CheckFailed(
             "differentiating each subset of inputs in turn in one jitted program raised "
@@ -231,7 +233,7 @@ def _check_uses(op, uses, jitted, first, second, how, expected_uses) -> None:
             f"{[op.labels[j] for j in second]}, the others cut by stop_gradient or "
             "constants, and all of them squared)"
         )
-        assert_trees_close(got[i], expected_uses(i, first, second), what=what, rtol=TIGHT)
+        assert_trees_close(got[i], expected_uses(i, first, second), what=what, rtol=op.rtol)
 
 
 def _is_key(leaf: Any) -> bool:
@@ -248,7 +250,13 @@ def _batched_leaf(leaf: Any, rng: np.random.Generator) -> Any:
     # A JAX array stays a JAX array (the op sees what a user's code passes).
     xp = jnp if isinstance(leaf, jax.Array) else np
     if jnp.issubdtype(leaf.dtype, jnp.inexact):
-        return xp.stack([leaf * (1 + 0.1 * rng.standard_normal(leaf.shape)) for _ in range(_BATCH)])
+        # In the leaf's dtype (the random factors are float64: a float32 leaf stays float32).
+        return xp.stack(
+            [
+                (leaf * (1 + 0.1 * rng.standard_normal(leaf.shape))).astype(leaf.dtype)
+                for _ in range(_BATCH)
+            ]
+        )
     return xp.stack([leaf] * _BATCH)
 
 
@@ -330,9 +338,9 @@ def vmap(op: OpUnderTest, settings: Settings) -> str:
         if isinstance(batched, Exception):
             raise batched
         if part != "gradient":
-            assert_trees_close(batched, looped, what=f"{what}: {part}", rtol=TIGHT)
+            assert_trees_close(batched, looped, what=f"{what}: {part}", rtol=op.rtol)
             continue
-        for m in batched_mismatches(looped, batched, _BATCH, TIGHT)[:1]:
+        for m in batched_mismatches(looped, batched, _BATCH, op.rtol)[:1]:
             element = (m.direction, *unravel(m.in_element, op.primals[m.in_block].shape))
             raise CheckFailed(mismatch_text(f"{what}: gradients[{m.in_block}]", m, element))
     checked = sorted({index for index, _ in parts})
@@ -379,7 +387,7 @@ def checkpoint(op: OpUnderTest, settings: Settings) -> str:
     for name, grads in got.items():
         for label, a, e in zip(op.labels, grads, reference, strict=True):
             what = f"gradient of {label} under jax.checkpoint(policy={name})"
-            assert_trees_close(a, e, what=what, rtol=TIGHT)
+            assert_trees_close(a, e, what=what, rtol=op.rtol)
     if not_run:
         reasons = "; ".join(f"{name}: {why}" for name, why in not_run.items())
         raise Skip(
