@@ -500,24 +500,3 @@ def importorskip_extra(module, extra):
     return pytest.importorskip(
         module, reason=f"needs the `{extra}` extra: pip install 'jaxext[{extra}]'"
     )
-
-
-def xfail_if_bfloat16_jvp_regression(report) -> None:
-    """``pytest.xfail`` where an opcheck report fails exactly as main e9763b6 (#45) makes
-    it: the platform rows, which lower the JVP at bfloat16 too, all FAIL with a
-    ``RuleTypeError`` at bfloat16 (forward mode through a bwd that casts its cotangent:
-    ``convert_element_type`` taken as nonlinear; ``jax.jvp(jaxext.mul_constant, ...)`` at
-    bfloat16 raises it). Any other failure is left to the test; a fixed op passes."""
-    import pytest
-
-    rows = {f"platform_{p}" for p in ("cpu", "cuda", "rocm", "tpu")}
-    failed = set(report.failed)
-    if (
-        failed
-        and failed <= rows
-        and all(
-            "bfloat16" in report[row].detail and "RuleTypeError" in report[row].detail
-            for row in failed
-        )
-    ):
-        pytest.xfail("#45 (e9763b6): the op's JVP at bfloat16 raises RuleTypeError")

@@ -56,7 +56,7 @@ from checker_ops import (
     symbolic_zero_as_ones,
     symbolic_zeros_two_outputs,
 )
-from helpers import LinearFunction, OnceCube, tiered, xfail_if_bfloat16_jvp_regression
+from helpers import LinearFunction, OnceCube, tiered
 
 import jaxext
 from jaxext._checks import CHECK_NAMES
@@ -448,7 +448,6 @@ def test_correct_op_gets_no_fail_and_only_the_expected_skips(name):
     report = jaxext.opcheck(op, args, raise_exception=False)
     if name in WRONG_VERDICTS and set(report.failed) == WRONG_VERDICTS[name][0]:
         raise KnownCheckerDefect(str(report))
-    xfail_if_bfloat16_jvp_regression(report)
     assert report.failed == (), str(report)
     assert report.unresolved == (), str(report)  # every difference resolves a correct op here
     # A SKIP nobody expected fails too: a check that silently stops running is noticed.

@@ -29,7 +29,7 @@ from checker_ops import (
     residuals_by_perturbed_reused,
     symbolic_zero_as_ones,
 )
-from helpers import Cube, tiered, xfail_if_bfloat16_jvp_regression
+from helpers import Cube, tiered
 from ops_table import OPS
 
 import jaxext
@@ -75,7 +75,6 @@ def test_correct_ops_pass(name):
     make, expected_skips = CORRECT_OPS[name]
     op, args = make()
     report = jaxext.opcheck(op, args, raise_exception=False)
-    xfail_if_bfloat16_jvp_regression(report)
     assert report.failed == (), str(report)
     # unwritten_outputs applies to ops with C++ kernels only (tests/test_cpp_extension.py);
     # jit_reuse to ops with two float array leaves or more (subsets of them to differentiate).
