@@ -280,11 +280,21 @@ def test_wrong_gradient_dtype_for_a_complex_input_fails(backward):
     assert "expected complex128(3, 2)" in report["grad_dtypes"].detail
 
 
-def test_jaxext_custom_vjp_refuses_a_real_gradient_for_a_complex_input():
+def test_a_real_gradient_for_a_complex_input_is_accepted_as_jax_does_and_gradcheck_fails_it(x64):
+    """jax.custom_vjp takes a float64 gradient for a complex128 input (its dtype exception
+    for inexact inputs), so jaxext.custom_vjp does too (issue #45: the swap must not break
+    working code); the imaginary part it drops is a wrong gradient, which gradcheck names."""
     (z,) = _args("c", "complex128")
     square = _op(lambda z: z * z, lambda z, g: (jnp.real(g * 2 * z),))
-    with pytest.raises(jaxext.RuleTypeError, match="dtype complex128; got float64"):
+    plain = jax.custom_vjp(lambda z: z * z)
+    plain.defvjp(lambda z: (z * z, z), lambda z, g: (jnp.real(g * 2 * z),))
+    ct = jnp.ones(z.shape, z.dtype)
+    (expected,) = jax.vjp(plain, z)[1](ct)
+    (got,) = jax.vjp(square, z)[1](ct)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+    with pytest.raises(jaxext.GradcheckError) as info:
         jaxext.gradcheck(square, (z,))
+    assert "(imaginary part)" in str(info.value)
 
 
 def test_complex_gradcheck_error_names_the_part():
