@@ -1257,17 +1257,19 @@ def test_a_declared_higher_order_limit_is_a_skip(message):
 
 
 def test_an_op_without_a_float64_path_is_not_called_jax_limited_nor_forward_less():
-    """Float32 accumulators in a loop carry (JAX's Pallas ``mha``): every row that raises at
-    float64 says so, the same reason on each; none says "JAX's own limit" or "no forward
-    mode" (the op has forward mode: it is a jaxext.custom_vjp)."""
+    """Float32 accumulators in a loop carry (JAX's Pallas ``mha``): every row runs in the
+    dtype the op takes and says so (no SKIP); none says "JAX's own limit" or "no forward
+    mode" (the op has forward mode: it is a jaxext.custom_vjp). (Its platform rows meet the
+    known lowering bug of a jitted JVP through this backward: see
+    ``test_op_without_float64_path_is_checked_in_its_dtype``.)"""
     op, args = float32_accumulator()
-    checks = ["forward_rule", "gradcheck", "jvp", "fwd_over_rev", "vmap", "platform_cpu"]
+    checks = ["forward_rule", "gradcheck", "jvp", "fwd_over_rev", "vmap"]
     report = jaxext.opcheck(op, args, checks=checks, raise_exception=False)
-    assert report.skipped == tuple(checks), str(report)
-    assert len({report[check].detail for check in checks}) == 1, str(report)
-    detail = report["gradcheck"].detail
-    assert "no float64 path" in detail and "scan body function carry" in detail, detail
-    assert "JAX's own limit, not" not in detail and "no forward mode" not in detail, detail
+    assert all(report.statuses[check] == "PASS" for check in checks), str(report)
+    for check in checks:
+        detail = report[check].detail
+        assert "in float32: the op has no float64 path" in detail, detail
+        assert "JAX's own limit" not in detail and "no forward mode" not in detail, detail
 
 
 # -- a float32 kernel with its reference, and its buggy twins (issue #43) ---------------------
