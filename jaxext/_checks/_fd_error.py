@@ -87,6 +87,7 @@ def refine(
 
     Example:
         >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jaxext._checks._fd_error import refine
         >>> from jaxext._checks._jacobians import FlatJacobians
         >>> with jax.enable_x64(True):
         ...     jac = FlatJacobians(lambda x: jnp.sin(3000.0 * x), jnp.array([0.25]))
