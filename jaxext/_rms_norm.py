@@ -7,8 +7,10 @@ API only.
 
 * ``implementation`` picks how the forward and backward run: ``"xla"`` (the math
   below in plain JAX: the reference, and the default on CPU, where no kernel
-  compiler exists and XLA's fusion is fastest), ``"pallas"`` (the kernels compiled:
-  Triton on ``cuda``/``rocm``, Mosaic on ``tpu``; the default there),
+  compiler exists and XLA's fusion is fastest, and on GPU, where the Triton kernels
+  measured slower than XLA's fusion for a training step on an H200:
+  ``benchmarks/results/rms_norm_triton_sweep_gpu.md``), ``"pallas"`` (the kernels
+  compiled: Triton on ``cuda``/``rocm``, Mosaic on ``tpu``; the default on TPU),
   ``"interpret"`` (the same kernels in Pallas's interpret mode on any platform: for
   testing kernels on CPU) or ``None``, decided when the program is lowered with
   ``lax.platform_dependent``, so one jitted program is right on each platform.
@@ -28,9 +30,11 @@ API only.
 
 Rows are padded to a whole number of row blocks and features to a power of two
 (Triton's block shapes must be powers of two); the padding never reaches the
-results. Interpret mode runs one single-block kernel call per row block in a
-``lax.map`` (Pallas's interpreter loop over a grid copies the whole array at each
-step: quadratic time in the rows).
+results. Default blocks: about 4096 elements per Triton program (among the
+fastest of a sweep of block rows and warps on an H200), about 2**15 and at least
+16 rows on TPU and in interpret mode. Interpret mode runs one single-block kernel
+call per row block in a ``lax.map`` (Pallas's interpreter loop over a grid copies
+the whole array at each step: quadratic time in the rows).
 """
 
 from __future__ import annotations
@@ -58,6 +62,9 @@ _FLOATS = ("bfloat16", "float16", "float32", "float64")
 # (16 rows: a whole number of TPU sublane tiles for 32- and 16-bit types).
 _BLOCK_ELEMENTS = 2**15
 _MIN_BLOCK_ROWS, _MAX_BLOCK_ROWS = 16, 256
+# Triton: one program per block holds the block in registers, so blocks stay small
+# (about 4096 elements; any power of two of rows lowers).
+_TRITON_BLOCK_ELEMENTS, _TRITON_MIN_BLOCK_ROWS = 2**12, 1
 
 
 def rms_norm(
@@ -106,10 +113,14 @@ def rms_norm(
             lowering fails). ``"interpret"``: the Pallas kernels in interpret
             mode on any platform (slow; for testing the kernels on CPU).
             ``None`` (default): picked per platform when the program is lowered,
-            ``"xla"`` on CPU and ``"pallas"`` on GPU and TPU.
+            ``"pallas"`` on TPU and ``"xla"`` elsewhere (on an H200 GPU the
+            Triton kernels' training step measured 0.9x to 1.9x XLA's time,
+            so XLA is the default there; pass ``"pallas"`` to run them).
         block_rows: rows per kernel block, a power of two. ``None`` picks one
-            from the feature count (16 to 256). On TPU, several blocks need a
-            multiple of 16. No effect with ``"xla"``.
+            from the feature count: about 4096 elements per block for Triton
+            (1 to 256 rows), about 2**15 for Mosaic and interpret mode (16 to
+            256 rows). On TPU, several blocks need a multiple of 16. No effect
+            with ``"xla"``.
 
     Returns:
         Array of ``x``'s shape in the ``jnp`` promotion of ``x``'s and
@@ -233,12 +244,14 @@ class _Layout(NamedTuple):
     block_rows: int
 
 
-def _layout(shape: tuple[int, ...], block_rows: int | None) -> _Layout:
+def _layout(shape: tuple[int, ...], block_rows: int | None, mode: str) -> _Layout:
     rows, features = math.prod(shape[:-1]), shape[-1]
     padded_features = 1 << (features - 1).bit_length()
     if block_rows is None:
-        block_rows = _BLOCK_ELEMENTS // padded_features
-        block_rows = min(max(block_rows, _MIN_BLOCK_ROWS), _MAX_BLOCK_ROWS)
+        triton = mode == "triton"
+        elements = _TRITON_BLOCK_ELEMENTS if triton else _BLOCK_ELEMENTS
+        smallest = _TRITON_MIN_BLOCK_ROWS if triton else _MIN_BLOCK_ROWS
+        block_rows = min(max(elements // padded_features, smallest), _MAX_BLOCK_ROWS)
         block_rows = 1 << (block_rows.bit_length() - 1)  # a power of two
         block_rows = min(block_rows, 1 << (max(rows, 1) - 1).bit_length())  # no bigger than needed
     padded_rows = -(-rows // block_rows) * block_rows
@@ -391,7 +404,7 @@ def _launch(kernel, name: str, inputs: list, outputs: list, block_rows: int, mod
 
 def _forward_kernels(mode: str, x: jax.Array, weight: jax.Array, config: _Config):
     """``(y, inv)``: the forward kernel on ``x``'s rows; ``inv`` has shape ``x.shape[:-1]``."""
-    lay = _layout(x.shape, config.block_rows)
+    lay = _layout(x.shape, config.block_rows, mode)
     out_dtype = jnp.result_type(x, weight)
     cdt = _compute_dtype(x.dtype, weight.dtype)
     if lay.rows == 0:
@@ -416,7 +429,7 @@ def _forward_kernels(mode: str, x: jax.Array, weight: jax.Array, config: _Config
 
 def _backward_kernels(mode: str, x, weight, inv, g, config: _Config):
     """``(grad_x, grad_weight)`` from the backward kernel."""
-    lay = _layout(x.shape, config.block_rows)
+    lay = _layout(x.shape, config.block_rows, mode)
     if lay.rows == 0:
         return jnp.zeros(x.shape, x.dtype), jnp.zeros(weight.shape, weight.dtype)
     dp = lay.padded_features
@@ -481,10 +494,16 @@ def _implemented(xla, kernels, args: tuple, config: _Config):
     def kernel(mode):
         return lambda *a: kernels(mode, *a, config)
 
-    # None: plain XLA on CPU (no kernel compiler there) and on any other platform.
-    extra = {"cpu": xla, "default": xla} if implementation is None else {"cpu": kernel("cpu")}
+    if implementation is None:
+        # The kernels on TPU; plain XLA on CPU (no kernel compiler), on GPU (XLA's fusion
+        # was faster than the Triton kernels for a training step on an H200) and elsewhere.
+        return lax.platform_dependent(*args, tpu=kernel("mosaic"), default=xla)
     return lax.platform_dependent(
-        *args, cuda=kernel("triton"), rocm=kernel("triton"), tpu=kernel("mosaic"), **extra
+        *args,
+        cuda=kernel("triton"),
+        rocm=kernel("triton"),
+        tpu=kernel("mosaic"),
+        cpu=kernel("cpu"),
     )
 
 

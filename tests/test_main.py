@@ -35,7 +35,7 @@ def test_main_job_prints_opcheck_tables_and_reaches_95_percent(capsys, tmp_path)
     assert "\nops: jaxext.linear, jaxext.mul_constant, jaxext.rms_norm\n" in out
     assert "\nlayers: jaxext.nnx: Linear, MulConstant, RMSNorm\n" in out
     assert "\n        jaxext.linen: Dense, MulConstant, RMSNorm\n" in out
-    placement = {"cpu": "plain XLA"}.get(jax.default_backend(), "its Pallas kernels")
+    placement = {"tpu": "its Pallas kernels"}.get(jax.default_backend(), "plain XLA")
     assert f"\nrms_norm on {jax.default_backend()}: {placement}" in out
     guides = re.search(r"^guides \(in the repository's docs/\): (.*)$", out, flags=re.MULTILINE)
     for guide in ("guides/pallas_kernels.md", "guides/libraries.md"):

@@ -683,21 +683,33 @@ def test_shipped_ops_lower_for_every_platform(op, args):
         )
 
 
-def test_rms_norm_rows_say_which_kernels_they_lowered():
+@pytest.mark.parametrize("implementation", [None, "pallas"])
+def test_rms_norm_rows_say_which_kernels_they_lowered(implementation):
+    """By default the kernels lower on TPU only (XLA on CPU and GPU); asked for, on GPU too."""
     args = (f64(0, (4, 3)), f64(1, (3,)))
-    report = jaxext.opcheck(jaxext.rms_norm, args, checks=PLATFORM_ROWS, platforms=PLATFORMS)
-    assert report.statuses == dict.fromkeys(PLATFORM_ROWS, "PASS"), str(report)
-    assert report["platform_cpu"].detail.endswith(
-        "lower for CPU; Pallas parts lowered no kernel custom call (XLA or interpret mode); "
-        "at float64, float32 and bfloat16 inputs"
+    report = jaxext.opcheck(
+        lambda x, w: jaxext.rms_norm(x, w, implementation=implementation),
+        args,
+        checks=PLATFORM_ROWS,
+        raise_exception=False,
     )
-    for platform, name, kind in (("cuda", "CUDA", "Triton"), ("rocm", "ROCm", "Triton")) + (
-        ("tpu", "TPU", "Mosaic"),
-    ):
-        assert report[f"platform_{platform}"].detail == (
-            f"jitted forward, VJP and JVP lower for {name}; Pallas kernels lowered to {kind} "
-            "custom calls (forward 1, VJP 2, JVP 1); at float64, float32 and bfloat16 inputs"
-        )
+    dtypes = "at float64, float32 and bfloat16 inputs"
+    kernels = "Pallas kernels lowered to {} custom calls (forward 1, VJP 2, JVP 1)"
+    expected = {"tpu": f"jitted forward, VJP and JVP lower for TPU; {kernels.format('Mosaic')}"}
+    for platform, name in (("cuda", "CUDA"), ("rocm", "ROCm")):
+        lowered = f"jitted forward, VJP and JVP lower for {name}"
+        expected[platform] = f"{lowered}; {kernels.format('Triton')}" if implementation else lowered
+    if implementation is None:
+        expected["cpu"] = "jitted forward, VJP and JVP lower for CPU"
+    else:  # compiled kernels have no CPU lowering (Pallas asks for interpret mode)
+        assert report.statuses["platform_cpu"] == "FAIL", str(report)
+        assert "do not lower for CPU" in report["platform_cpu"].detail
+        assert "interpret" in report["platform_cpu"].detail
+    # (an op that cannot run on this CPU is lowered at the dtype it was called with only)
+    dtypes = "at float64" if implementation else dtypes
+    for platform, detail in expected.items():
+        assert report.statuses[f"platform_{platform}"] == "PASS", str(report)
+        assert report[f"platform_{platform}"].detail.startswith(f"{detail}; {dtypes}")
 
 
 def _pallas_op(block, per_platform):

@@ -89,14 +89,16 @@ def _parts(op: OpUnderTest, settings: Settings) -> dict[str, Any]:
     variants = {label: _functions(op, fresh, specs[label], u, v) for label in specs}
     own = next(iter(specs))
     kernels: dict[str, list[str]] = {}
-    pallas = set()  # the parts that hold a pallas_call
+    pallas: dict[str, set[str]] = {p: set() for p in PLATFORMS}  # parts with a pallas_call
     for part, fn in variants[own].items():
         try:
             kernels[part] = kernel_targets(fn, *primals)
             jaxpr = jax.make_jaxpr(fn)(*primals).jaxpr
             # Dead code first: a kernel whose result the part does not use lowers to nothing.
-            if _holds_pallas(pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[0]):
-                pallas.add(part)
+            live = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[0]
+            for platform, parts in pallas.items():
+                if _holds_pallas(live, platform):
+                    parts.add(part)
         except Exception:  # noqa: BLE001 -- the lowering below reports it
             kernels[part] = []
     selected = op.cache.get("selected", frozenset(f"platform_{p}" for p in PLATFORMS))
@@ -104,7 +106,7 @@ def _parts(op: OpUnderTest, settings: Settings) -> dict[str, Any]:
     lowered = set()  # the (dtypes, part) that lowered for every selected platform at once
     for label, functions in variants.items():
         for part, fn in functions.items():
-            if part in pallas:
+            if any(part in parts for parts in pallas.values()):
                 continue  # a Pallas part is lowered per platform, to read its kernels
             try:
                 _lower(fn, specs[label], together)
@@ -209,13 +211,29 @@ _KERNEL_CALLS = {
 }
 
 
-def _holds_pallas(jaxpr: Any) -> bool:
-    """Whether ``jaxpr`` holds a ``pallas_call`` (at any depth)."""
+def _holds_pallas(jaxpr: Any, platform: str) -> bool:
+    """Whether ``jaxpr`` holds a ``pallas_call`` (at any depth) that lowers for ``platform``.
+
+    Of a ``lax.platform_dependent`` (a ``cond`` with ``branches_platforms``), only the
+    branch chosen for ``platform`` counts: an op may pick plain XLA there on purpose.
+    """
     return any(
         eqn.primitive.name == "pallas_call"
-        or any(_holds_pallas(body.jaxpr) for body in inner_jaxprs(eqn))
+        or any(_holds_pallas(body.jaxpr, platform) for body in _bodies_for(eqn, platform))
         for eqn in jaxpr.eqns
     )
+
+
+def _bodies_for(eqn: Any, platform: str) -> list:
+    """The inner jaxprs of ``eqn`` that lower for ``platform``."""
+    bodies = list(inner_jaxprs(eqn))
+    chosen = eqn.params.get("branches_platforms") if eqn.primitive.name == "cond" else None
+    if not chosen or len(chosen) != len(bodies):
+        return bodies
+    named = [i for i, names in enumerate(chosen) if names is not None and platform in names]
+    default = [i for i, names in enumerate(chosen) if names is None]
+    picked = (named or default)[:1]
+    return [bodies[i] for i in picked] if picked else bodies
 
 
 def _kernel_calls(lowered: Any) -> dict[str, int]:
@@ -276,7 +294,7 @@ def _platform_check(platform: str) -> Callable[[OpUnderTest, Settings], str]:
                     continue
                 try:
                     lowered = _lower(fn, parts["specs"][label], [platform])
-                    if part in parts["pallas"] and (label == own or not found.get(part)):
+                    if part in parts["pallas"][platform] and (label == own or not found.get(part)):
                         found[part] = _kernel_calls(lowered)
                 except Exception as err:  # noqa: BLE001 -- reported, not raised
                     if _LOCAL_ONLY in str(err):
