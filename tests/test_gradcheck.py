@@ -935,3 +935,135 @@ def test_allowed_error_explains_a_scaled_atol_only_where_it_was_scaled():
     scale = float(np.max(np.abs(2e-6 * np.asarray(w))))
     assert f"(atol * {scale:.3e} + rtol * |numerical| + finite-difference noise)\n" in message
     assert f"(atol is multiplied by {scale:.3e}, the largest |numerical| of this pair" in message
+
+
+# -- reference= (issue #43): a kernel judged against its plain-JAX reference ------------------
+
+
+def sin_kernel(residual="exact"):
+    """``sin(x * w)`` computed in float32 whatever it is given (a kernel), its backward
+    built from the residual ``cos(x * w)``: ``"exact"``; ``"cut"`` (the residual under
+    ``stop_gradient``: right at first order, its derivative lost at second); ``"1pct"``
+    (the residual's value exact, its derivative off by ``0.01 * d(x w)``)."""
+
+    @jaxext.custom_vjp
+    def op(x, w):
+        return jnp.sin(x.astype(jnp.float32) * w.astype(jnp.float32)).astype(x.dtype)
+
+    def fwd(x, w):
+        t = x.astype(jnp.float32) * w.astype(jnp.float32)
+        c = jnp.cos(t)
+        if residual == "cut":
+            c = jax.lax.stop_gradient(c)
+        elif residual == "1pct":
+            c = c + 0.01 * (t - jax.lax.stop_gradient(t))
+        return op(x, w), (x.astype(jnp.float32), w.astype(jnp.float32), c)
+
+    def bwd(res, g):
+        x, w, c = res
+        gc = g.astype(jnp.float32) * c
+        return (gc * w).astype(g.dtype), (gc * x).astype(g.dtype)
+
+    op.defvjp(fwd, bwd)
+    return op
+
+
+def sin_reference(x, w):
+    return jnp.sin(x * w)
+
+
+@pytest.mark.parametrize("residual", ["exact", "cut", "1pct"])
+def test_gradgradcheck_reference_judges_second_derivatives(residual):
+    # Every twin is right at first order (its values and VJPs match the reference); the
+    # twins' second derivatives are wrong, and only the float64 autodiff of the
+    # reference tells (a float32 kernel's finite differences cannot).
+    op, inputs = sin_kernel(residual), (f64(0, (3, 4)), f64(1, (3, 4)))
+    assert jaxext.gradcheck(op, inputs, reference=sin_reference, modes=("rev", "fwd"))
+    for modes in (("rev",), ("fwd",)):
+        if residual == "exact":
+            assert jaxext.gradgradcheck(op, inputs, reference=sin_reference, modes=modes)
+            continue
+        with pytest.raises(jaxext.GradcheckError) as info:
+            jaxext.gradgradcheck(op, inputs, reference=sin_reference, modes=modes)
+        assert (info.value.kind, info.value.order, info.value.mode) == ("reference", 2, modes[0])
+        assert "(inputs, grad_outputs) -> VJP" in str(info.value)
+
+
+def test_gradgradcheck_reference_takes_grad_outputs_in_the_outputs_dtype():
+    op, inputs = sin_kernel(), (f64(0, (3, 4)), f64(1, (3, 4)))
+    u = f64(2, (3, 4))
+    assert jaxext.gradgradcheck(op, inputs, (u,), reference=sin_reference)
+    assert jaxext.gradgradcheck(op, inputs, u.astype(np.float32), reference=sin_reference)
+    with pytest.raises(ValueError, match="`grad_outputs`"):
+        jaxext.gradgradcheck(op, inputs, f64(2, (4, 3)), reference=sin_reference)
+    with pytest.raises(TypeError, match="`reference`"):
+        jaxext.gradgradcheck(op, inputs, reference="sin")
+
+
+def _float32_gradient(x, c, g):
+    return (g * c).astype(jnp.float32), jnp.sum(g * x)
+
+
+# name -> (backward that only the option's check catches, the option's argument, kind): with
+# reference= the backward's checks run on the op in its own dtypes, as without it.
+REFERENCE_OPTION_CASES = {
+    **{name: (bwd, off, kind) for name, (bwd, off, kind) in OPTION_CASES.items()},
+    "batched_grad": (
+        lambda x, c, g: (
+            g * c,
+            jax.pure_callback(
+                _sum_all, jax.ShapeDtypeStruct(g.shape, g.dtype), g * x,
+                vmap_method="expand_dims",
+            ).reshape(-1)[0],
+        ),
+        {"check_batched_grad": True},
+        "batched_grad",
+    ),
+    "grad_dtype": (_float32_gradient, {"check_grad_dtypes": True}, "grad_dtype"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE_OPTION_CASES))
+def test_reference_runs_the_backward_option_checks(name):
+    bwd, option, kind = REFERENCE_OPTION_CASES[name]
+    op, inputs = mul_with_bwd(bwd), (f64(0, (3, 4)), np.array(1.5))
+
+    def reference(x, c):
+        return x * c
+
+    # The values and VJPs match the reference: only the option's check tells.
+    off = option if name in OPTION_CASES else {}
+    on = {} if name in OPTION_CASES else option
+    assert jaxext.gradcheck(op, inputs, reference=reference, **off)
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(op, inputs, reference=reference, **on)
+    assert info.value.kind == kind
+    if kind != "grad_dtype":
+        assert info.value.input_index == (1 if kind == "batched_grad" else 0)
+    # Correct ops pass every option.
+    every = {"check_batched_grad": True, "check_grad_dtypes": True}
+    assert jaxext.gradcheck(mul_with_bwd(lambda x, c, g: (g * c, jnp.sum(g * x))), inputs,
+                            reference=reference, **every)  # fmt: skip
+
+
+def test_gradgradcheck_reference_runs_the_option_checks_on_the_vjp():
+    # A backward built from a product whose own backward gives a gradient for a zero
+    # cotangent: the second derivatives match the reference for random cotangents, and
+    # check_undefined_grad of the VJP function catches it, in the kernel's own dtypes.
+    undefined = make_mul(lambda x, c, g: (jnp.where(jnp.all(g == 0), 1.0, g * c), g * x))
+
+    @jaxext.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    op.defvjp(lambda x: (op(x), x), lambda x, g: (undefined(g, jnp.cos(x)),))
+    inputs = (f64(0, (5,)),)
+
+    def reference(x):
+        return jnp.sin(x)
+
+    assert jaxext.gradcheck(op, inputs, reference=reference)
+    assert jaxext.gradgradcheck(op, inputs, reference=reference, check_undefined_grad=False)
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradgradcheck(op, inputs, reference=reference)
+    assert (info.value.kind, info.value.order) == ("undefined_grad", 2)
