@@ -1067,3 +1067,76 @@ def test_gradgradcheck_reference_runs_the_option_checks_on_the_vjp():
     with pytest.raises(jaxext.GradcheckError) as info:
         jaxext.gradgradcheck(op, inputs, reference=reference)
     assert (info.value.kind, info.value.order) == ("undefined_grad", 2)
+
+
+# -- the dtypes an op computes in: what reaches its outputs (issue #43) ------------------------
+
+
+def _sin_with(forward_extra, relative_error):
+    """A float64 ``sin`` whose forward also runs ``forward_extra(x)`` (returning the
+    output's factor) and whose backward is ``relative_error`` too large."""
+
+    @jaxext.custom_vjp
+    def op(x):
+        return jnp.sin(x) * forward_extra(x)
+
+    op.defvjp(lambda x: (op(x), x), lambda x, g: (g * jnp.cos(x) * (1 + relative_error),))
+    return op
+
+
+def _through_float32(x):
+    return (jnp.sin(x.astype(jnp.float32)) / jnp.sin(x.astype(jnp.float32))).astype(x.dtype)
+
+
+def _float32_aside(x):
+    side = jnp.sum(x.astype(jnp.float32) ** 2)  # computed, never used: reaches no output
+    del side
+    return jnp.ones_like(x) * jnp.asarray(1.0, jnp.float32)  # a float32 constant, exact
+
+
+def test_an_op_whose_output_goes_through_float32_is_judged_at_float32s_tolerance():
+    # The output is rounded to float32 on its way (x / x in float32): an error of 1e-5
+    # in its gradient is within float32's reference tolerance (1e-4).
+    op = _sin_with(_through_float32, 1e-5)
+    assert jaxext.gradcheck(op, (f64(0, (6,)),), reference=jnp.sin)
+
+
+def test_a_float32_side_value_leaves_a_float64_op_at_float64s_tolerance():
+    # A float32 side computation and a float32 constant reach the output through nothing
+    # rounded: float64's tolerance (1e-7) stands, and a 1e-6 gradient error FAILs.
+    inputs = (f64(0, (6,)),)
+    assert jaxext.gradcheck(_sin_with(_float32_aside, 0.0), inputs, reference=jnp.sin)
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(_sin_with(_float32_aside, 1e-6), inputs, reference=jnp.sin)
+    assert info.value.kind == "reference"
+    assert "rtol 1e-07" in str(info.value)
+
+
+def test_computed_dtypes_follow_the_data_from_inputs_to_outputs():
+    from jaxext._checks._dtype_tolerance import computed_dtypes, program_dtypes
+
+    def names(fn, *args):
+        with jax.enable_x64(True):
+            return sorted(d.name for d in computed_dtypes(jax.make_jaxpr(fn)(*args)))
+
+    x = f64(0, (4,))
+    assert names(lambda x: x * _float32_aside(x), x) == ["float64"]
+    assert names(_through_float32, x) == ["float32", "float64"]
+    # Inside a jit call: followed; a side value there does not count either.
+    assert names(jax.jit(lambda x: (jnp.sin(x), x.astype(jnp.float32))[0]), x) == ["float64"]
+    assert names(jax.jit(_through_float32), x) == ["float32", "float64"]
+
+    # A loop's body counts whole where the loop computes from an input for an output.
+    def carried(x):
+        x32 = x.astype(jnp.float32)
+        return jax.lax.fori_loop(0, 2, lambda i, c: c + x32[i] ** 2, jnp.zeros((), jnp.float32))
+
+    assert names(carried, x) == ["float32", "float64"]
+    # A backward that rounds its cotangent to float32: the cotangent is data of the VJP.
+    op = _sin_with(lambda x: 1.0, 0.0)
+    rounding = jaxext.custom_vjp(jnp.sin)
+    rounding.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (g.astype(jnp.float32) * 2,))
+    with jax.enable_x64(True):
+        assert {d.name for d in program_dtypes(op, [x], x, forward=False)} == {"float64"}
+        found = program_dtypes(rounding, [x], x, forward=False)
+    assert {d.name for d in found} == {"float32", "float64"}

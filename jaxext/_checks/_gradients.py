@@ -27,7 +27,7 @@ from ._backward import (
     zero_like,
 )
 from ._compare import Mismatch, directional_mismatches, entry_mismatches
-from ._dtype_tolerance import computed_dtypes, rtol_for
+from ._dtype_tolerance import program_dtypes, rtol_for
 from ._gradcheck_report import GradcheckError, dtype_error, gradcheck_error
 from ._jacobians import FlatJacobians
 from ._leaves import FloatLeaves
@@ -350,7 +350,9 @@ def against_reference(
                 segments.append(Segment(len(args) + k, "", tuple(u.shape), 0, label))
                 labels.append(label)
             primals += cotangents
-        computes_in = _program_dtypes(fn, primals, forward="fwd" in settings.modes)
+        out = jax.eval_shape(fn, *primals)
+        u = random_like(np.random.default_rng(0), out)[0]
+        computes_in = program_dtypes(fn, primals, u, forward="fwd" in settings.modes)
         rtol = reference_rtol(computes_in)
         for mode in settings.modes:
             found = reference_mismatch(
@@ -425,20 +427,6 @@ def _vjp_function(call: Callable[..., Any], out: Any, positions: list[int]) -> C
         return jax.vjp(call, *primals)[1](jax.tree_util.tree_unflatten(treedef, cotangents))
 
     return vjp_of
-
-
-def _program_dtypes(fn: Callable, primals: Sequence[Any], *, forward: bool) -> frozenset:
-    """The float dtypes that ``fn``'s programs compute in (``computed_dtypes``): its value,
-    its VJP for a cotangent, and with ``forward`` its JVP."""
-    out = jax.eval_shape(fn, *primals)
-    u = random_like(np.random.default_rng(0), out)[0]
-    programs = [fn, lambda *p: jax.vjp(fn, *p)[1](u)]
-    if forward:
-        programs.append(lambda *p: jax.jvp(fn, p, p)[1])
-    found: frozenset = frozenset()
-    for program in programs:
-        found |= computed_dtypes(jax.make_jaxpr(program)(*primals))
-    return found
 
 
 def _own_dtype_backward(
