@@ -12,14 +12,20 @@ renamed ``jit`` once) is one edit.
 * :func:`call_body`: the body of a call-like equation, one whose inner jaxpr takes the
   equation's operands in order and returns its results in order (``jit``, ``closed_call``,
   ``remat``, ``custom_jvp_call``, ``custom_vjp_call``, ``custom_vmap_call``), else ``None``.
+* :func:`evaluate`: a jaxpr run equation by equation under the caller's transformations,
+  chosen calls opened (their bodies run in their place), each operand passed through a
+  function: the one evaluator of the checks' rewritten programs (the plain twin's, with
+  custom rules stripped; the dtype replay's, every float operand cast).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
-__all__ = ["Body", "call_body", "inner_jaxprs"]
+import jax
+
+__all__ = ["Body", "call_body", "evaluate", "inner_jaxprs"]
 
 # The parameters under which a call-like equation keeps the jaxpr it runs, in the order
 # they are tried: jit/pjit/closed_call/checkpoint, then custom_jvp_call/custom_vjp_call/
@@ -102,3 +108,62 @@ def call_body(eqn: Any) -> Body | None:
         ):
             return body
     return None
+
+
+def evaluate(
+    jaxpr: Any,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    *,
+    opened: Callable[[Any], Body | None] = call_body,
+    operand: Callable[[Any], Any] | None = None,
+) -> list:
+    """``jaxpr`` evaluated equation by equation (each primitive bound again, so the
+    caller's transformations trace it), with the body of each equation ``opened`` gives
+    evaluated in its place, the same way.
+
+    Args:
+        jaxpr: a ``Jaxpr`` (open: its constants given apart).
+        consts: the values of its ``constvars``.
+        args: the values of its ``invars``.
+        opened: the body to run in place of an equation, or ``None`` to bind the
+            equation's primitive (default :func:`call_body`: every call-like equation is
+            opened, a custom rule's call replaced by the function it wraps).
+        operand: applied to each operand of each equation before it runs (``None``: the
+            operands as they are).
+
+    Returns:
+        The values of its ``outvars``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jaxext._jaxpr import evaluate
+        >>> closed = jax.make_jaxpr(lambda x: jax.jit(jnp.sin)(x) * 2)(1.0)
+        >>> [float(v) for v in evaluate(closed.jaxpr, closed.consts, [0.0])]
+        [0.0]
+    """
+    env: dict = {}
+
+    def read(var: Any) -> Any:
+        return var.val if isinstance(var, jax.extend.core.Literal) else env[var]
+
+    for var, value in zip(jaxpr.constvars, consts, strict=True):
+        env[var] = value
+    for var, value in zip(jaxpr.invars, args, strict=True):
+        env[var] = value
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        if operand is not None:
+            invals = [operand(v) for v in invals]
+        body = opened(eqn)
+        if body is not None:
+            outs = evaluate(body.jaxpr, body.consts, invals, opened=opened, operand=operand)
+        else:
+            bound = eqn.primitive.get_bind_params(eqn.params)
+            subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
+            with eqn.ctx.manager:
+                outs = eqn.primitive.bind(*subfuns, *invals, **params)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        for var, value in zip(eqn.outvars, outs, strict=True):
+            env[var] = value
+    return [read(v) for v in jaxpr.outvars]

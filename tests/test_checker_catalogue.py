@@ -442,11 +442,7 @@ def _skipped_for_one_float_leaf(args) -> set[str]:
 
 
 @pytest.mark.parametrize("name", _params(CORRECT))
-def test_correct_op_gets_no_fail_and_only_the_expected_skips(request, name):
-    if name == "mul_kernel_backward":
-        # Known after merging #43's verdict and precision branches: the full battery of this
-        # Pallas-backward op is not clean yet (its rows pass one at a time). Open item.
-        request.applymarker(pytest.mark.xfail(strict=False, reason="full battery not clean"))
+def test_correct_op_gets_no_fail_and_only_the_expected_skips(name):
     build, expected_skips, twice = CORRECT[name]
     op, args = build()
     report = jaxext.opcheck(op, args, raise_exception=False)

@@ -935,3 +935,208 @@ def test_allowed_error_explains_a_scaled_atol_only_where_it_was_scaled():
     scale = float(np.max(np.abs(2e-6 * np.asarray(w))))
     assert f"(atol * {scale:.3e} + rtol * |numerical| + finite-difference noise)\n" in message
     assert f"(atol is multiplied by {scale:.3e}, the largest |numerical| of this pair" in message
+
+
+# -- reference= (issue #43): a kernel judged against its plain-JAX reference ------------------
+
+
+def sin_kernel(residual="exact"):
+    """``sin(x * w)`` computed in float32 whatever it is given (a kernel), its backward
+    built from the residual ``cos(x * w)``: ``"exact"``; ``"cut"`` (the residual under
+    ``stop_gradient``: right at first order, its derivative lost at second); ``"1pct"``
+    (the residual's value exact, its derivative off by ``0.01 * d(x w)``)."""
+
+    @jaxext.custom_vjp
+    def op(x, w):
+        return jnp.sin(x.astype(jnp.float32) * w.astype(jnp.float32)).astype(x.dtype)
+
+    def fwd(x, w):
+        t = x.astype(jnp.float32) * w.astype(jnp.float32)
+        c = jnp.cos(t)
+        if residual == "cut":
+            c = jax.lax.stop_gradient(c)
+        elif residual == "1pct":
+            c = c + 0.01 * (t - jax.lax.stop_gradient(t))
+        return op(x, w), (x.astype(jnp.float32), w.astype(jnp.float32), c)
+
+    def bwd(res, g):
+        x, w, c = res
+        gc = g.astype(jnp.float32) * c
+        return (gc * w).astype(g.dtype), (gc * x).astype(g.dtype)
+
+    op.defvjp(fwd, bwd)
+    return op
+
+
+def sin_reference(x, w):
+    return jnp.sin(x * w)
+
+
+@pytest.mark.parametrize("residual", ["exact", "cut", "1pct"])
+def test_gradgradcheck_reference_judges_second_derivatives(residual):
+    # Every twin is right at first order (its values and VJPs match the reference); the
+    # twins' second derivatives are wrong, and only the float64 autodiff of the
+    # reference tells (a float32 kernel's finite differences cannot).
+    op, inputs = sin_kernel(residual), (f64(0, (3, 4)), f64(1, (3, 4)))
+    assert jaxext.gradcheck(op, inputs, reference=sin_reference, modes=("rev", "fwd"))
+    for modes in (("rev",), ("fwd",)):
+        if residual == "exact":
+            assert jaxext.gradgradcheck(op, inputs, reference=sin_reference, modes=modes)
+            continue
+        with pytest.raises(jaxext.GradcheckError) as info:
+            jaxext.gradgradcheck(op, inputs, reference=sin_reference, modes=modes)
+        assert (info.value.kind, info.value.order, info.value.mode) == ("reference", 2, modes[0])
+        assert "(inputs, grad_outputs) -> VJP" in str(info.value)
+
+
+def test_gradgradcheck_reference_takes_grad_outputs_in_the_outputs_dtype():
+    op, inputs = sin_kernel(), (f64(0, (3, 4)), f64(1, (3, 4)))
+    u = f64(2, (3, 4))
+    assert jaxext.gradgradcheck(op, inputs, (u,), reference=sin_reference)
+    assert jaxext.gradgradcheck(op, inputs, u.astype(np.float32), reference=sin_reference)
+    with pytest.raises(ValueError, match="`grad_outputs`"):
+        jaxext.gradgradcheck(op, inputs, f64(2, (4, 3)), reference=sin_reference)
+    with pytest.raises(TypeError, match="`reference`"):
+        jaxext.gradgradcheck(op, inputs, reference="sin")
+
+
+def _float32_gradient(x, c, g):
+    return (g * c).astype(jnp.float32), jnp.sum(g * x)
+
+
+# name -> (backward that only the option's check catches, the option's argument, kind): with
+# reference= the backward's checks run on the op in its own dtypes, as without it.
+REFERENCE_OPTION_CASES = {
+    **{name: (bwd, off, kind) for name, (bwd, off, kind) in OPTION_CASES.items()},
+    "batched_grad": (
+        lambda x, c, g: (
+            g * c,
+            jax.pure_callback(
+                _sum_all, jax.ShapeDtypeStruct(g.shape, g.dtype), g * x,
+                vmap_method="expand_dims",
+            ).reshape(-1)[0],
+        ),
+        {"check_batched_grad": True},
+        "batched_grad",
+    ),
+    "grad_dtype": (_float32_gradient, {"check_grad_dtypes": True}, "grad_dtype"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE_OPTION_CASES))
+def test_reference_runs_the_backward_option_checks(name):
+    bwd, option, kind = REFERENCE_OPTION_CASES[name]
+    op, inputs = mul_with_bwd(bwd), (f64(0, (3, 4)), np.array(1.5))
+
+    def reference(x, c):
+        return x * c
+
+    # The values and VJPs match the reference: only the option's check tells.
+    off = option if name in OPTION_CASES else {}
+    on = {} if name in OPTION_CASES else option
+    assert jaxext.gradcheck(op, inputs, reference=reference, **off)
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(op, inputs, reference=reference, **on)
+    assert info.value.kind == kind
+    if kind != "grad_dtype":
+        assert info.value.input_index == (1 if kind == "batched_grad" else 0)
+    # Correct ops pass every option.
+    every = {"check_batched_grad": True, "check_grad_dtypes": True}
+    assert jaxext.gradcheck(mul_with_bwd(lambda x, c, g: (g * c, jnp.sum(g * x))), inputs,
+                            reference=reference, **every)  # fmt: skip
+
+
+def test_gradgradcheck_reference_runs_the_option_checks_on_the_vjp():
+    # A backward built from a product whose own backward gives a gradient for a zero
+    # cotangent: the second derivatives match the reference for random cotangents, and
+    # check_undefined_grad of the VJP function catches it, in the kernel's own dtypes.
+    undefined = make_mul(lambda x, c, g: (jnp.where(jnp.all(g == 0), 1.0, g * c), g * x))
+
+    @jaxext.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    op.defvjp(lambda x: (op(x), x), lambda x, g: (undefined(g, jnp.cos(x)),))
+    inputs = (f64(0, (5,)),)
+
+    def reference(x):
+        return jnp.sin(x)
+
+    assert jaxext.gradcheck(op, inputs, reference=reference)
+    assert jaxext.gradgradcheck(op, inputs, reference=reference, check_undefined_grad=False)
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradgradcheck(op, inputs, reference=reference)
+    assert (info.value.kind, info.value.order) == ("undefined_grad", 2)
+
+
+# -- the dtypes an op computes in: what reaches its outputs (issue #43) ------------------------
+
+
+def _sin_with(forward_extra, relative_error):
+    """A float64 ``sin`` whose forward also runs ``forward_extra(x)`` (returning the
+    output's factor) and whose backward is ``relative_error`` too large."""
+
+    @jaxext.custom_vjp
+    def op(x):
+        return jnp.sin(x) * forward_extra(x)
+
+    op.defvjp(lambda x: (op(x), x), lambda x, g: (g * jnp.cos(x) * (1 + relative_error),))
+    return op
+
+
+def _through_float32(x):
+    return (jnp.sin(x.astype(jnp.float32)) / jnp.sin(x.astype(jnp.float32))).astype(x.dtype)
+
+
+def _float32_aside(x):
+    side = jnp.sum(x.astype(jnp.float32) ** 2)  # computed, never used: reaches no output
+    del side
+    return jnp.ones_like(x) * jnp.asarray(1.0, jnp.float32)  # a float32 constant, exact
+
+
+def test_an_op_whose_output_goes_through_float32_is_judged_at_float32s_tolerance():
+    # The output is rounded to float32 on its way (x / x in float32): an error of 1e-5
+    # in its gradient is within float32's reference tolerance (1e-4).
+    op = _sin_with(_through_float32, 1e-5)
+    assert jaxext.gradcheck(op, (f64(0, (6,)),), reference=jnp.sin)
+
+
+def test_a_float32_side_value_leaves_a_float64_op_at_float64s_tolerance():
+    # A float32 side computation and a float32 constant reach the output through nothing
+    # rounded: float64's tolerance (1e-7) stands, and a 1e-6 gradient error FAILs.
+    inputs = (f64(0, (6,)),)
+    assert jaxext.gradcheck(_sin_with(_float32_aside, 0.0), inputs, reference=jnp.sin)
+    with pytest.raises(jaxext.GradcheckError) as info:
+        jaxext.gradcheck(_sin_with(_float32_aside, 1e-6), inputs, reference=jnp.sin)
+    assert info.value.kind == "reference"
+    assert "rtol 1e-07" in str(info.value)
+
+
+def test_computed_dtypes_follow_the_data_from_inputs_to_outputs():
+    from jaxext._checks._dtype_tolerance import computed_dtypes, program_dtypes
+
+    def names(fn, *args):
+        with jax.enable_x64(True):
+            return sorted(d.name for d in computed_dtypes(jax.make_jaxpr(fn)(*args)))
+
+    x = f64(0, (4,))
+    assert names(lambda x: x * _float32_aside(x), x) == ["float64"]
+    assert names(_through_float32, x) == ["float32", "float64"]
+    # Inside a jit call: followed; a side value there does not count either.
+    assert names(jax.jit(lambda x: (jnp.sin(x), x.astype(jnp.float32))[0]), x) == ["float64"]
+    assert names(jax.jit(_through_float32), x) == ["float32", "float64"]
+
+    # A loop's body counts whole where the loop computes from an input for an output.
+    def carried(x):
+        x32 = x.astype(jnp.float32)
+        return jax.lax.fori_loop(0, 2, lambda i, c: c + x32[i] ** 2, jnp.zeros((), jnp.float32))
+
+    assert names(carried, x) == ["float32", "float64"]
+    # A backward that rounds its cotangent to float32: the cotangent is data of the VJP.
+    op = _sin_with(lambda x: 1.0, 0.0)
+    rounding = jaxext.custom_vjp(jnp.sin)
+    rounding.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (g.astype(jnp.float32) * 2,))
+    with jax.enable_x64(True):
+        assert {d.name for d in program_dtypes(op, [x], x, forward=False)} == {"float64"}
+        found = program_dtypes(rounding, [x], x, forward=False)
+    assert {d.name for d in found} == {"float32", "float64"}

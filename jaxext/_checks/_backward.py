@@ -216,12 +216,14 @@ def refusal(fn: Callable, values: list, dtype: Any) -> str | None:
 
 def _in_dtype(view: FloatLeaves, dtype: Any) -> tuple[Callable, list, list]:
     """The function of every array leaf of the arguments, those leaves (the float ones
-    cast to ``dtype``) and their key paths."""
+    cast to ``dtype``; ``None``: each in its own) and their key paths."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(view.args)
     arrays = [p for p, (_, leaf) in enumerate(flat) if isinstance(leaf, (jax.Array, np.ndarray))]
     leaves = [leaf for _, leaf in flat]
     for p in view.positions:
-        leaves[p] = jnp.asarray(leaves[p], complex_counterpart(leaves[p].dtype, dtype))
+        own = leaves[p].dtype
+        wanted = own if dtype is None else complex_counterpart(own, dtype)
+        leaves[p] = jnp.asarray(leaves[p], wanted)
 
     def fn(*values):
         new = list(leaves)
@@ -249,7 +251,7 @@ def dtype_refusal(view: FloatLeaves, dtype: Any) -> str | None:
 
 def gradient_dtypes(view: FloatLeaves, dtype: Any) -> DtypeMismatch | None:
     """The first gradient whose dtype or shape is not its input's, with the float inputs
-    of ``view`` in ``dtype``; ``None`` if there is none.
+    of ``view`` in ``dtype`` (``None``: each in its own dtype); ``None`` if there is none.
 
     Decided when tracing (``jax.eval_shape``): nothing is compiled or run. Every array
     leaf of the arguments is an input here: an integer or boolean one must get a

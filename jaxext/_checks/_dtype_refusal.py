@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._jaxpr import call_body
+from .._jaxpr import evaluate
 
 __all__ = ["deliberate", "refused_by_jax", "tracing_error"]
 
@@ -89,25 +89,6 @@ def _cast(value: Any, dtype: Any) -> Any:
 
 
 def _replay(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], dtype: Any) -> list:
-    env: dict = {}
-
-    def read(var):
-        return var.val if isinstance(var, jax.extend.core.Literal) else env[var]
-
-    for var, value in zip(jaxpr.constvars, consts, strict=True):
-        env[var] = value
-    for var, value in zip(jaxpr.invars, args, strict=True):
-        env[var] = value
-    for eqn in jaxpr.eqns:
-        invals = [_cast(read(v), dtype) for v in eqn.invars]
-        body = call_body(eqn)
-        if body is not None:
-            outs = _replay(body.jaxpr, body.consts, invals, dtype)
-        else:
-            bound = eqn.primitive.get_bind_params(eqn.params)
-            subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
-            outs = eqn.primitive.bind(*subfuns, *invals, **params)
-            outs = outs if eqn.primitive.multiple_results else [outs]
-        for var, value in zip(eqn.outvars, outs, strict=True):
-            env[var] = value
-    return [read(v) for v in jaxpr.outvars]
+    """``jaxpr`` evaluated with each floating operand of each operation cast to ``dtype``
+    (calls and custom rules' bodies inlined)."""
+    return evaluate(jaxpr, consts, args, operand=lambda value: _cast(value, dtype))

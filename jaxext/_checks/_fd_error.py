@@ -46,8 +46,10 @@ or not at all, is *unresolved*, neither PASS nor FAIL, unless it is wrong by mor
 than the differences resolve.
 
 Only entries that fail the plain test (``_compare``) are refined, a chunk of
-columns at a time through the check's own program for the differences: a
-correct function whose differences already agree costs nothing more.
+columns at a time through a program for the differences compiled as the quick
+engine's are, whatever engine runs the check (``FlatJacobians.refine_numerical``: the
+differences it judges and reports are the same bits on every engine): a correct
+function whose differences already agree costs nothing more.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ def refine(
     """The refined numerical derivative of the entries ``(rows[i], cols[i])``.
 
     Args:
-        jac: the check's Jacobians (its program for the differences runs them).
+        jac: the check's Jacobians (``FlatJacobians.refine_numerical`` runs the
+            differences).
         rows, cols: the entries (output, input element), flat positions.
         eps: the check's step, one for all inputs or one per input element.
 
@@ -110,7 +113,7 @@ def refine(
         picked = np.nonzero(mine)[0]
         at = (where[picked], rows[picked])
         differences = np.stack(
-            [jac.numerical(chunk, base * RATIO ** (j - BELOW))[0][at] for j in range(STEPS)]
+            [jac.refine_numerical(chunk, base * RATIO ** (j - BELOW))[0][at] for j in range(STEPS)]
         )  # (STEPS, entries of this chunk)
         estimate[picked], error[picked], resolved[picked] = _best(differences)
     return estimate, error, resolved

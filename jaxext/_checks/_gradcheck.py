@@ -163,7 +163,16 @@ def gradcheck(
             ``func`` computes in (``1e-4`` for float32, ``1e-7`` for float64,
             ``6.4e-2`` for bfloat16), as kernel libraries test a kernel against
             its XLA reference (``kind="reference"`` on failure). No finite
-            differences and none of the ``check_*`` options above run then.
+            differences run then (``eps``, ``atol``, ``fast_mode`` and
+            ``num_directions`` do not apply). The ``check_*`` options keep their
+            meaning, on ``func`` in its inputs' own dtypes: ``check_forward_ad`` /
+            ``check_backward_ad`` (and ``modes``) choose the JVPs and VJPs compared;
+            with ``"rev"``, ``check_undefined_grad`` (a zero cotangent gives exactly
+            zero gradients), the reentrancy check (two runs within ``nondet_tol``)
+            and ``check_batched_grad`` (within ``rtol``, or the tolerance between
+            two programs in the dtypes ``func`` computes in, if larger) run as
+            above, and ``check_grad_dtypes`` holds each gradient to its input's own
+            dtype and shape.
 
     Returns:
         ``True`` if no check failed (unresolved entries: ``GradcheckUnresolvedWarning``);
@@ -208,7 +217,9 @@ def gradcheck(
     if reference is not None:
         if not callable(reference):
             raise TypeError(f"`reference` must be a function or None; got {reference!r}.")
-        error = against_reference(func, reference, args, settings)
+        error = against_reference(
+            func, reference, args, settings, undefined=undefined, batched=batched, dtypes=dtypes
+        )
     else:
         error = check_gradients(
             func, args, order=1, settings=settings, undefined=undefined, batched=batched,
@@ -238,6 +249,7 @@ def gradgradcheck(
     modes: str | Sequence[str] = ("rev",),
     num_directions: int = 3,
     seed: int = 0,
+    reference: Callable[..., Any] | None = None,
 ) -> bool:
     """Checks ``func``'s second derivatives against finite differences.
 
@@ -270,6 +282,19 @@ def gradgradcheck(
         modes: as for ``gradcheck``: how the VJP function is differentiated.
         num_directions: as for ``gradcheck``.
         seed: as for ``gradcheck``.
+        reference: as for ``gradcheck``: the same math in plain JAX, for an op that
+            computes in float32 (a kernel). Then the function ``(inputs,
+            grad_outputs) -> VJP of func``, run at ``inputs`` and ``grad_outputs`` in
+            their own dtypes (``grad_outputs`` cast to the output's), is compared with
+            the same function of ``reference`` under JAX's autodiff in float64: its
+            values (the first-order VJPs), its VJPs for two random cotangents
+            (``"rev"`` in ``modes``: reverse over reverse) and its JVPs for two random
+            tangents (``"fwd"``: forward over reverse), normwise per leaf within the
+            tolerance of the dtypes ``func``'s second-order programs compute in
+            (``kind="reference"`` on failure). No finite differences run;
+            ``check_undefined_grad``, the reentrancy check (``nondet_tol``) and
+            ``check_batched_grad`` run on the VJP function in those dtypes, as for
+            ``gradcheck``.
 
     Returns:
         ``True`` if no check failed (unresolved entries: ``GradcheckUnresolvedWarning``);
@@ -289,6 +314,14 @@ def gradgradcheck(
         >>> x, c = np.arange(1.0, 4.0), np.array(2.0)
         >>> jaxext.gradgradcheck(jaxext.mul_constant, (x, c))
         True
+
+        A float32 kernel's second derivatives against its plain-JAX reference:
+
+        >>> import jax.numpy as jnp
+        >>> def kernel(x):  # computes in float32 whatever it is given
+        ...     return jnp.tanh(x.astype(jnp.float32)).astype(x.dtype)
+        >>> jaxext.gradgradcheck(kernel, (x,), reference=jnp.tanh, modes=("rev", "fwd"))
+        True
     """
     args = as_args(func, inputs)
     settings = Settings.validate(
@@ -298,10 +331,18 @@ def gradgradcheck(
         num_directions=num_directions, seed=seed,
     )  # fmt: skip
     undefined, batched, _ = validated_flags(check_undefined_grad, check_batched_grad, False)
-    error = check_gradients(
-        func, args, order=2, settings=settings, undefined=undefined, batched=batched,
-        grad_outputs=grad_outputs,
-    )  # fmt: skip
+    if reference is not None:
+        if not callable(reference):
+            raise TypeError(f"`reference` must be a function or None; got {reference!r}.")
+        error = against_reference(
+            func, reference, args, settings, order=2, grad_outputs=grad_outputs,
+            undefined=undefined, batched=batched,
+        )  # fmt: skip
+    else:
+        error = check_gradients(
+            func, args, order=2, settings=settings, undefined=undefined, batched=batched,
+            grad_outputs=grad_outputs,
+        )  # fmt: skip
     error = warn_unresolved(error)
     if error is not None and raise_exception:
         raise error

@@ -24,15 +24,16 @@ from ._backward import (
     gradient_dtypes,
     reentrancy,
     zero_cotangent,
+    zero_like,
 )
 from ._compare import Mismatch, directional_mismatches, entry_mismatches
-from ._dtype_tolerance import computed_dtypes
+from ._dtype_tolerance import program_dtypes, rtol_for
 from ._gradcheck_report import GradcheckError, dtype_error, gradcheck_error
 from ._jacobians import FlatJacobians
 from ._leaves import FloatLeaves
 from ._precision import float64_numerics
-from ._problem import Problem, first_order, second_order, second_order_forward
-from ._reference import reference_mismatch, reference_rtol
+from ._problem import Problem, Segment, first_order, second_order, second_order_forward
+from ._reference import random_like, reference_mismatch, reference_rtol
 from ._settings import Settings
 
 __all__ = ["FULL_MAX_ENTRIES", "STEP_SCALE", "check_gradients", "step_sizes"]
@@ -290,34 +291,177 @@ def _narrow_gradients(func: Callable[..., Any], args: tuple) -> bool:
         return True
 
 
-def _grad_dtypes(func: Callable[..., Any], args: tuple) -> GradcheckError | None:
-    """Checks each float input's gradient dtype and shape (``float0`` for other arrays)."""
-    found = gradient_dtypes(FloatLeaves.of(func, args, argument="inputs"), jnp.float64)
+def _grad_dtypes(
+    func: Callable[..., Any], args: tuple, dtype: Any = jnp.float64
+) -> GradcheckError | None:
+    """Checks each float input's gradient dtype and shape (``float0`` for other arrays),
+    the float inputs in ``dtype`` (``None``: each in its own)."""
+    found = gradient_dtypes(FloatLeaves.of(func, args, argument="inputs"), dtype)
     if found is None:
         return None
     return dtype_error(found.label, found.index, found.path, found.primal, found.grad)
 
 
 def against_reference(
-    func: Callable[..., Any], reference: Callable[..., Any], args: tuple, settings: Settings
+    func: Callable[..., Any],
+    reference: Callable[..., Any],
+    args: tuple,
+    settings: Settings,
+    *,
+    order: int = 1,
+    grad_outputs: Any = None,
+    undefined: bool = False,
+    batched: bool = False,
+    dtypes: bool = False,
 ) -> GradcheckError | None:
-    """``gradcheck(..., reference=)``: ``func`` at ``args`` in their own dtypes against
-    JAX's autodiff of ``reference`` in float64 (``_reference``), or ``None``."""
+    """``gradcheck(..., reference=)`` (``order=1``) and ``gradgradcheck(..., reference=)``
+    (``order=2``): ``func`` at ``args`` in their own dtypes against JAX's autodiff of
+    ``reference`` in float64 (``_reference``), then the checks of its backward in those
+    dtypes; ``None`` if all pass.
+
+    At order 2 the function compared is ``(inputs, grad_outputs) -> VJP of func``, as
+    ``gradgradcheck`` differentiates it: its values are the VJPs, its VJPs and JVPs the
+    second derivatives (``grad_outputs`` count as inputs after the positional ones).
+    The backward's checks (``undefined``: zero cotangent; reentrancy within
+    ``settings.nondet_tol``; ``batched``: ``jax.vmap`` over cotangents; ``dtypes``: each
+    gradient in its input's dtype and shape, order 1) run on that function in reverse mode.
+    """
     with float64_numerics():
         view = FloatLeaves.of(func, args, argument="inputs")
-        primals = [jnp.asarray(v) for v in view.values]
-        traced = jax.make_jaxpr(lambda *p: jax.vjp(view.call, *p))(*primals)
-        rtol = reference_rtol(computed_dtypes(traced))
         twin = FloatLeaves.of(reference, args, argument="inputs")
+        primals = [jnp.asarray(v) for v in view.values]
+        labels = list(view.labels)
+        segments = [
+            Segment(i, path, tuple(p.shape), 0, label)
+            for i, path, p, label in zip(
+                view.indices, view.paths, primals, view.labels, strict=True
+            )
+        ]
+        fn, ref = view.call, twin.call
+        if order == 2:
+            out = jax.eval_shape(view.call, *primals)
+            cotangents, positions = _grad_outputs(grad_outputs, out, settings.seed)
+            fn, ref = (
+                _vjp_function(view.call, out, positions),
+                _vjp_function(twin.call, out, positions),
+            )
+            for k, (u, position) in enumerate(zip(cotangents, positions, strict=True)):
+                label = f"input {len(args) + k} (grad_outputs for output {position})"
+                segments.append(Segment(len(args) + k, "", tuple(u.shape), 0, label))
+                labels.append(label)
+            primals += cotangents
+        out = jax.eval_shape(fn, *primals)
+        u = random_like(np.random.default_rng(0), out)[0]
+        computes_in = program_dtypes(fn, primals, u, forward="fwd" in settings.modes)
+        rtol = reference_rtol(computes_in)
         for mode in settings.modes:
             found = reference_mismatch(
-                view.call, twin.call, primals, view.labels, rtol=rtol,
-                forward=mode == "fwd", reverse=mode == "rev", seed=settings.seed,
+                fn, ref, primals, labels, rtol=rtol, forward=mode == "fwd", reverse=mode == "rev",
+                seed=settings.seed,
             )  # fmt: skip
             if found is not None:
                 how = "reverse mode (VJP)" if mode == "rev" else "forward mode (JVP)"
+                what = "" if order == 1 else " of (inputs, grad_outputs) -> VJP of `func`"
                 return GradcheckError(
-                    f"Mismatch against the reference's autodiff in float64, {how}: {found}",
-                    kind="reference", order=1, mode=mode,
+                    f"Mismatch against the reference's autodiff in float64{what}, {how}: {found}",
+                    kind="reference", order=order, mode=mode,
                 )  # fmt: skip
+        if "rev" not in settings.modes:
+            return None
+        labelled = Problem(fn, None, None, tuple(segments), (), order)
+        batch_rtol = max(rtol_for(computes_in), settings.rtol)
+        error = _own_dtype_backward(fn, primals, labelled, settings, undefined, batched, batch_rtol)
+        if error is None and dtypes and order == 1:
+            error = _grad_dtypes(func, args, None)
+    return error
+
+
+def _grad_outputs(grad_outputs: Any, out: Any, seed: int) -> tuple[list[jax.Array], list[int]]:
+    """The cotangents of ``out``'s float leaves (``grad_outputs``, or standard-normal draws
+    from ``seed``), each in its leaf's dtype, and those leaves' positions."""
+    leaves, treedef = jax.tree_util.tree_flatten(out)
+    positions = [i for i, leaf in enumerate(leaves) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+    if not positions:
+        raise ValueError("`func` returned no floating-point array to check.")
+    if grad_outputs is None:
+        drawn = jax.tree_util.tree_leaves(random_like(np.random.default_rng(seed), out)[0])
+        return [drawn[i] for i in positions], positions
+    if (
+        jax.tree_util.treedef_is_leaf(treedef)
+        and isinstance(grad_outputs, (tuple, list))
+        and len(grad_outputs) == 1
+    ):
+        grad_outputs = grad_outputs[0]  # PyTorch habit: a 1-tuple for a single output
+    structure = jax.tree_util.tree_structure(grad_outputs)
+    if structure != treedef:
+        raise ValueError(
+            f"`grad_outputs` must have the structure of `func`'s output, {treedef}; "
+            f"got {structure}."
+        )
+    given = jax.tree_util.tree_leaves(grad_outputs)
+    cotangents = []
+    for i in positions:
+        value = given[i]
+        if np.shape(value) != tuple(leaves[i].shape) or not jnp.issubdtype(
+            jnp.result_type(value), jnp.inexact
+        ):
+            raise ValueError(
+                f"`grad_outputs`: the entry for output {i} must be a floating-point array of "
+                f"shape {tuple(leaves[i].shape)}; got {type(value).__name__} of shape "
+                f"{np.shape(value)}."
+            )
+        cotangents.append(jnp.asarray(value, leaves[i].dtype))
+    return cotangents, positions
+
+
+def _vjp_function(call: Callable[..., Any], out: Any, positions: list[int]) -> Callable:
+    """``(*primals, *cotangents) -> VJP of call at primals``, the cotangents those of the
+    float output leaves at ``positions`` (the others get ``float0`` zeros)."""
+    leaves, treedef = jax.tree_util.tree_flatten(out)
+
+    def vjp_of(*values):
+        primals, given = values[: len(values) - len(positions)], values[-len(positions) :]
+        cotangents = [np.zeros(leaf.shape, jax.dtypes.float0) for leaf in leaves]
+        for position, u in zip(positions, given, strict=True):
+            cotangents[position] = u
+        return jax.vjp(call, *primals)[1](jax.tree_util.tree_unflatten(treedef, cotangents))
+
+    return vjp_of
+
+
+def _own_dtype_backward(
+    fn: Callable,
+    primals: Sequence[Any],
+    labelled: Problem,
+    settings: Settings,
+    undefined: bool,
+    batched: bool,
+    batch_rtol: float,
+) -> GradcheckError | None:
+    """The backward's checks of ``_check`` (zero cotangent, reentrancy, batched
+    gradients) on ``fn`` at ``primals`` in their own dtypes; ``labelled`` names its
+    inputs."""
+
+    def error(kind: str, found: list[Mismatch]) -> GradcheckError:
+        return gradcheck_error(labelled, kind, "rev", None, found)
+
+    out, pullback = jax.vjp(fn, *primals)
+    if undefined:
+        found = zero_cotangent(pullback, jax.tree_util.tree_map(zero_like, out))
+        if found:
+            return error("undefined_grad", found)
+    rng = np.random.default_rng(settings.seed)
+    u = random_like(rng, out)[0]
+    found = reentrancy({"": lambda: pullback(u)}, settings.nondet_tol)
+    if found is not None:
+        return error("nondeterministic", found[1])
+    if batched:
+        cotangents = [random_like(rng, out)[0] for _ in range(_BATCH)]
+        found = batched_gradients(
+            lambda _, u: jax.vjp(fn, *primals)[1](u), None, cotangents, rtol=batch_rtol
+        )
+        if isinstance(found, Exception):
+            return gradcheck_error(labelled, "batched_grad", "rev", None, [], cause=found)
+        if found:
+            return error("batched_grad", found)
     return None

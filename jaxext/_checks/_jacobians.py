@@ -93,6 +93,8 @@ class FlatJacobians:
             means ``jax.vjp`` of ``f``.
         m: the number of outputs, where the caller has it (``None``: from
             ``jax.eval_shape`` of ``f``).
+        refine_jit: how the program of ``refine_numerical`` compiles (``None``: it is
+            the check's own program of the differences).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -104,7 +106,13 @@ class FlatJacobians:
     """
 
     def __init__(
-        self, f: FlatFn, x0: jax.Array, vjp: Callable | None = None, *, m: int | None = None
+        self,
+        f: FlatFn,
+        x0: jax.Array,
+        vjp: Callable | None = None,
+        *,
+        m: int | None = None,
+        refine_jit: Callable[[Callable], Callable] | None = None,
     ) -> None:
         if vjp is None:
 
@@ -125,6 +133,8 @@ class FlatJacobians:
         self._vjp_rows = self._compile(self._rows_fn())
         self._jvp_columns = self._compile(self._columns_fn())
         self._call = jax.jit(f)
+        self.refine_jit = refine_jit
+        self._refine_program: Callable | None = None
 
     def _compile(self, fn: Callable) -> Callable:
         """The program of ``fn``: here a plain ``jax.jit`` (engines compile otherwise)."""
@@ -173,6 +183,29 @@ class FlatJacobians:
         plus = self.x0_host[ks] + eps
         minus = self.x0_host[ks] - eps
         return (self.x0, ks, plus, minus, count), plus - minus, count
+
+    def refine_numerical(
+        self, cols: Sequence[int] | range, eps: float | np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``numerical``, for ``_fd_error.refine``: from the check's own program where
+        ``refine_jit`` is ``None``, else from ``stacked_quotients`` compiled by it (built
+        at the first call: only a check with an entry to refine pays for it).
+
+        The engines pass a ``refine_jit`` that compiles as their quick programs do (LLVM's
+        optimisations off, which computes each operation in the order the program states,
+        no sum reordered by vectorisation) wherever their own program is not compiled so
+        (the reference path's plain ``jax.jit``, a large problem's): the differences that
+        ``refine`` judges and reports are then the same bits on every engine.
+        """
+        if self.refine_jit is None:
+            return self.numerical(cols, eps)
+        if self._refine_program is None:
+            self._refine_program = self.refine_jit(
+                functools.partial(stacked_quotients, self.f, self.m)
+            )
+        args, steps, count = self._difference_args(cols, eps)
+        quotient = np.asarray(self._refine_program(*args)[0])
+        return quotient[:count], steps[:count]
 
     def value(self) -> np.ndarray:
         """``f(x0)``, from the program of ``numerical`` with nothing perturbed."""

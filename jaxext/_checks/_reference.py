@@ -25,7 +25,7 @@ from ._compare import leaf_mismatches, unravel, widened
 from ._dtype_tolerance import narrowest
 from ._leaves import wide_dtype
 
-__all__ = ["REFERENCE_RTOL", "reference_mismatch", "reference_rtol"]
+__all__ = ["REFERENCE_RTOL", "random_like", "reference_mismatch", "reference_rtol"]
 
 # Normwise relative tolerance of an op computing in each dtype against its float64
 # reference (about 1000 ulps of float32; torch's assert_close allows 1e-7 in float64).
@@ -72,7 +72,7 @@ def _normal(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any) -> np.
     return rng.standard_normal(shape)
 
 
-def _random_like(rng: np.random.Generator, tree: Any) -> tuple[Any, Any]:
+def random_like(rng: np.random.Generator, tree: Any) -> tuple[Any, Any]:
     """A random cotangent for ``tree``'s leaves (their dtypes) and its float64 twin
     (float0 zeros for the integer leaves of both)."""
 
@@ -161,7 +161,7 @@ def reference_mismatch(
     expected, reference_pullback = jax.vjp(reference, *wide)
     found = _compare(out, expected, "output", rtol)
     for _ in range(draws if found is None else 0):
-        u, u_wide = _random_like(rng, out)
+        u, u_wide = random_like(rng, out)
         if reverse:
             got, want = pullback(u), reference_pullback(u_wide)
             for label, g, e in zip(labels, got, want, strict=True):

@@ -83,14 +83,24 @@ class Engine:
         return jax.jit(fn) if self.name == "reference" else quick_jit(fn, self.quick)
 
     def jacobians(self, f: Callable, x0: jax.Array, vjp: Callable, m: int) -> FlatJacobians:
-        """The ``FlatJacobians`` of ``f`` at ``x0`` on this engine."""
+        """The ``FlatJacobians`` of ``f`` at ``x0`` on this engine.
+
+        The differences that ``_fd_error.refine`` evaluates come from a program compiled
+        quickly (``quick_jit(..., quick=True)``) on every engine: the check's own where
+        its engine compiles it so, else one built for them (``refine_jit``), so that a
+        refined entry is judged and reported alike whichever engine runs the check.
+        """
+        refine_jit = None if self.quick else functools.partial(quick_jit, quick=True)
         if self.name == "reference":
-            return FlatJacobians(f, x0, vjp, m=m)
+            return FlatJacobians(f, x0, vjp, m=m, refine_jit=refine_jit)
         if self.name == "screened":
-            return _screened.ScreenedJacobians(f, x0, vjp, m=m, quick=self.quick)
+            return _screened.ScreenedJacobians(
+                f, x0, vjp, m=m, quick=self.quick, refine_jit=refine_jit
+            )
         return QuickJacobians(
-            f, x0, vjp, m=m, quick=self.quick, merge=self.merge, merge_forward=self.merge_forward
-        )
+            f, x0, vjp, m=m, quick=self.quick, merge=self.merge,
+            merge_forward=self.merge_forward, refine_jit=refine_jit,
+        )  # fmt: skip
 
     def compile_ahead(self, jac: FlatJacobians, forward: bool) -> None:
         """Starts compiling ``jac``'s programs before their first use (not the reference

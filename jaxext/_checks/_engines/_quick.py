@@ -219,7 +219,7 @@ class QuickJacobians(FlatJacobians):
     ahead of their first call (``compile_ahead``), and, for a small problem, as one.
 
     Args:
-        f, x0, vjp, m: as for ``FlatJacobians``.
+        f, x0, vjp, m, refine_jit: as for ``FlatJacobians``.
         quick: compile with LLVM's optimisations off (little work; ``_engines.choose``).
         merge: compile the two loops (differences, VJPs) as one program (XLA's cost per
             program is a good part of a small check's time); each call runs one of the
@@ -240,9 +240,10 @@ class QuickJacobians(FlatJacobians):
         quick: bool = True,
         merge: bool = False,
         merge_forward: bool = False,
+        refine_jit: Callable[[Callable], Callable] | None = None,
     ) -> None:
         self.quick = quick
-        super().__init__(f, x0, vjp, m=m)
+        super().__init__(f, x0, vjp, m=m, refine_jit=refine_jit)
         self._forward_merged = merge and merge_forward
         self._both: Program | None = None
         if merge:

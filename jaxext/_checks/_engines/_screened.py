@@ -122,7 +122,7 @@ class ScreenedJacobians(QuickJacobians):
     bound to executables compiled in the owning thread, ``_quick.Program``).
 
     Args:
-        f, x0, vjp, m, quick: as for ``QuickJacobians`` (never merged).
+        f, x0, vjp, m, quick, refine_jit: as for ``QuickJacobians`` (never merged).
     """
 
     def __init__(
@@ -133,8 +133,9 @@ class ScreenedJacobians(QuickJacobians):
         *,
         m: int | None = None,
         quick: bool = True,
+        refine_jit: Callable[[Callable], Callable] | None = None,
     ) -> None:
-        super().__init__(f, x0, vjp, m=m, quick=quick)
+        super().__init__(f, x0, vjp, m=m, quick=quick, refine_jit=refine_jit)
         self._screen = Program(_SCREEN)
         self._zero_blocks: dict[int, jax.Array] = {}
 

@@ -19,7 +19,7 @@ import numpy as np
 from .. import _engines
 from .._backward import zero_like
 from .._compare import Mismatch, leaf_mismatches, unravel, widened
-from .._dtype_tolerance import computed_dtypes, rtol_for
+from .._dtype_tolerance import program_dtypes, rtol_for
 from .._engines._quick import entries
 from .._leaves import FloatLeaves, wide_dtype
 
@@ -214,24 +214,13 @@ def _taken_dtype(dtype: Any) -> np.dtype:
 
 
 def _computed_dtypes(op: OpUnderTest) -> frozenset[np.dtype]:
-    """The dtypes of ``op.computes_in``: a program that fails to trace adds none (the
-    checks that run it report its error)."""
-    primals = tuple(op.primals)
-    programs = [lambda *p: op.call(*p)]
+    """The dtypes of ``op.computes_in`` (``program_dtypes``: its forward, VJP and, with
+    forward mode, JVP); none where its output fails to trace (its rows say why)."""
     try:
         cotangent = op.cotangent(np.random.default_rng(0))
     except Exception:  # noqa: BLE001 -- an op that fails to trace: its rows say why
         return frozenset()
-    programs.append(lambda *p: jax.vjp(op.call, *p)[1](cotangent))
-    if op.forward_error is None:
-        programs.append(lambda *p: jax.jvp(op.call, p, p)[1])
-    found: set[np.dtype] = set()
-    for program in programs:
-        try:
-            found |= computed_dtypes(jax.make_jaxpr(program)(*primals))
-        except Exception:  # noqa: BLE001 -- reported by the checks that run it
-            continue
-    return frozenset(found)
+    return program_dtypes(op.call, op.primals, cotangent, forward=op.forward_error is None)
 
 
 def forward_mode_error(op: OpUnderTest) -> str | None:

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..._jaxpr import call_body
+from ..._jaxpr import call_body, evaluate
 from ._op import CheckFailed, OpUnderTest, forward_mode_error
 
 __all__ = ["jax_limit", "plain_twin", "same_failure", "strip_custom_rules", "underlying_error"]
@@ -79,29 +79,9 @@ def _inlined(eqn: Any) -> bool:
 def _evaluate(jaxpr: Any, consts: Any, args: list) -> list:
     """``jaxpr`` evaluated op by op (traced by the caller's transformation), custom
     rules replaced by the functions they wrap, ``jit`` calls inlined."""
-    env: dict = {}
-
-    def read(var):
-        return var.val if isinstance(var, jax.extend.core.Literal) else env[var]
-
-    for var, value in zip(jaxpr.constvars, consts, strict=True):
-        env[var] = value
-    for var, value in zip(jaxpr.invars, args, strict=True):
-        env[var] = value
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        body = call_body(eqn) if _inlined(eqn) else None
-        if body is not None:
-            outs = _evaluate(body.jaxpr, body.consts, invals)
-        else:
-            bound = eqn.primitive.get_bind_params(eqn.params)
-            subfuns, bind_params = bound if isinstance(bound, tuple) else ((), bound)
-            with eqn.ctx.manager:
-                outs = eqn.primitive.bind(*subfuns, *invals, **bind_params)
-            outs = outs if eqn.primitive.multiple_results else [outs]
-        for var, value in zip(eqn.outvars, outs, strict=True):
-            env[var] = value
-    return [read(v) for v in jaxpr.outvars]
+    return evaluate(
+        jaxpr, consts, args, opened=lambda eqn: call_body(eqn) if _inlined(eqn) else None
+    )
 
 
 def plain_twin(op: OpUnderTest) -> OpUnderTest:
