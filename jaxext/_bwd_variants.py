@@ -15,6 +15,27 @@ Each rule is brought to the plain convention by :func:`call_bwd` (cotangents, an
 apart), so reverse mode runs it as written, and forward mode transposes the cotangent part
 (the logs are not a derivative; accumulating is adding, which is linear). The core hands
 the logs to JAX's backward pass, which collects them for ``with_logs``.
+
+JAX internals this module reads (pinned by
+``tests/test_bwd_variants.py::test_bwd_variant_internals_have_the_forms_this_module_names``
+on the JAX it runs with; checked on JAX 0.10 and 0.12):
+
+* ``jax.custom_derivatives.custom_vjp``'s ``defvjp_with_logs``, ``defremat_with_logs``
+  and ``defvjp_with_accums`` (:func:`jax_has`): public, but only on JAX 0.12; where one is
+  missing, so is jaxext's.
+* ``jax._src.interpreters.ad.fancy_transposes``: a dict from primitive to the transpose
+  rule JAX's backward pass calls as ``rule(cts, *operands, **params)``, its linear
+  operands given as accumulators, and whose returned ``None`` or dict of logs it merges
+  into ``f_vjp.with_logs`` (:func:`register_logging_transpose`; :func:`passes_logs`).
+  Missing (or without ``defvjp_with_logs``): logs are not collected.
+* ``jax._src.interpreters.ad.GradAccum``, the accumulators' base class
+  (:func:`is_accumulator`), and of it ``ValAccum(ct_aval)`` (``accum(ct)`` adds,
+  ``freeze()`` gives the sum or ``ad.Zero`` when nothing was pushed) and
+  ``NullAccum(ct_aval)`` (``accum`` discards) for :func:`call_bwd`'s ``"accums"`` kind;
+  an aval's ``to_ct_aval()`` where it has one.
+* ``jax._src.interpreters.ad.CustomVJPException`` (read by ``_rule_contracts``, pinned
+  beside these): the class ``jax.custom_vjp`` raises for a rule closing over a
+  differentiated value.
 """
 
 from __future__ import annotations
@@ -79,6 +100,13 @@ class BwdVariants:
         self.bwd_kind = kind
         self.with_logs, self.with_accums = kind == LOGS, kind == ACCUMS
 
+    def _defvjp_as(self, kind: str, fwd: Callable[..., Any], bwd: Callable[..., Any], *flags: bool):
+        """``defvjp(fwd, bwd, *flags)`` for a ``bwd`` of convention ``kind``; where
+        ``defremat``'s rules stay in force (``defvjp`` leaves them), so does their kind."""
+        self.defvjp(fwd, bwd, *flags)
+        if getattr(self, "remat_rules", None) is None:
+            self._set_kind(kind)
+
     def defvjp_with_logs(
         self,
         fwd: Callable[..., Any],
@@ -104,9 +132,7 @@ class BwdVariants:
         Raises:
             TypeError: if a rule is not callable.
         """
-        self.defvjp(fwd, bwd, symbolic_zeros, optimize_remat, generic_batching)
-        if getattr(self, "remat_rules", None) is None:
-            self._set_kind(LOGS)
+        self._defvjp_as(LOGS, fwd, bwd, symbolic_zeros, optimize_remat, generic_batching)
 
     def defremat_with_logs(
         self,
@@ -159,9 +185,7 @@ class BwdVariants:
         Raises:
             TypeError: if a rule is not callable.
         """
-        self.defvjp(fwd, bwd, symbolic_zeros, optimize_remat, generic_batching)
-        if getattr(self, "remat_rules", None) is None:
-            self._set_kind(ACCUMS)
+        self._defvjp_as(ACCUMS, fwd, bwd, symbolic_zeros, optimize_remat, generic_batching)
 
 
 # An older JAX has none of these methods: neither has jaxext.custom_vjp there (the core's

@@ -443,6 +443,33 @@ def the_output() -> tuple[str, None]:
     return "the output", None
 
 
+def _bwd_type_wording(name: str, jax_path: str, got: Any, aval: Any) -> str:
+    """JAX's sentence for a gradient ``got`` of the wrong shape or dtype for an input of
+    type ``aval``, then its newer custom_vjp's (``jax_custom_vjp3``) wording of it, as the
+    installed JAX words them (a JAX newer than 0.11.0 names the primal function:
+    ``attached to f``)."""
+    attached = f" attached to {name}" if jax.__version_info__ > (0, 11, 0) else ""
+    mismatches = [
+        f"the {what}s do not match"
+        for what, differ in (
+            ("dtype", as_dtype(got.dtype) != as_dtype(aval.dtype)),
+            ("shape", tuple(got.shape) != tuple(aval.shape)),
+        )
+        if differ
+    ]
+    so = ", so " + ", and ".join(mismatches) if mismatches else ""  # as JAX joins two
+    return " ".join(
+        jax_wording(sentence)
+        for sentence in (
+            f"Custom VJP bwd rule{attached} must produce an output with the same type as the "
+            f"args tuple of the primal function, but at {jax_path} the bwd rule produced an "
+            f"output of type {short(got)} corresponding to an input of type {short(aval)}{so}.",
+            f"at {jax_path} the bwd rule{attached} produced an output of type {short(got)} "
+            f"which doesn't match expected type {short(aval)}.",
+        )
+    )
+
+
 def check_leaf(
     grad: Any,
     aval: Any,
@@ -461,12 +488,7 @@ def check_leaf(
     def jax_phrase(got: Any, jax_path: str | None) -> str:
         if jax_path is None:
             return ""
-        return " " + jax_wording(
-            "Custom VJP bwd rule must produce an output with the same type as the "
-            f"args tuple of the primal function, but at {jax_path} the bwd rule produced "
-            f"an output of type {short(got)} corresponding to an input of type "
-            f"{short(aval)}."
-        )
+        return " " + _bwd_type_wording(name, jax_path, got, aval)
 
     if isinstance(grad, SymbolicZero) and (
         tuple(grad.shape) != tuple(aval.shape) or as_dtype(grad.dtype) != as_dtype(aval.dtype)

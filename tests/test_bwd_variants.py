@@ -195,3 +195,133 @@ def test_forward_mode_of_an_accumulating_bwd_is_the_transpose_of_reverse_mode():
     jac_rev = jax.jacrev(h, (0, 1))(X, pair)
     np.testing.assert_allclose(jax.tree.leaves(jac_fwd), jax.tree.leaves(jac_rev), rtol=1e-6)
     np.testing.assert_allclose(jax.tree.leaves(jac_fwd), [Y, X, 1.0], rtol=1e-6)
+
+
+# -- cases learned from JAX's own tests of defvjp_with_logs (written here) -----------------
+
+
+@needs["defvjp_with_logs"]
+@IMPLEMENTATIONS
+def test_logs_of_a_scanned_op_stack_one_entry_per_step(custom_vjp):
+    f = _sin_times(custom_vjp)
+    xs = np.array([0.5, 1.0, 1.5], np.float32)
+
+    def loop(xs):
+        total, _ = jax.lax.scan(lambda c, x: (c + f(x, Y), None), np.float32(0.0), xs)
+        return total
+
+    (grads,), logs = jax.vjp(loop, xs)[1].with_logs(np.float32(2.0))
+    np.testing.assert_allclose(grads, 2.0 * Y * np.cos(xs), rtol=1e-6)
+    np.testing.assert_array_equal(logs["g"], [2.0, 2.0, 2.0])
+    np.testing.assert_array_equal(logs["y"], [Y, Y, Y])
+
+
+@needs["defvjp_with_logs"]
+@IMPLEMENTATIONS
+def test_logs_with_nondiff_argnums_and_none_logs(custom_vjp):
+    scale = custom_vjp(lambda n, x: x * n, nondiff_argnums=(0,))
+    scale.defvjp_with_logs(lambda n, x: (scale(n, x), None), lambda n, _, g: ((g * n,), {"n": n}))
+    (grad,), logs = jax.vjp(lambda x: scale(np.float32(3.0), x), X)[1].with_logs(np.float32(2.0))
+    np.testing.assert_allclose(grad, 6.0, rtol=1e-6)
+    np.testing.assert_array_equal(logs["n"], 3.0)
+
+    double = custom_vjp(lambda x: x * 2.0)
+    double.defvjp_with_logs(lambda x: (double(x), None), lambda _, g: ((2.0 * g,), None))
+    (grad,), logs = jax.vjp(double, X)[1].with_logs(np.float32(1.0))
+    np.testing.assert_allclose(grad, 2.0, rtol=1e-6)
+    assert logs == {}
+
+
+@needs["defvjp_with_logs"]
+@IMPLEMENTATIONS
+def test_logs_that_are_not_a_dict_are_refused(custom_vjp):
+    @custom_vjp
+    def f(x):
+        return x * 2
+
+    f.defvjp_with_logs(lambda x: (f(x), None), lambda _, g: ((2 * g,), [g]))
+    with pytest.raises(TypeError, match="None or a dict"):
+        jax.grad(f)(X)
+
+
+@needs["defvjp_with_logs"]
+@IMPLEMENTATIONS
+def test_logs_through_checkpoint_and_a_batched_primal(custom_vjp):
+    f = _sin_times(custom_vjp)
+    (grad, _), logs = jax.vjp(jax.checkpoint(lambda x, y: f(x, y) * 3.0), X, Y)[1].with_logs(
+        np.float32(1.0)
+    )
+    np.testing.assert_allclose(grad, 3.0 * np.cos(X) * Y, rtol=1e-6)
+    np.testing.assert_allclose(logs["g"], 3.0, rtol=1e-6)
+    xs = np.array([0.5, 1.0, 1.5], np.float32)
+    (grads,), logs = jax.vjp(lambda x: jax.vmap(f, in_axes=(0, None))(x, Y), xs)[1].with_logs(
+        np.ones(3, np.float32)
+    )
+    np.testing.assert_allclose(grads, Y * np.cos(xs), rtol=1e-6)
+    assert logs["g"].shape == (3,)
+
+
+@needs["defvjp_with_logs"]
+def test_forward_mode_of_a_scanned_logging_op_is_the_transpose_of_reverse_mode():
+    f = _sin_times(jaxext.custom_vjp)
+    xs = np.array([0.5, 1.0, 1.5], np.float32)
+
+    def loop(xs):
+        return jax.lax.scan(lambda c, x: (c, f(x, Y)), np.float32(0.0), xs)[1]
+
+    np.testing.assert_allclose(jax.jacfwd(loop)(xs), np.diag(Y * np.cos(xs)), rtol=1e-6)
+    np.testing.assert_allclose(jax.jacfwd(loop)(xs), jax.jacrev(loop)(xs), rtol=1e-6)
+
+
+# -- the JAX internals _bwd_variants.py reads, pinned --------------------------------------
+
+
+def test_bwd_variant_internals_have_the_forms_this_module_names():
+    """The forms ``jaxext/_bwd_variants.py``'s header lists, on the installed JAX."""
+    from jax._src.interpreters import ad as jax_ad
+
+    from jaxext import _bwd_variants
+
+    # CustomVJPException (for _rule_contracts.ClosedOverValueError): an Exception class.
+    assert issubclass(jax_ad.CustomVJPException, Exception)
+    assert issubclass(jaxext.ClosedOverValueError, jax_ad.CustomVJPException)
+    # The three methods: all or none, as the installed jax.custom_vjp has them.
+    present = [_bwd_variants.jax_has(m) for m in METHODS]
+    assert present == [callable(getattr(jax.custom_vjp, m, None)) for m in METHODS]
+    if not any(present):  # JAX 0.10: nothing more is read
+        assert not _bwd_variants.passes_logs()
+        return
+    assert all(present) and _bwd_variants.passes_logs()
+
+    # The accumulators: ValAccum sums (ad.Zero before any push), NullAccum discards.
+    aval = jax.core.ShapedArray((2,), jnp.float32).to_ct_aval()
+    acc, null = jax_ad.ValAccum(aval), jax_ad.NullAccum(aval)
+    assert isinstance(acc, jax_ad.GradAccum) and isinstance(null, jax_ad.GradAccum)
+    assert type(acc.freeze()) is jax_ad.Zero
+    acc.accum(jnp.array([1.0, 2.0]))
+    acc.accum(jnp.array([0.5, 0.5]))
+    np.testing.assert_array_equal(acc.freeze(), [1.5, 2.5])
+    null.accum(jnp.ones(2))
+    assert _bwd_variants.is_accumulator(acc) and not _bwd_variants.is_accumulator(jnp.ones(2))
+
+    # fancy_transposes: a rule JAX's backward pass calls with an accumulator for the
+    # linear operand, and whose logs it merges into with_logs.
+    assert isinstance(jax_ad.fancy_transposes, dict)
+    double_p = jax.extend.core.Primitive("jaxext_pin_double")
+    double_p.def_impl(lambda x: 2 * x)
+    double_p.def_abstract_eval(lambda x: x)
+    jax.interpreters.ad.primitive_jvps[double_p] = lambda p, t: (
+        double_p.bind(*p),
+        double_p.bind(*t),
+    )
+    seen = []
+
+    def transpose(ct, operand):
+        seen.append(type(operand))
+        operand.accum(2 * ct)
+        return {"ct": ct}
+
+    _bwd_variants.register_logging_transpose(double_p, transpose)
+    (grad,), logs = jax.vjp(double_p.bind, X)[1].with_logs(np.float32(3.0))
+    assert len(seen) == 1 and issubclass(seen[0], jax_ad.GradAccum)
+    np.testing.assert_array_equal([grad, logs["ct"]], [6.0, 3.0])

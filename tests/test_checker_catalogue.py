@@ -817,7 +817,7 @@ RAISES = jax.errors.UnexpectedTracerError
 # name -> (builder, checks that must be among the FAILs, what jaxext.gradcheck does:
 # True (the bug is not one of gradient values), False, or the exception it raises).
 BUGGY = {
-    "abs_cotangent": (abs_cotangent, {"gradcheck"}, False),
+    "abs_cotangent": (abs_cotangent, {"gradcheck", "linearity"}, False),
     "float32_grad_for_bfloat16": (float32_grad_for_bfloat16, {"grad_dtypes"}, True),
     "symbolic_zero_as_ones": (symbolic_zero_as_ones, {"zero_cotangent"}, True),
     "l2_penalty_off_by_2x": (l2_penalty_off_by_2x, {"gradcheck"}, False),
@@ -849,9 +849,9 @@ BUGGY = {
     "bias_grad_averaged": (bias_grad_averaged, {"gradcheck"}, False),
     # JAX itself refuses a gradient of the wrong shape (ValueError) in every check.
     "bias_grad_not_reduced": (bias_grad_not_reduced, {"grad_dtypes", "gradcheck"}, ValueError),
-    "ignores_cotangent": (ignores_cotangent, {"gradcheck", "zero_cotangent"}, False),
+    "ignores_cotangent": (ignores_cotangent, {"gradcheck", "zero_cotangent", "linearity"}, False),
     "swapped_gradients": (swapped_gradients, {"gradcheck"}, False),
-    "forgot_chain_rule": (forgot_chain_rule, {"gradcheck", "zero_cotangent"}, False),
+    "forgot_chain_rule": (forgot_chain_rule, {"gradcheck", "zero_cotangent", "linearity"}, False),
     "scalar_grad_for_vector": (scalar_grad_for_vector, {"grad_dtypes", "gradcheck"}, ValueError),
     # Its backward computes in float32: the gradient rows judge it in float32 (issue #43,
     # each op in its own precision), where its derivatives are right; the bug, a float32

@@ -8,6 +8,7 @@ primal math, and hand-computed values. Comparisons are in float64.
 from __future__ import annotations
 
 import functools
+import re
 from collections import namedtuple
 
 import jax
@@ -1017,6 +1018,37 @@ def test_errors_keep_jax_key_phrases(case):
     for _, op in _rule_error_case(case):  # jax.custom_vjp, then jaxext.custom_vjp
         with pytest.raises(error, match=phrase):
             jax.jit(jax.grad(lambda x, y, op=op: op(x, y).sum(), argnums=(0, 1)))(x, y)
+
+
+@pytest.mark.parametrize("vjp3", [False, True], ids=["classic", "custom_vjp3"])
+def test_a_wrong_gradient_shape_keeps_the_installed_jax_sentence(vjp3):
+    """JAX's own message for a gradient of the wrong shape, in either of its custom_vjp
+    implementations (the ``jax_custom_vjp3`` option), is inside jaxext's, less JAX's
+    ``at file:line`` (JAX's own tests match ``the bwd rule attached to foo.*produced``)."""
+
+    def make(custom_vjp):
+        @custom_vjp
+        def foo(x, y):
+            return x
+
+        foo.defvjp(lambda x, y: (x, None), lambda _, g: (jnp.zeros(3), jnp.zeros(3)))
+        return foo
+
+    def message(custom_vjp):
+        foo = make(custom_vjp)
+        with pytest.raises(ValueError) as info:
+            jax.grad(lambda x, y: foo(x, y * y).sum(), 1)(jnp.ones(3), jnp.ones(4))
+        return str(info.value)
+
+    old = jax.config.jax_custom_vjp3
+    jax.config.update("jax_custom_vjp3", vjp3)
+    try:
+        expected = re.sub(r" at \S+:\d+", "", message(jax.custom_vjp))
+        got = message(jaxext.custom_vjp)
+    finally:
+        jax.config.update("jax_custom_vjp3", old)
+    assert "output[1]" in expected and "float32[3]" in expected  # the sentence, not another
+    assert f"(JAX: {expected}.)" in got
 
 
 _JAX_FWD_SENTENCE = (

@@ -317,7 +317,7 @@ BUGGY_OPS = {
     "wrong_gradient_dtype": (float32_grad_always, "grad_dtypes"),
     "float32_gradient_for_bfloat16": (float32_grad_for_bfloat16, "grad_dtypes"),
     "wrong_backward_value": (wrong_backward_value, "gradcheck"),
-    "backward_not_linear_in_cotangent": (abs_cotangent, "gradcheck"),
+    "backward_not_linear_in_cotangent": (abs_cotangent, "linearity"),
     "small_gradient_off_by_2x": (l2_penalty_off_by_2x, "gradcheck"),
     "jvp_rule_cut_at_second_order": (jvp_rule_wrong_at_second_order, "rev_over_fwd"),
 }
@@ -451,6 +451,67 @@ def test_unexportable_op_is_reported():
     report = jaxext.opcheck(op, args, checks=["export"], raise_exception=False)
     assert report.failed == ("export",)
     assert "cannot be exported" in report["export"].detail
+
+
+# -- linearity: where forward mode trusts the backward, tested numerically -------------------
+
+
+def _sin_with_host_backward(host):
+    """sin(x) through jaxext.custom_vjp whose backward sends g through ``host`` on the host
+    (``jax.pure_callback``: forward mode's linearity walk cannot see into it)."""
+
+    @jaxext.custom_vjp
+    def op(x):
+        return jnp.sin(x)
+
+    def bwd(x, g):
+        spec = jax.ShapeDtypeStruct(g.shape, g.dtype)
+        sent = jax.pure_callback(host, spec, g, vmap_method="sequential")
+        return (jnp.cos(x) * sent,)
+
+    op.defvjp(lambda x: (jnp.sin(x), x), bwd)
+    return op, (f64(0, (3, 2)),)
+
+
+HOST_BACKWARDS = {
+    "identity": lambda g: np.asarray(g),
+    # one-hot cotangents (gradcheck's, and forward mode's rows) are never clipped
+    "clipped_at_2": lambda g: np.clip(np.asarray(g), -2.0, 2.0),
+    "plus_a_constant": lambda g: np.asarray(g) + np.asarray(0.25, g.dtype),
+}
+
+
+def test_a_linear_backward_through_a_callback_passes_linearity():
+    op, args = _sin_with_host_backward(HOST_BACKWARDS["identity"])
+    report = jaxext.opcheck(op, args, checks=["linearity", "gradcheck", "jvp"])
+    detail = report["linearity"].detail
+    assert report.failed == () and report["linearity"].status == "PASS", str(report)
+    assert "bwd(3 g1 - 0.5 g2) = 3 bwd(g1) - 0.5 bwd(g2)" in detail
+    assert "the backward calls pure_callback, which forward mode's linearity walk" in detail
+
+
+@pytest.mark.parametrize("host", ["clipped_at_2", "plus_a_constant"])
+def test_a_callback_backward_nonlinear_in_g_fails_linearity(host):
+    op, args = _sin_with_host_backward(HOST_BACKWARDS[host])
+    report = jaxext.opcheck(
+        op, args, checks=["linearity", "gradcheck", "jvp"], raise_exception=False
+    )
+    assert "linearity" in report.failed, str(report)
+    detail = report["linearity"].detail
+    assert "not linear in its cotangent" in detail and "pure_callback" in detail
+    # The diagnostic names the gradient, the combination and the trusted call.
+    assert re.search(r"gradient of input 0: bwd\(3 g1 - 0\.5 g2\) differs", detail), detail
+    if host == "clipped_at_2":
+        # Right on every one-hot cotangent: the finite-difference rows cannot see it.
+        assert report.failed == ("linearity",), str(report)
+
+
+def test_linearity_detail_names_no_trusted_call_where_there_is_none():
+    report = jaxext.opcheck(
+        plain_vjp_linear, (f64(0, (4, 3)), f64(1, (2, 3))), checks=["linearity"]
+    )
+    assert report["linearity"].status == "PASS"
+    assert "linearity walk" not in report["linearity"].detail
 
 
 # -- options -----------------------------------------------------------------------------------

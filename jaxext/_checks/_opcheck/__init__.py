@@ -9,8 +9,9 @@ use ``op.rtol``, a normwise relative tolerance from the dtypes the op computes i
 above float64 rounding and far below any bug; for a float32 kernel, 1e-5.
 
 The checks are grouped by family: ``kernels`` (C++ kernels' unwritten results),
-``first_order``, ``second_order``, ``transforms`` (jit, vmap, checkpoint), ``export``,
-``precision`` (lower-precision runs) and ``platforms`` (lowering for each platform);
+``first_order``, ``linearity`` (the backward linear in its cotangent), ``second_order``,
+``transforms`` (jit, vmap, checkpoint), ``export``, ``precision`` (lower-precision
+runs) and ``platforms`` (lowering for each platform);
 ``_common`` holds what several families share. The order they run in lives here, in
 ``CHECKS`` and ``ALL_CHECKS``, and nowhere else: cheap structural checks first, then
 derivatives, transformations, export, lower precision and, last, the platform rows.
@@ -32,6 +33,7 @@ from .first_order import (
     zero_cotangent,
 )
 from .kernels import unwritten_outputs
+from .linearity import linearity
 from .platforms import PLATFORM_CHECKS
 from .precision import low_precision
 from .second_order import fwd_over_fwd, fwd_over_rev, gradgradcheck, rev_over_fwd
@@ -46,6 +48,7 @@ CHECKS: dict[str, Callable[[OpUnderTest, Settings], str]] = {
     "forward_rule": forward_rule,
     "grad_dtypes": grad_dtypes,
     "zero_cotangent": zero_cotangent,
+    "linearity": linearity,
     "reentrancy": reentrancy,
     "gradcheck": gradcheck,
     "gradgradcheck": gradgradcheck,

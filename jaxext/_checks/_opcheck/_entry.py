@@ -64,6 +64,11 @@ def opcheck(
       dtype the op has no kernel for is a SKIP naming it.
     * ``zero_cotangent``: a zero cotangent gives exactly zero gradients, and
       using only one of several outputs (the others symbolic zeros) works.
+    * ``linearity``: the backward is linear in its cotangent, as a VJP is:
+      ``bwd(3 g1 - 0.5 g2)`` equals ``3 bwd(g1) - 0.5 bwd(g2)`` for random ``g1, g2``
+      (a clip of ``g`` that one-hot cotangents never reach fails here). The row names
+      the calls in the backward that forward mode trusts to be linear without seeing
+      into them (host callbacks, FFI and Pallas kernels).
     * ``reentrancy``: the backward run twice agrees within ``nondet_tol``.
     * ``gradcheck`` / ``gradgradcheck``: first and second derivatives against
       finite differences, entry by entry (``jaxext.gradcheck``). A backward
