@@ -134,9 +134,10 @@ def _impl(x: Any, c: Any, *, divide: bool) -> Any:
 
 
 def _abstract(x: Any, c: Any, *, divide: bool) -> Any:
-    del divide
-    big = x if len(x.shape) >= len(c.shape) else c
-    return big.update(dtype=x.dtype, weak_type=x.weak_type and c.weak_type)
+    # The product's own type: ``mul`` broadcasts size-1 dimensions (``g[:, None] * x``
+    # is f32[3,1] * f32[3,4] -> f32[3,4]) and rank-0 operands; ``abstract_eval`` returns
+    # ``(aval, effects)``.
+    return (lax.div_p if divide else lax.mul_p).abstract_eval(x, c)[0]
 
 
 def _jvp(primals: Sequence[Any], tangents: Sequence[Any], *, divide: bool):
@@ -161,9 +162,18 @@ def _transpose(ct: Any, x: Any, c: Any, *, divide: bool) -> list[Any]:
         return [ad.Zero(aval), None]
     value = lax.div(ct, c) if divide else lax.mul(ct, c)
     value = jnp.where(ct == 0, jnp.zeros_like(value), value)
-    if value.shape != aval.shape:  # x was a scalar broadcast against c
-        value = jnp.sum(value)
-    return [value.astype(aval.dtype), None]
+    return [_unbroadcast(value, aval.shape).astype(aval.dtype), None]
+
+
+def _unbroadcast(value: Any, shape: tuple[int, ...]) -> Any:
+    """``value`` summed back to the ``shape`` the product broadcast: a rank-0 operand, or
+    size-1 dimensions (as the transpose of ``mul`` does)."""
+    if value.shape == shape:
+        return value
+    if not shape:
+        return jnp.sum(value)
+    axes = tuple(i for i, (a, b) in enumerate(zip(value.shape, shape, strict=True)) if a != b)
+    return jnp.sum(value, axis=axes, keepdims=True)
 
 
 def _batch(args: Sequence[Any], dims: Sequence[Any], *, divide: bool):

@@ -13,11 +13,12 @@ forward mode raises the error that names the op and the remedies; never a third 
 
 from __future__ import annotations
 
+import checker_ops
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FLOAT64_TOL, tiered
+from helpers import FLOAT64_TOL, assert_close_to_float64, tiered
 from jax import lax
 from jax.custom_batching import custom_vmap
 from ops_table import OPS
@@ -283,3 +284,50 @@ def test_sort_key_val_with_cotangent_keys_is_refused(x64):
     op = _op(lambda x: x, lambda _, g: (lax.sort_key_val(g, g)[1],), residual=lambda x: None)
     with pytest.raises(jaxext.RuleTypeError, match="sort"):
         jax.jvp(op, (jnp.array([0.3, 1.0]),), (jnp.ones(2),))
+
+
+# -- the zero-safe product's shapes: a cotangent broadcast over size-1 dimensions -------------
+
+
+def test_product_broadcasting_a_size_one_dimension_lowers(x64):
+    """``jnp.sum(g[:, None] * x, 0)`` multiplies f32[3,1] by f32[3,4]: the zero-safe product
+    took the shape of its first operand, and ``jit(jvp)`` failed to lower ("'stablehlo.reduce'
+    ... tensor<4xf32> vs tensor<1xf32>"). Float64, against jacrev of plain ``x @ w``."""
+
+    # forward_mode_max_outputs=0: transposed, not row by row.
+    matvec = jaxext.custom_vjp(lambda x, w: x @ w, forward_mode_max_outputs=0)
+    matvec.defvjp(
+        lambda x, w: (x @ w, (x, w)),
+        lambda res, g: (g[:, None] * res[1][None, :], jnp.sum(g[:, None] * res[0], 0)),
+    )
+    x, w = jnp.asarray(checker_ops.f64(0, (3, 4))), jnp.asarray(checker_ops.f64(1, (4,)))
+    tx, tw = jnp.asarray(checker_ops.f64(2, (3, 4))), jnp.asarray(checker_ops.f64(3, (4,)))
+    jx, jw = jax.jacrev(lambda x, w: x @ w, argnums=(0, 1))(x, w)
+    expected = np.einsum("kij,ij->k", jx, tx) + jw @ tw
+    tol = dict(rtol=FLOAT64_TOL, atol=FLOAT64_TOL)
+    jitted = jax.jit(lambda *a: jax.jvp(matvec, a[:2], a[2:])[1])(x, w, tx, tw)
+    np.testing.assert_allclose(jitted, expected, **tol)
+    fx, fw = jax.jit(jax.jacfwd(matvec, argnums=(0, 1)))(x, w)
+    np.testing.assert_allclose(fx, jx, **tol)
+    np.testing.assert_allclose(fw, jw, **tol)
+    # Batched tangents: the product's batching rule, with the broadcast dimension.
+    ts = jnp.stack([tw, 2 * tw])
+    batched = jax.jit(jax.vmap(lambda t: jax.jvp(matvec, (x, w), (jnp.zeros_like(x), t))[1]))(ts)
+    np.testing.assert_allclose(batched, np.stack([jw @ tw, 2 * (jw @ tw)]), **tol)
+
+
+def test_float32_loop_carry_op_jit_jvp_lowers():
+    """The catalogue's float32 op (fori_loop primal, the bwd above): ``jit(jvp)`` and
+    ``jit(jacfwd)`` against float64 ``jacrev`` of ``x @ w``, at float32's tolerance."""
+    op, (x, w) = checker_ops.loop_carry_float32()
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    tx, tw = jnp.ones_like(x), jnp.linspace(-1.0, 1.0, 4, dtype=jnp.float32)
+    with jax.enable_x64(True):
+        x64_, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+        jx, jw = (np.asarray(j) for j in jax.jacrev(jnp.matmul, argnums=(0, 1))(x64_, w64))
+    expected = np.einsum("kij,ij->k", jx, np.asarray(tx, np.float64)) + jw @ np.asarray(tw)
+    jitted = jax.jit(lambda *a: jax.jvp(op, a[:2], a[2:])[1])(x, w, tx, tw)
+    assert_close_to_float64(jitted, expected, n=8)
+    fx, fw = jax.jit(jax.jacfwd(op, argnums=(0, 1)))(x, w)
+    assert_close_to_float64(fx, jx)
+    assert_close_to_float64(fw, jw)
