@@ -41,7 +41,7 @@ from jax import lax
 from jax.extend.core import Literal, Primitive
 from jax.interpreters import ad, batching, mlir
 
-from ._jaxpr import call_body
+from ._jaxpr import Body, call_body, cond_parts, scan_parts, while_parts
 
 __all__ = ["by_values", "scale_p"]
 
@@ -115,6 +115,9 @@ def _eval_eqn(eqn: Any, vals: list[Any], flags: list[bool]) -> list[Any]:
             body = call_body(eqn)
             if body is not None:
                 return _eval(body.jaxpr, list(body.consts), vals, flags)
+        if name in _LOOPS:
+            with eqn.ctx.manager:
+                return _LOOPS[name](eqn, vals, flags)
     params = eqn.primitive.get_bind_params(eqn.params)
     subfuns: Sequence[Any] = ()
     if isinstance(params, tuple):  # (subfuns, params) in older JAX
@@ -122,6 +125,98 @@ def _eval_eqn(eqn: Any, vals: list[Any], flags: list[bool]) -> list[Any]:
     with eqn.ctx.manager:
         out = eqn.primitive.bind(*subfuns, *vals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+# -- branches and loops: rebuilt with their bodies re-run by values ---------------------------
+
+
+def _body_fn(body: Body, flags: Sequence[bool]) -> Callable[..., list[Any]]:
+    """``body`` as a function evaluated by :func:`_eval` (its values, rewritten)."""
+
+    def fn(*args: Any) -> list[Any]:
+        return _eval(body.jaxpr, list(body.consts), list(args), flags)
+
+    return fn
+
+
+def _depends(jaxpr: Any, flags: Sequence[bool]) -> list[bool]:
+    """Which outputs of ``jaxpr`` may depend on the inputs ``flags`` marks (each equation's
+    outputs on all its operands: an over-approximation, never missing a dependence)."""
+    env = dict(zip(jaxpr.invars, flags, strict=True))
+    for eqn in jaxpr.eqns:
+        dependent = any(env.get(a, False) for a in eqn.invars if not isinstance(a, Literal))
+        env.update((v, dependent) for v in eqn.outvars)
+    return [False if isinstance(v, Literal) else env.get(v, False) for v in jaxpr.outvars]
+
+
+def _carry_flags(step: Callable[[list[bool]], list[bool]], carry: Sequence[bool]) -> list[bool]:
+    """The carry's dependence flags over any number of iterations of ``step``."""
+    flags = list(carry)
+    while True:
+        new = [a or b for a, b in zip(flags, step(flags), strict=True)]
+        if new == flags:
+            return flags
+        flags = new
+
+
+def _cond(eqn: Any, vals: list[Any], flags: list[bool]) -> list[Any]:
+    parts, part_flags = cond_parts(eqn, vals), cond_parts(eqn, flags)
+    fns = [_body_fn(b, part_flags.operands) for b in parts.branches]
+    return list(lax.switch(parts.index, fns, *parts.operands))
+
+
+def _scan(eqn: Any, vals: list[Any], flags: list[bool]) -> list[Any]:
+    parts, f = scan_parts(eqn, vals), scan_parts(eqn, flags)
+    n_carry = len(parts.carry)
+
+    def step_flags(carry: list[bool]) -> list[bool]:
+        return _depends(parts.body.jaxpr, [*f.consts, *carry, *f.xs])[:n_carry]
+
+    carry_flags = _carry_flags(step_flags, f.carry)
+    run = _body_fn(parts.body, [*f.consts, *carry_flags, *f.xs])
+
+    def step(carry: list[Any], xs: list[Any]) -> tuple[list[Any], list[Any]]:
+        out = run(*parts.consts, *carry, *xs)
+        return out[:n_carry], out[n_carry:]
+
+    params = eqn.params
+    carry, ys = lax.scan(
+        step,
+        parts.carry,
+        parts.xs,
+        length=params["length"],
+        reverse=params["reverse"],
+        unroll=params["unroll"],
+    )
+    return [*carry, *ys]
+
+
+def _while(eqn: Any, vals: list[Any], flags: list[bool]) -> list[Any]:
+    parts, f = while_parts(eqn, vals), while_parts(eqn, flags)
+
+    def step_flags(carry: list[bool]) -> list[bool]:
+        return _depends(parts.body.jaxpr, [*f.body_consts, *carry])
+
+    carry_flags = _carry_flags(step_flags, f.carry)
+    cond = _body_fn(parts.cond, [*f.cond_consts, *carry_flags])
+    body = _body_fn(parts.body, [*f.body_consts, *carry_flags])
+    return list(
+        lax.while_loop(
+            lambda c: cond(*parts.cond_consts, *c)[0],
+            lambda c: body(*parts.body_consts, *c),
+            list(parts.carry),
+        )
+    )
+
+
+# Branches and loops rebuilt by their values (JAX transposes ``cond`` and ``scan`` by
+# transposing their bodies; a ``while`` it does not transpose, but rebuilt it computes the
+# same values, so the row-by-row way and this one agree).
+_LOOPS: dict[str, Callable[[Any, list[Any], list[bool]], list[Any]]] = {
+    "cond": _cond,
+    "scan": _scan,
+    "while": _while,
+}
 
 
 # -- scale_p: x * c (or x / c), linear in x, whose transpose keeps a zero cotangent zero ----

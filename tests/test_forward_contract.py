@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FLOAT64_TOL, assert_close_to_float64, tiered
+from helpers import FLOAT64_TOL, assert_close_to_float64, grid, tiered
 from jax import lax
 from jax.custom_batching import custom_vmap
 from ops_table import OPS
@@ -331,3 +331,81 @@ def test_float32_loop_carry_op_jit_jvp_lowers():
     fx, fw = jax.jit(jax.jacfwd(op, argnums=(0, 1)))(x, w)
     assert_close_to_float64(fx, jx)
     assert_close_to_float64(fw, jw)
+
+
+# -- loops and branches of the backward, re-run by their values ------------------------------
+
+
+@jax.custom_jvp
+def _double(g):
+    return 2.0 * g
+
+
+_double.defjvp(lambda p, t: (_double(p[0]), 3.0 * t[0]))  # not the derivative of its values
+
+# Steps linear in the cotangent ``g`` whose derivative rules differ from their values.
+BODY_STEPS = {
+    "stop_gradient": lambda x, g: jnp.cos(x) * lax.stop_gradient(g),
+    "custom_jvp": lambda x, g: jnp.cos(x) * _double(g),
+    "masked": lambda x, g: jnp.where(x > 0, g * 0.5 / jnp.sqrt(x), 0.0),  # inf at x = 0
+}
+# Constructs JAX transposes by their own rules, each running a step in its body.
+CONSTRUCTS = {
+    "cond": lambda f, x, g: lax.cond(x[1] > 0, lambda g: f(x, g), lambda g: 2 * g, g),
+    "switch": lambda f, x, g: lax.switch(
+        jnp.int32(2), [lambda g: -g, lambda g: 2 * g, lambda g: f(x, g)], g
+    ),
+    "scan": lambda f, x, g: lax.scan(lambda a, _: (f(x, a), None), g, None, length=2)[0],
+    "scan-xs": lambda f, x, g: lax.scan(lambda c, gi: (c, f(x, gi)), 0.0, jnp.stack([g, g]))[1][1],
+    "fori_loop": lambda f, x, g: lax.fori_loop(0, 2, lambda i, a: f(x, a), g),
+    "scan-in-cond": lambda f, x, g: lax.cond(
+        x[1] > 0, lambda g: CONSTRUCTS["scan"](f, x, g), jnp.negative, g
+    ),
+}
+
+
+def _in_body_op(construct, step):
+    return _op(
+        lambda x: x, lambda x, g: (CONSTRUCTS[construct](BODY_STEPS[step], x, g),), transposed=True
+    )
+
+
+@pytest.mark.parametrize(*grid(construct=list(CONSTRUCTS), step=list(BODY_STEPS)))
+def test_step_inside_a_loop_or_branch_is_transposed_by_its_values(construct, step, x64):
+    """A ``stop_gradient``, a custom_jvp call or a masked product inside a ``cond`` branch or
+    a ``scan``/``fori_loop`` body: exact zeros (the derivative 0 of ``stop_gradient``), the
+    custom rule's number or NaN before; reverse mode's numbers now (jacrev entrywise)."""
+    op = _in_body_op(construct, step)
+    x, t = jnp.array([0.0, 1.0, 4.0]), jnp.array([0.0, -1.0, 0.25])
+    jac = _assert_forward_is_reverse(op, x, t)
+    assert np.isfinite(jac).all()
+    assert np.count_nonzero(np.diag(jac)) >= 2  # not the silent zero
+
+
+WHILE_BACKWARDS = {
+    "while_loop": lambda f, x, g: lax.while_loop(
+        lambda s: s[0] < 2, lambda s: (s[0] + 1, f(x, s[1])), (0, g)
+    )[1],
+    # A trip count read from a residual.
+    "while_loop-residual": lambda f, x, g: lax.while_loop(
+        lambda s: s[0] < x[2], lambda s: (s[0] + 2.0, f(x, s[1])), (0.0, g)
+    )[1],
+}
+
+
+@pytest.mark.parametrize(*grid(loop=list(WHILE_BACKWARDS), step=list(BODY_STEPS)))
+def test_step_inside_a_while_loop_is_reverse_mode_or_the_named_error(loop, step, x64):
+    """JAX transposes no ``while_loop``: row by row gives reverse mode's numbers; with that
+    off, the named error (never a number)."""
+    backward = WHILE_BACKWARDS[loop]
+    x, t = jnp.array([0.0, 1.0, 4.0]), jnp.array([0.0, -1.0, 0.25])
+
+    def bwd(x, g):
+        return (backward(BODY_STEPS[step], x, g),)
+
+    _assert_forward_is_reverse(_op(lambda x: x, bwd, transposed=False), x, t)
+    op = _op(lambda x: x, bwd, transposed=True)
+    with pytest.raises(TypeError, match="differentiate_fwd=True"):
+        jax.jvp(op, (x,), (t,))
+    with pytest.raises(TypeError, match="differentiate_fwd=True"):
+        jax.jit(jax.jacfwd(op))(x)
