@@ -111,6 +111,8 @@ def _eval_eqn(eqn: Any, vals: list[Any], flags: list[bool]) -> list[Any]:
         if name in ("mul", "div") and flags[0] != flags[1] and not (name == "div" and flags[1]):
             x, c = (vals[0], vals[1]) if flags[0] else (vals[1], vals[0])
             return [scale_p.bind(x, c, divide=name == "div")]
+        if name == "dot_general" and flags[0] != flags[1] and _real(vals):
+            return [_zero_safe_dot(eqn, vals, linear_lhs=flags[0])]
         if name in _BY_BODY or name in _CALLS:
             body = call_body(eqn)
             if body is not None:
@@ -125,6 +127,74 @@ def _eval_eqn(eqn: Any, vals: list[Any], flags: list[bool]) -> list[Any]:
     with eqn.ctx.manager:
         out = eqn.primitive.bind(*subfuns, *vals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+# -- dot_general: a product summed, zero-safe where its coefficient is not finite ------------
+
+
+def _real(vals: Sequence[Any]) -> bool:
+    return all(jnp.issubdtype(jnp.result_type(v), jnp.floating) for v in vals)
+
+
+def _zero_safe_dot(eqn: Any, vals: list[Any], *, linear_lhs: bool) -> Any:
+    """``dot_general(lhs, rhs)``, one operand linear: as written where the other (the
+    coefficient) is all finite; else its finite part as written plus its non-finite
+    entries' products as :data:`scale_p`, summed, so that the transpose keeps a zero
+    cotangent zero against ``inf`` (a ``lax.cond``, not a branch on traced values)."""
+    params = eqn.params
+    out_dtype = eqn.outvars[0].aval.dtype
+    coef = vals[1] if linear_lhs else vals[0]
+
+    def dot(lhs: Any, rhs: Any) -> Any:
+        return lax.dot_general_p.bind(lhs, rhs, **params)
+
+    def with_coef(c: Any) -> list[Any]:
+        return [vals[0], c] if linear_lhs else [c, vals[1]]
+
+    def as_written(c: Any) -> Any:
+        return dot(*with_coef(c))
+
+    def safe(c: Any) -> Any:
+        finite = jnp.isfinite(c)
+        summed = dot(*with_coef(jnp.where(finite, c, jnp.zeros_like(c))))
+        rest = _products_summed(
+            *with_coef(jnp.where(finite, jnp.zeros_like(c), c)),
+            params["dimension_numbers"],
+            out_dtype,
+            linear_lhs,
+        )
+        return summed + rest
+
+    return lax.cond(jnp.all(jnp.isfinite(coef)), as_written, safe, coef)
+
+
+def _products_summed(
+    lhs: Any, rhs: Any, dimension_numbers: Any, dtype: Any, linear_lhs: bool
+) -> Any:
+    """``dot_general(lhs, rhs)`` as elementwise products (:data:`scale_p`, linear in the
+    linear operand) over the broadcast ``(batch, lhs free, rhs free, contracting)`` layout,
+    summed over the contracting dimensions: ``dot_general``'s own output layout."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    lfree = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
+    rfree = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
+    nb, nl, nr, nc = len(lb), len(lfree), len(rfree), len(lc)
+    shape = (
+        *(lhs.shape[d] for d in lb),
+        *(lhs.shape[d] for d in lfree),
+        *(rhs.shape[d] for d in rfree),
+        *(lhs.shape[d] for d in lc),
+    )
+    contracting = tuple(range(nb + nl + nr, nb + nl + nr + nc))
+    lhs_dims = (*range(nb + nl), *contracting)
+    rhs_dims = (*range(nb), *range(nb + nl, nb + nl + nr), *contracting)
+    wide_lhs = lax.broadcast_in_dim(
+        lax.transpose(lhs.astype(dtype), (*lb, *lfree, *lc)), shape, lhs_dims
+    )
+    wide_rhs = lax.broadcast_in_dim(
+        lax.transpose(rhs.astype(dtype), (*rb, *rfree, *rc)), shape, rhs_dims
+    )
+    x, c = (wide_lhs, wide_rhs) if linear_lhs else (wide_rhs, wide_lhs)
+    return jnp.sum(scale_p.bind(x, c, divide=False), axis=contracting)
 
 
 # -- branches and loops: rebuilt with their bodies re-run by values ---------------------------

@@ -409,3 +409,65 @@ def test_step_inside_a_while_loop_is_reverse_mode_or_the_named_error(loop, step,
         jax.jvp(op, (x,), (t,))
     with pytest.raises(TypeError, match="differentiate_fwd=True"):
         jax.jit(jax.jacfwd(op))(x)
+
+
+# -- products inside dot_general, zero-safe ---------------------------------------------------
+
+
+def _half_rsqrt_diag(x):
+    """``diag(0.5 / sqrt(x))``: infinite where ``x = 0``, exact zeros off the diagonal."""
+    return jnp.diag(0.5 / jnp.sqrt(x))
+
+
+# Guarded backwards whose masked branch reaches a matmul: ``g @ diag(0.5 / sqrt(x))`` holds
+# ``0 * inf`` at x = 0 in the transpose (the mask sends a zero back); reverse mode is finite.
+MASKED_MATMULS = {
+    "matmul": lambda x, g: jnp.where(x > 0, g @ _half_rsqrt_diag(x), 0.0),
+    "dot-linear-rhs": lambda x, g: jnp.where(x > 0, jnp.dot(_half_rsqrt_diag(x), g), 0.0),
+    "einsum": lambda x, g: jnp.where(x > 0, jnp.einsum("i,ij->j", g, _half_rsqrt_diag(x)), 0.0),
+    "einsum-batched": lambda x, g: jnp.where(
+        x > 0,
+        jnp.einsum("bi,bij->bj", g.reshape(1, 3), _half_rsqrt_diag(x)[None]).reshape(3),
+        0.0,
+    ),
+    "in-scan": lambda x, g: lax.scan(
+        lambda a, _: (jnp.where(x > 0, a @ _half_rsqrt_diag(x), 0.0), None), g, None, length=1
+    )[0],
+}
+
+
+@pytest.mark.parametrize("name", list(MASKED_MATMULS))
+def test_masked_branch_reaching_a_matmul_gives_no_nan(name, x64):
+    """The guarded backward's NaN of ``test_masked_branch_gives_no_nan``, through a
+    ``dot_general`` (``@``, ``jnp.dot``, ``einsum``): NaN in row 0 of jacfwd before."""
+    bwd = MASKED_MATMULS[name]
+    op = _op(
+        lambda x: jnp.where(x > 0, jnp.sqrt(jnp.where(x > 0, x, 1.0)), 0.0),
+        lambda x, g: (bwd(x, g),),
+    )
+    x = jnp.array([0.0, 1.0, 4.0])
+    jac = _assert_forward_is_reverse(op, x, jnp.array([0.0, 1.0, 1.0]))
+    np.testing.assert_array_equal(jac, np.diag([0.0, 0.5, 0.25]))
+    _assert_forward_is_reverse(op, x, jnp.array([1.0, 1.0, 1.0]))
+    batched = jax.vmap(lambda t: jax.jvp(op, (x,), (t,))[1])(jnp.eye(3))
+    np.testing.assert_array_equal(batched, jac.T)
+
+
+INF_MATRIX = jnp.array([[1.0, jnp.inf, 0.0], [2.0, 3.0, -jnp.inf], [0.5, 0.0, 4.0]])
+
+
+@pytest.mark.parametrize(
+    "bwd",
+    [lambda _, g: (g @ INF_MATRIX,), lambda _, g: (INF_MATRIX @ g,)],
+    ids=["linear-lhs", "linear-rhs"],
+)
+def test_matmul_nan_only_where_reverse_mode_has_one(bwd, x64):
+    """An unguarded infinite matrix entry: reverse mode's rows hold NaN (0 * inf) where
+    another row meets it; forward mode gives reverse mode's numbers wherever those are not
+    NaN (inf included), and NaN nowhere else."""
+    x = jnp.array([0.3, 1.0, 2.0])
+    op = _op(lambda x: x, bwd, residual=lambda x: None)
+    _assert_nan_only_where_reverse_has_one(op, x)
+    rev, fwd = np.asarray(jax.jacrev(op)(x)), np.asarray(jax.jit(jax.jacfwd(op))(x))
+    assert np.isinf(rev).any()
+    np.testing.assert_array_equal(fwd[~np.isnan(rev)], rev[~np.isnan(rev)])
