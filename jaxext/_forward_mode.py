@@ -195,7 +195,8 @@ def tangent_from_backward(
         )
         row_error = failures[0]
     try:  # way 4 (trusted): the custom rules of calls whose values JAX cannot transpose
-        return [jnp.asarray(o) for o in _transposed_linearization(backward, examples, t_in)]
+        rules = by_values(backward, [examples], custom_rules=True)
+        return [jnp.asarray(o) for o in _transposed_linearization(rules, examples, t_in)]
     except (RuleTypeError, RuleValueError):
         raise
     except Exception:  # noqa: BLE001 -- reported through the first failure below

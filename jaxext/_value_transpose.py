@@ -41,7 +41,7 @@ from jax import lax
 from jax.extend.core import Literal, Primitive
 from jax.interpreters import ad, batching, mlir
 
-from ._jaxpr import Body, call_body, cond_parts, scan_parts, while_parts
+from ._jaxpr import Body, call_body, cond_parts, inner_jaxprs, scan_parts, while_parts
 
 __all__ = ["by_values", "scale_p"]
 
@@ -51,16 +51,24 @@ _BY_BODY = {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
 _CALLS = {"jit", "pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint"}
 
 
-def by_values(fn: Callable[..., Any], examples: Sequence[Any]) -> Callable[..., Any]:
+def by_values(
+    fn: Callable[..., Any], examples: Sequence[Any], *, custom_rules: bool = False
+) -> Callable[..., Any]:
     """``fn`` traced at ``examples`` and re-evaluated by its values (module docstring).
 
     Args:
         fn: the function, called as ``fn(*examples)``; its inputs are the values it is
             linear in (the backward's cotangents).
         examples: its arguments (arrays or ``jax.ShapeDtypeStruct``s).
+        custom_rules: keep ``custom_jvp``/``custom_vjp`` calls as calls, differentiated by
+            their rules (trusted: forward mode's last way, for a call whose primal JAX
+            cannot transpose); everything else is still read by its values.
 
     Returns:
-        A function of the same arguments and results, computing the same values.
+        A function of the same arguments and results, computing the same values. Calling
+        it raises ``NotImplementedError`` where a construct it cannot rebuild (a
+        ``shard_map``, a ``custom_vmap``, a Pallas kernel) holds an operation whose
+        derivative rule differs from its values.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -76,14 +84,17 @@ def by_values(fn: Callable[..., Any], examples: Sequence[Any]) -> Callable[..., 
 
     def run(*args: Any) -> Any:
         flat = jax.tree_util.tree_leaves(args)
-        out = _eval(jaxpr, consts, flat, [True] * len(flat))
+        out = _eval(jaxpr, consts, flat, [True] * len(flat), custom_rules)
         return jax.tree_util.tree_unflatten(out_tree, out)
 
     return run
 
 
-def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], linear: Sequence[bool]):
-    """Evaluates ``jaxpr``; ``linear`` flags the inputs that depend on the linear inputs."""
+def _eval(
+    jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], linear: Sequence[bool], rules: bool
+) -> list[Any]:
+    """Evaluates ``jaxpr``; ``linear`` flags the inputs that depend on the linear inputs;
+    ``rules``: custom derivative calls kept (``by_values``'s ``custom_rules``)."""
     env: dict[Any, tuple[Any, bool]] = {}
     for v, c in zip(jaxpr.constvars, consts, strict=True):
         env[v] = (c, False)
@@ -96,16 +107,16 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], linear: Sequen
     for eqn in jaxpr.eqns:
         read_in = [read(a) for a in eqn.invars]
         vals, flags = [v for v, _ in read_in], [f for _, f in read_in]
-        outs = _eval_eqn(eqn, vals, flags)
+        outs = _eval_eqn(eqn, vals, flags, rules)
         dependent = any(flags)
         for v, o in zip(eqn.outvars, outs, strict=True):
             env[v] = (o, dependent)
     return [read(v)[0] for v in jaxpr.outvars]
 
 
-def _eval_eqn(eqn: Any, vals: list[Any], flags: list[bool]) -> list[Any]:
+def _eval_eqn(eqn: Any, vals: list[Any], flags: list[bool], rules: bool) -> list[Any]:
     name = eqn.primitive.name
-    if any(flags):
+    if any(flags) and not (rules and name in _BY_BODY):
         if name == "stop_gradient":
             return list(vals)
         if name in ("mul", "div") and flags[0] != flags[1] and not (name == "div" and flags[1]):
@@ -116,10 +127,16 @@ def _eval_eqn(eqn: Any, vals: list[Any], flags: list[bool]) -> list[Any]:
         if name in _BY_BODY or name in _CALLS:
             body = call_body(eqn)
             if body is not None:
-                return _eval(body.jaxpr, list(body.consts), vals, flags)
+                return _eval(body.jaxpr, list(body.consts), vals, flags, rules)
         if name in _LOOPS:
             with eqn.ctx.manager:
-                return _LOOPS[name](eqn, vals, flags)
+                return _LOOPS[name](eqn, vals, flags, rules)
+        found = _rule_not_values_inside(eqn)
+        if found is not None:
+            raise NotImplementedError(
+                f"`{name}` holds `{found}`, whose derivative rule is not its values', and "
+                f"forward mode cannot rebuild a `{name}` to read it by its values"
+            )
     params = eqn.primitive.get_bind_params(eqn.params)
     subfuns: Sequence[Any] = ()
     if isinstance(params, tuple):  # (subfuns, params) in older JAX
@@ -127,6 +144,21 @@ def _eval_eqn(eqn: Any, vals: list[Any], flags: list[bool]) -> list[Any]:
     with eqn.ctx.manager:
         out = eqn.primitive.bind(*subfuns, *vals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _rule_not_values_inside(eqn: Any) -> str | None:
+    """The name of a ``stop_gradient`` or custom derivative call in ``eqn``'s inner jaxprs,
+    at any depth, else ``None``. (Custom rules count even where ``by_values`` keeps them,
+    ``custom_rules``: only those it reaches are trusted.)"""
+    for body in inner_jaxprs(eqn):
+        for inner in body.jaxpr.eqns:
+            name = inner.primitive.name
+            if name == "stop_gradient" or name in _BY_BODY:
+                return name
+            found = _rule_not_values_inside(inner)
+            if found is not None:
+                return found
+    return None
 
 
 # -- dot_general: a product summed, zero-safe where its coefficient is not finite ------------
@@ -200,11 +232,11 @@ def _products_summed(
 # -- branches and loops: rebuilt with their bodies re-run by values ---------------------------
 
 
-def _body_fn(body: Body, flags: Sequence[bool]) -> Callable[..., list[Any]]:
+def _body_fn(body: Body, flags: Sequence[bool], rules: bool) -> Callable[..., list[Any]]:
     """``body`` as a function evaluated by :func:`_eval` (its values, rewritten)."""
 
     def fn(*args: Any) -> list[Any]:
-        return _eval(body.jaxpr, list(body.consts), list(args), flags)
+        return _eval(body.jaxpr, list(body.consts), list(args), flags, rules)
 
     return fn
 
@@ -229,13 +261,13 @@ def _carry_flags(step: Callable[[list[bool]], list[bool]], carry: Sequence[bool]
         flags = new
 
 
-def _cond(eqn: Any, vals: list[Any], flags: list[bool]) -> list[Any]:
+def _cond(eqn: Any, vals: list[Any], flags: list[bool], rules: bool) -> list[Any]:
     parts, part_flags = cond_parts(eqn, vals), cond_parts(eqn, flags)
-    fns = [_body_fn(b, part_flags.operands) for b in parts.branches]
+    fns = [_body_fn(b, part_flags.operands, rules) for b in parts.branches]
     return list(lax.switch(parts.index, fns, *parts.operands))
 
 
-def _scan(eqn: Any, vals: list[Any], flags: list[bool]) -> list[Any]:
+def _scan(eqn: Any, vals: list[Any], flags: list[bool], rules: bool) -> list[Any]:
     parts, f = scan_parts(eqn, vals), scan_parts(eqn, flags)
     n_carry = len(parts.carry)
 
@@ -243,7 +275,7 @@ def _scan(eqn: Any, vals: list[Any], flags: list[bool]) -> list[Any]:
         return _depends(parts.body.jaxpr, [*f.consts, *carry, *f.xs])[:n_carry]
 
     carry_flags = _carry_flags(step_flags, f.carry)
-    run = _body_fn(parts.body, [*f.consts, *carry_flags, *f.xs])
+    run = _body_fn(parts.body, [*f.consts, *carry_flags, *f.xs], rules)
 
     def step(carry: list[Any], xs: list[Any]) -> tuple[list[Any], list[Any]]:
         out = run(*parts.consts, *carry, *xs)
@@ -261,15 +293,15 @@ def _scan(eqn: Any, vals: list[Any], flags: list[bool]) -> list[Any]:
     return [*carry, *ys]
 
 
-def _while(eqn: Any, vals: list[Any], flags: list[bool]) -> list[Any]:
+def _while(eqn: Any, vals: list[Any], flags: list[bool], rules: bool) -> list[Any]:
     parts, f = while_parts(eqn, vals), while_parts(eqn, flags)
 
     def step_flags(carry: list[bool]) -> list[bool]:
         return _depends(parts.body.jaxpr, [*f.body_consts, *carry])
 
     carry_flags = _carry_flags(step_flags, f.carry)
-    cond = _body_fn(parts.cond, [*f.cond_consts, *carry_flags])
-    body = _body_fn(parts.body, [*f.body_consts, *carry_flags])
+    cond = _body_fn(parts.cond, [*f.cond_consts, *carry_flags], rules)
+    body = _body_fn(parts.body, [*f.body_consts, *carry_flags], rules)
     return list(
         lax.while_loop(
             lambda c: cond(*parts.cond_consts, *c)[0],
@@ -282,7 +314,7 @@ def _while(eqn: Any, vals: list[Any], flags: list[bool]) -> list[Any]:
 # Branches and loops rebuilt by their values (JAX transposes ``cond`` and ``scan`` by
 # transposing their bodies; a ``while`` it does not transpose, but rebuilt it computes the
 # same values, so the row-by-row way and this one agree).
-_LOOPS: dict[str, Callable[[Any, list[Any], list[bool]], list[Any]]] = {
+_LOOPS: dict[str, Callable[[Any, list[Any], list[bool], bool], list[Any]]] = {
     "cond": _cond,
     "scan": _scan,
     "while": _while,

@@ -471,3 +471,48 @@ def test_matmul_nan_only_where_reverse_mode_has_one(bwd, x64):
     rev, fwd = np.asarray(jax.jacrev(op)(x)), np.asarray(jax.jit(jax.jacfwd(op))(x))
     assert np.isinf(rev).any()
     np.testing.assert_array_equal(fwd[~np.isnan(rev)], rev[~np.isnan(rev)])
+
+
+def _host_double():
+    """``2 g`` computed on the host, as a ``jaxext.custom_vjp`` op whose rules JAX can
+    transpose (its primal it cannot)."""
+
+    def host(g):
+        shape = jax.ShapeDtypeStruct(g.shape, g.dtype)
+        return jax.pure_callback(lambda g: 2 * g, shape, g, vmap_method="sequential")
+
+    op = jaxext.custom_vjp(host)
+    op.defvjp(lambda g: (host(g), None), lambda _, ct: (2 * ct,))
+    return op
+
+
+def test_stop_gradient_beside_a_trusted_custom_rule_is_its_value(x64):
+    """Way 4 (the custom rules of a call whose primal JAX cannot transpose, past the
+    row-by-row limit) read ``stop_gradient`` by its derivative: exact zeros before."""
+    double = _host_double()
+    op = _op(jnp.sin, lambda x, g: (jnp.cos(x) * double(lax.stop_gradient(g)) / 2,))
+    x, t = jnp.array([0.3, 1.0, 2.0]), jnp.array([0.5, -1.0, 0.25])
+    jac = _assert_forward_is_reverse(op, x, t)
+    np.testing.assert_allclose(np.diag(jac), np.cos(x), rtol=1e-15)
+
+
+def _in_shard_map(step):
+    """``step`` inside a ``shard_map`` over a one-device mesh: a construct carrying a jaxpr
+    that forward mode does not rebuild."""
+    from jax.sharding import PartitionSpec
+
+    mesh = jax.make_mesh((1,), ("d",))
+    spec = PartitionSpec()  # replicated
+    return lambda x, g: jax.shard_map(step, mesh=mesh, in_specs=(spec, spec), out_specs=spec)(x, g)
+
+
+@pytest.mark.parametrize("step", ["stop_gradient", "custom_jvp"])
+def test_step_inside_an_unrebuilt_construct_is_reverse_mode_or_the_named_error(step, x64):
+    """A ``shard_map`` body is transposed by JAX's rules: a ``stop_gradient`` in it gave
+    exact zeros. Row by row gives reverse mode's numbers; with that off, the named error."""
+    bwd = _in_shard_map(BODY_STEPS[step])
+    x, t = jnp.array([0.0, 1.0, 4.0]), jnp.array([0.0, -1.0, 0.25])
+    _assert_forward_is_reverse(_op(jnp.sin, lambda x, g: (bwd(x, g),), transposed=False), x, t)
+    op = _op(jnp.sin, lambda x, g: (bwd(x, g),), transposed=True)
+    with pytest.raises(TypeError, match="forward mode cannot rebuild a `shard_map`"):
+        jax.jvp(op, (x,), (t,))
