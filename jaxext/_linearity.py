@@ -14,12 +14,14 @@ nothing. This module classifies each value of the backward's jaxpr as
 * ``NONLINEAR``: any other use of the inputs,
 
 and reports, per output, why it is not linear. It walks into every construct that
-carries a jaxpr: calls (``jit``, ``remat``, ``custom_jvp``/``custom_vjp`` calls, whose
-primal is what the backward computes, ``custom_vmap``), ``cond`` branches, and ``scan`` and
-``while_loop`` bodies (to a fixed point of the carry's kinds, for any trip count). It knows
-the operations JAX itself linearizes in some operands only: ``sort`` in its payload (the
-keys must not depend on the inputs: ``lax.sort_key_val(perm, g)`` is linear), gathers and
-scatters in their data (not their indices).
+carries a jaxpr of values: calls (any equation whose jaxpr takes its operands and returns
+its results, ``_jaxpr.call_body``: ``jit``, ``remat``, ``custom_jvp``/``custom_vjp``
+calls, whose primal is what the backward computes, ``custom_vmap``, ``shard_map``),
+``cond`` branches, and ``scan`` and ``while_loop`` bodies (to a fixed point of the carry's
+kinds, for any trip count). It knows the operations JAX itself linearizes in some
+operands only: ``sort`` in its payload (the keys must not depend on the inputs:
+``lax.sort_key_val(perm, g)`` is linear), gathers and scatters in their data (not their
+indices).
 
 Primitives it does not know are given the benefit of the doubt (``UNKNOWN``): the walk
 only reports what it can prove. So are, and only these are, trusted: host callbacks, FFI

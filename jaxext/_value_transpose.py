@@ -17,16 +17,26 @@ the values they compute, so that the transpose would differ from reverse mode's 
 
 :func:`by_values` traces the backward once and returns a function that evaluates its jaxpr
 with ``stop_gradient`` as the identity, custom derivative calls as their primal bodies
-(walked in turn), calls (``jit``, ``remat``) walked through, and those products bound as
-:data:`scale_p`, whose transpose keeps a zero cotangent zero (``0 * inf`` is ``0``
-there, so a NaN of the transpose is one the backward's own values hold). The result
-computes the same values as the backward, and its transpose is the map it computes.
+(walked in turn), calls (``jit``, ``remat``) walked through, ``cond`` branches and ``scan``
+and ``while`` bodies rebuilt (``lax.switch``, ``lax.scan``, ``lax.while_loop``) around
+their bodies read the same way, and those products bound as :data:`scale_p`, whose
+transpose keeps a zero cotangent zero (``0 * inf`` is ``0`` there, so a NaN of the
+transpose is one the backward's own values hold). A ``dot_general`` with one operand
+depending on ``g`` (``@``, ``jnp.dot``, ``einsum``) runs as written where its other operand
+is all finite, and else sums its non-finite entries' products through :data:`scale_p` (a
+``lax.cond``). The result computes the same values as the backward, and its transpose is
+the map it computes.
 
-What it does not rewrite: loops and branches (``while``, ``scan``, ``cond``) keep their
-bodies as written (JAX transposes ``scan`` and ``cond`` by their rules, so a
-``stop_gradient`` or custom rule inside one is linearized by its rule); a product inside
-a ``dot_general`` is not made zero-safe. ``custom_vmap`` calls are kept too: JAX
-differentiates them through their body.
+With ``custom_rules=True`` (forward mode's last way, for a call whose primal JAX cannot
+transpose) custom derivative calls are kept, differentiated by their rules (trusted, and
+listed in ``docs/limitations.md``); the rest is read by its values as above.
+
+What it does not rebuild: a construct carrying a jaxpr other than those (``shard_map``,
+``custom_vmap``, a Pallas kernel). Where one holds a ``stop_gradient`` or a custom
+derivative call, the function raises ``NotImplementedError`` when called (forward mode
+then goes row by row, or raises its named error); otherwise it is kept, and JAX
+transposes its body by its rules, so a product inside it is not made zero-safe. Neither
+is a ``conv_general_dilated``, nor a complex ``dot_general``.
 """
 
 from __future__ import annotations

@@ -516,3 +516,76 @@ def test_step_inside_an_unrebuilt_construct_is_reverse_mode_or_the_named_error(s
     op = _op(jnp.sin, lambda x, g: (bwd(x, g),), transposed=True)
     with pytest.raises(TypeError, match="forward mode cannot rebuild a `shard_map`"):
         jax.jvp(op, (x,), (t,))
+
+
+# -- what stays trusted: exactly what docs/limitations.md lists ------------------------------
+
+
+def _host_clip(g):
+    shape = jax.ShapeDtypeStruct(g.shape, g.dtype)
+    return jax.pure_callback(lambda g: np.clip(g, -0.1, 0.1), shape, g, vmap_method="sequential")
+
+
+def _ffi_clip(g):  # traced only: the target is never run
+    shape = jax.ShapeDtypeStruct(g.shape, g.dtype)
+    return jax.ffi.ffi_call("jaxext_test_clip", shape, vmap_method="sequential")(g)
+
+
+def _pallas_clip(g):
+    from jax.experimental import pallas as pl
+
+    def kernel(g_ref, o_ref):
+        o_ref[...] = _clip(g_ref[...])
+
+    shape = jax.ShapeDtypeStruct(g.shape, g.dtype)
+    return pl.pallas_call(kernel, out_shape=shape, interpret=True)(g)
+
+
+def _halve_until_small(g):  # a trip count that depends on g
+    return lax.while_loop(lambda c: jnp.sum(c**2) > 1.0, lambda c: c / 2, g)
+
+
+# Backwards nonlinear in g where the linearity walk cannot see, each keyed by the words
+# docs/limitations.md's trusted list names it by: forward mode does not refuse them.
+TRUSTED = {
+    "`jax.pure_callback`": lambda r, g: _host_clip(g),
+    "`jax.ffi.ffi_call`": lambda r, g: _ffi_clip(g),
+    "`pallas_call`": lambda r, g: _pallas_clip(g),
+    "trip count depends on `g`": lambda r, g: _halve_until_small(g),
+    "a residual your `fwd` saved": lambda r, g: r.at[:].add(g),  # g + 1: affine
+}
+# The same nonlinearities written where the walk sees them: refused.
+SEEN = {
+    "clip": lambda r, g: _clip(g),
+    "clip-in-shard_map": lambda r, g: _in_shard_map(lambda r, g: _clip(g))(r, g),
+    "square-in-scan": lambda r, g: lax.scan(lambda c, _: (c * c, None), g, None, length=1)[0],
+    "affine-in-bwd": lambda r, g: jnp.ones(3).at[:].add(g),
+}
+
+
+def _nonlinear_op(bwd):
+    op = jaxext.custom_vjp(lambda x: x)
+    op.defvjp(lambda x: (x, jnp.ones_like(x)), lambda r, g: (bwd(r, g),))
+    return op
+
+
+@pytest.mark.parametrize("name", list(TRUSTED))
+def test_trusted_items_are_exactly_the_documented_ones(name):
+    """Each trusted item passes forward mode's linearity check though it is nonlinear in g
+    (lowered, not run), and docs/limitations.md lists it; the walk refuses what it sees."""
+    from pathlib import Path
+
+    op = _nonlinear_op(TRUSTED[name])
+    jax.jit(lambda x: jax.jvp(op, (x,), (x,))).lower(jnp.ones(3))  # no RuleTypeError
+    page = (Path(__file__).parent.parent / "docs" / "limitations.md").read_text()
+    trusted = page.split("What remains **trusted**", 1)[1].split("Everything else", 1)[0]
+    bullets = trusted.split("\n- ")[1:]
+    assert len(bullets) == len(TRUSTED) + 1  # + the custom rules of path 4
+    assert sum(name in b for b in bullets) == 1, name
+
+
+@pytest.mark.parametrize("name", list(SEEN))
+def test_nonlinearity_the_walk_sees_is_refused(name):
+    op = _nonlinear_op(SEEN[name])
+    with pytest.raises(jaxext.RuleTypeError, match="differentiate_fwd=True"):
+        jax.jit(lambda x: jax.jvp(op, (x,), (x,))).lower(jnp.ones(3))
