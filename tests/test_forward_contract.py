@@ -451,6 +451,10 @@ def test_masked_branch_reaching_a_matmul_gives_no_nan(name, x64):
     _assert_forward_is_reverse(op, x, jnp.array([1.0, 1.0, 1.0]))
     batched = jax.vmap(lambda t: jax.jvp(op, (x,), (t,))[1])(jnp.eye(3))
     np.testing.assert_array_equal(batched, jac.T)
+    # Second order: the tangent's derivative in the residual x, through the lax.cond.
+    y = jnp.array([1.0, 4.0, 9.0])
+    hess = jax.jit(jax.jacfwd(jax.jacfwd(op)))(y)
+    np.testing.assert_allclose(hess, jax.jacfwd(jax.jacrev(op))(y), rtol=FLOAT64_TOL)
 
 
 INF_MATRIX = jnp.array([[1.0, jnp.inf, 0.0], [2.0, 3.0, -jnp.inf], [0.5, 0.0, 4.0]])
