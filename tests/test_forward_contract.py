@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FLOAT64_TOL, assert_close_to_float64, grid, tiered
+from helpers import FLOAT64_TOL, assert_close_to_float64, tiered
 from jax import lax
 from jax.custom_batching import custom_vmap
 from ops_table import OPS
@@ -370,12 +370,17 @@ def _in_body_op(construct, step):
     )
 
 
-@pytest.mark.parametrize(*grid(construct=list(CONSTRUCTS), step=list(BODY_STEPS)))
-def test_step_inside_a_loop_or_branch_is_transposed_by_its_values(construct, step, x64):
+# Each construct once and each step twice in the default tier; the rest with -m exhaustive.
+_STEP_CELLS = [(c, s) for c in CONSTRUCTS for s in BODY_STEPS]
+_STEP_DEFAULT = [(c, list(BODY_STEPS)[i % len(BODY_STEPS)]) for i, c in enumerate(CONSTRUCTS)]
+
+
+@pytest.mark.parametrize("cell", tiered(_STEP_CELLS, default=_STEP_DEFAULT, ids="-".join))
+def test_step_inside_a_loop_or_branch_is_transposed_by_its_values(cell, x64):
     """A ``stop_gradient``, a custom_jvp call or a masked product inside a ``cond`` branch or
     a ``scan``/``fori_loop`` body: exact zeros (the derivative 0 of ``stop_gradient``), the
     custom rule's number or NaN before; reverse mode's numbers now (jacrev entrywise)."""
-    op = _in_body_op(construct, step)
+    op = _in_body_op(*cell)
     x, t = jnp.array([0.0, 1.0, 4.0]), jnp.array([0.0, -1.0, 0.25])
     jac = _assert_forward_is_reverse(op, x, t)
     assert np.isfinite(jac).all()
@@ -393,10 +398,18 @@ WHILE_BACKWARDS = {
 }
 
 
-@pytest.mark.parametrize(*grid(loop=list(WHILE_BACKWARDS), step=list(BODY_STEPS)))
-def test_step_inside_a_while_loop_is_reverse_mode_or_the_named_error(loop, step, x64):
+@pytest.mark.parametrize(
+    "cell",
+    tiered(
+        [(w, s) for w in WHILE_BACKWARDS for s in BODY_STEPS],
+        default=[("while_loop", "stop_gradient"), ("while_loop-residual", "masked")],
+        ids="-".join,
+    ),
+)
+def test_step_inside_a_while_loop_is_reverse_mode_or_the_named_error(cell, x64):
     """JAX transposes no ``while_loop``: row by row gives reverse mode's numbers; with that
     off, the named error (never a number)."""
+    loop, step = cell
     backward = WHILE_BACKWARDS[loop]
     x, t = jnp.array([0.0, 1.0, 4.0]), jnp.array([0.0, -1.0, 0.25])
 
@@ -436,7 +449,7 @@ MASKED_MATMULS = {
 }
 
 
-@pytest.mark.parametrize("name", list(MASKED_MATMULS))
+@pytest.mark.parametrize("name", tiered(list(MASKED_MATMULS), default=["matmul", "in-scan"]))
 def test_masked_branch_reaching_a_matmul_gives_no_nan(name, x64):
     """The guarded backward's NaN of ``test_masked_branch_gives_no_nan``, through a
     ``dot_general`` (``@``, ``jnp.dot``, ``einsum``): NaN in row 0 of jacfwd before."""
