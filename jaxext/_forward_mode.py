@@ -21,13 +21,16 @@ holds the ways it does so, tried in order of cost until one works
    ``(k, i)`` of ``jacfwd`` is exactly ``bwd(e_k)[i]``, reverse mode's, NaN included.
 4. **Transposing the linearization through the custom rules of the calls inside**: where a
    call inside the backward has a primal JAX cannot transpose (a ``jaxext.custom_vjp`` op
-   around a host callback) and the output is too large for 3; those rules are trusted.
+   around a host callback) and the output is too large for 3; those rules are trusted,
+   the rest of the backward is read by its values as in 1 and 2.
 
 Ways 1 and 2 transpose the backward **by its values** (:func:`by_values`, in
 ``_value_transpose``): ``stop_gradient`` as the identity, ``custom_jvp``/``custom_vjp``
-calls as their primal, products by a coefficient independent of ``g`` zero-safe. So each
-way gives the map the backward computes, reverse mode's numbers: ``jax.jacfwd`` equals the
-transpose of ``jax.jacrev`` entrywise, or forward mode raises the error below.
+calls as their primal, products by a coefficient independent of ``g`` zero-safe
+(elementwise and in ``dot_general``), also inside ``cond`` branches and ``scan``/``while``
+bodies. So each way gives the map the backward computes, reverse mode's numbers:
+``jax.jacfwd`` equals the transpose of ``jax.jacrev`` entrywise, or forward mode raises the
+error below.
 
 Beyond that limit, or where no way works, :func:`tangent_from_backward` raises a
 ``TypeError`` naming the op and the two remedies: a ``jvp`` rule, or the
@@ -43,9 +46,10 @@ output tangents a ``vmap`` batch reaches (an output the batch does not reach kee
 unbatched tangent, as its primal does).
 
 Linearity: a backward is taken to be linear in ``g`` where ``_linearity`` cannot prove
-otherwise; what that walk cannot see into (host callbacks, FFI and Pallas kernels, unknown
-primitives, a ``while_loop`` whose trip count depends on ``g``) is trusted, and listed in
-``docs/limitations.md``.
+otherwise; what that walk cannot see into (host callbacks, FFI and Pallas kernels, other
+primitives outside its tables, a ``while_loop`` whose trip count depends on ``g``, a
+scatter of ``g`` into a residual) is trusted, and listed in ``docs/limitations.md`` with
+way 4's custom rules, the only derivative rules trusted in place of values.
 """
 
 from __future__ import annotations
@@ -195,7 +199,8 @@ def tangent_from_backward(
         )
         row_error = failures[0]
     try:  # way 4 (trusted): the custom rules of calls whose values JAX cannot transpose
-        return [jnp.asarray(o) for o in _transposed_linearization(backward, examples, t_in)]
+        rules = by_values(backward, [examples], custom_rules=True)
+        return [jnp.asarray(o) for o in _transposed_linearization(rules, examples, t_in)]
     except (RuleTypeError, RuleValueError):
         raise
     except Exception:  # noqa: BLE001 -- reported through the first failure below

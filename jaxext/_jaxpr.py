@@ -16,6 +16,10 @@ renamed ``jit`` once) is one edit.
   chosen calls opened (their bodies run in their place), each operand passed through a
   function: the one evaluator of the checks' rewritten programs (the plain twin's, with
   custom rules stripped; the dtype replay's, every float operand cast).
+
+
+* :func:`cond_parts`, :func:`scan_parts`, :func:`while_parts`: a branch's or a loop's
+  bodies, and its operands split into the groups each body reads.
 """
 
 from __future__ import annotations
@@ -25,7 +29,18 @@ from typing import Any, NamedTuple
 
 import jax
 
-__all__ = ["Body", "call_body", "evaluate", "inner_jaxprs"]
+__all__ = [
+    "Body",
+    "CondParts",
+    "ScanParts",
+    "WhileParts",
+    "call_body",
+    "cond_parts",
+    "evaluate",
+    "inner_jaxprs",
+    "scan_parts",
+    "while_parts",
+]
 
 # The parameters under which a call-like equation keeps the jaxpr it runs, in the order
 # they are tried: jit/pjit/closed_call/checkpoint, then custom_jvp_call/custom_vjp_call/
@@ -167,3 +182,109 @@ def evaluate(
         for var, value in zip(eqn.outvars, outs, strict=True):
             env[var] = value
     return [read(v) for v in jaxpr.outvars]
+
+# -- branches and loops: their bodies, and which operands each body reads ----------------------
+
+
+class CondParts(NamedTuple):
+    """A ``cond``: ``branches[index](*operands)`` runs."""
+
+    branches: tuple[Body, ...]
+    index: Any
+    operands: list[Any]
+
+
+class ScanParts(NamedTuple):
+    """A ``scan``: ``body(*consts, *carry, *xs) -> (*carry, *ys)``, ``length`` times."""
+
+    body: Body
+    consts: list[Any]
+    carry: list[Any]
+    xs: list[Any]
+
+
+class WhileParts(NamedTuple):
+    """A ``while``: ``body(*body_consts, *carry) -> carry`` while ``cond(*cond_consts,
+    *carry)``."""
+
+    cond: Body
+    body: Body
+    cond_consts: list[Any]
+    body_consts: list[Any]
+    carry: list[Any]
+
+
+def _body(value: Any) -> Body:
+    body = _as_body(value)
+    if body is None:
+        raise TypeError(f"expected a jaxpr; got {type(value).__name__}")
+    return body
+
+
+def cond_parts(eqn: Any, operands: Sequence[Any]) -> CondParts:
+    """A ``cond`` equation's branches, and ``operands`` (one per ``eqn.invars``, of any kind:
+    values, tracers, what a walker knows of them) as its branch index and branch operands.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jaxext._jaxpr import cond_parts
+        >>> closed = jax.make_jaxpr(lambda p, x: jax.lax.cond(p, jnp.sin, jnp.cos, x))(True, 1.0)
+        >>> eqn = closed.jaxpr.eqns[-1]
+        >>> parts = cond_parts(eqn, eqn.invars)
+        >>> len(parts.branches), len(parts.operands)
+        (2, 1)
+    """
+    ops = list(operands)
+    return CondParts(tuple(_body(b) for b in eqn.params["branches"]), ops[0], ops[1:])
+
+
+def scan_parts(eqn: Any, operands: Sequence[Any]) -> ScanParts:
+    """A ``scan`` equation's body, and ``operands`` split into its constants, carry and
+    scanned inputs.
+
+    JAX 0.10 records the split as ``num_consts``/``num_carry``; newer JAX as ``ft_in``, a
+    flat tree of the three groups (its ``update(...).unpack()``, as JAX's own rules read it).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jaxext._jaxpr import scan_parts
+        >>> step = lambda c, x: (c + x, 2 * c)
+        >>> closed = jax.make_jaxpr(lambda c, xs: jax.lax.scan(step, c, xs))(0.0, jnp.ones(3))
+        >>> eqn = closed.jaxpr.eqns[-1]
+        >>> parts = scan_parts(eqn, eqn.invars)
+        >>> len(parts.consts), len(parts.carry), len(parts.xs)
+        (0, 1, 1)
+    """
+    params, ops = eqn.params, list(operands)
+    body = _body(params["jaxpr"])
+    if "num_consts" in params:
+        n_consts, n_carry = params["num_consts"], params["num_carry"]
+        return ScanParts(
+            body, ops[:n_consts], ops[n_consts : n_consts + n_carry], ops[n_consts + n_carry :]
+        )
+    consts, carry, xs = params["ft_in"].update(ops).unpack()
+    return ScanParts(body, list(consts), list(carry), list(xs))
+
+
+def while_parts(eqn: Any, operands: Sequence[Any]) -> WhileParts:
+    """A ``while`` equation's condition and body, and ``operands`` split into the
+    condition's constants, the body's constants and the carry.
+
+    Example:
+        >>> import jax
+        >>> from jaxext._jaxpr import while_parts
+        >>> loop = lambda x: jax.lax.while_loop(lambda c: c < 10.0, lambda c: 2 * c, x)
+        >>> eqn = jax.make_jaxpr(loop)(1.0).jaxpr.eqns[-1]
+        >>> parts = while_parts(eqn, eqn.invars)
+        >>> len(parts.cond_consts), len(parts.body_consts), len(parts.carry)
+        (0, 0, 1)
+    """
+    params, ops = eqn.params, list(operands)
+    n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
+    return WhileParts(
+        _body(params["cond_jaxpr"]),
+        _body(params["body_jaxpr"]),
+        ops[:n_cond],
+        ops[n_cond : n_cond + n_body],
+        ops[n_cond + n_body :],
+    )

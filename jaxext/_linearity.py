@@ -14,12 +14,14 @@ nothing. This module classifies each value of the backward's jaxpr as
 * ``NONLINEAR``: any other use of the inputs,
 
 and reports, per output, why it is not linear. It walks into every construct that
-carries a jaxpr: calls (``jit``, ``remat``, ``custom_jvp``/``custom_vjp`` calls, whose
-primal is what the backward computes, ``custom_vmap``), ``cond`` branches, and ``scan`` and
-``while_loop`` bodies (to a fixed point of the carry's kinds, for any trip count). It knows
-the operations JAX itself linearizes in some operands only: ``sort`` in its payload (the
-keys must not depend on the inputs: ``lax.sort_key_val(perm, g)`` is linear), gathers and
-scatters in their data (not their indices).
+carries a jaxpr of values: calls (any equation whose jaxpr takes its operands and returns
+its results, ``_jaxpr.call_body``: ``jit``, ``remat``, ``custom_jvp``/``custom_vjp``
+calls, whose primal is what the backward computes, ``custom_vmap``, ``shard_map``),
+``cond`` branches, and ``scan`` and ``while_loop`` bodies (to a fixed point of the carry's
+kinds, for any trip count). It knows the operations JAX itself linearizes in some
+operands only: ``sort`` in its payload (the keys must not depend on the inputs:
+``lax.sort_key_val(perm, g)`` is linear), gathers and scatters in their data (not their
+indices).
 
 Primitives it does not know are given the benefit of the doubt (``UNKNOWN``): the walk
 only reports what it can prove. So are, and only these are, trusted: host callbacks, FFI
@@ -39,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._jaxpr import call_body
+from ._jaxpr import call_body, cond_parts, scan_parts, while_parts
 
 __all__ = ["Kind", "nonlinearities"]
 
@@ -320,8 +322,9 @@ def _rule(
             if any(k == Kind.CONST for k, _ in cases) and any(k >= Kind.LINEAR for k, _ in cases):
                 return [(Kind.AFFINE, here)] * n_out
             return [_worst(cases)] * n_out
+        parts = cond_parts(eqn, ins)
         branch_outs = [
-            _walk(b.jaxpr, [k for k, _ in ins[1:]], b.consts) for b in eqn.params["branches"]
+            _walk(b.jaxpr, [k for k, _ in parts.operands], b.consts) for b in parts.branches
         ]
         return [_worst(col) for col in zip(*branch_outs, strict=True)]
     if name in _NONLINEAR:
@@ -375,10 +378,7 @@ def _fixpoint(
 def _while(eqn: Any, ins: Sequence[tuple[Kind, str]], here: str) -> list[tuple[Kind, str]]:
     """A ``while_loop``: its carry over any number of iterations; ``UNKNOWN`` where its trip
     count depends on the inputs."""
-    n_cond, n_body = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-    cond, body = eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]
-    cond_consts, body_consts = list(ins[:n_cond]), list(ins[n_cond : n_cond + n_body])
-    carry = list(ins[n_cond + n_body :])
+    cond, body, cond_consts, body_consts, carry = while_parts(eqn, ins)
 
     def step(carry: list[tuple[Kind, str]]) -> list[tuple[Kind, str]]:
         return _walk(body.jaxpr, [k for k, _ in body_consts + carry], body.consts)
@@ -392,29 +392,10 @@ def _while(eqn: Any, ins: Sequence[tuple[Kind, str]], here: str) -> list[tuple[K
     return carry
 
 
-def _scan_operands(eqn: Any, ins: Sequence[Any]) -> tuple[list, list, list]:
-    """A ``scan`` equation's operands split into its constants, carry and scanned inputs.
-
-    JAX 0.10 records the split as ``num_consts``/``num_carry``; newer JAX as ``ft_in``, a
-    flat tree of the three groups (its ``update(...).unpack()``, as JAX's own rules read it).
-    """
-    params = eqn.params
-    if "num_consts" in params:
-        n_consts, n_carry = params["num_consts"], params["num_carry"]
-        return (
-            list(ins[:n_consts]),
-            list(ins[n_consts : n_consts + n_carry]),
-            list(ins[n_consts + n_carry :]),
-        )
-    consts, carry, xs = params["ft_in"].update(list(ins)).unpack()
-    return list(consts), list(carry), list(xs)
-
-
 def _scan(eqn: Any, ins: Sequence[tuple[Kind, str]], here: str) -> list[tuple[Kind, str]]:
     """A ``scan``: its carry over any number of iterations, and its stacked outputs."""
-    consts, carry, xs = _scan_operands(eqn, ins)
+    body, consts, carry, xs = scan_parts(eqn, ins)
     n_carry = len(carry)
-    body = eqn.params["jaxpr"]
 
     def walk(carry: list[tuple[Kind, str]]) -> list[tuple[Kind, str]]:
         return _walk(body.jaxpr, [k for k, _ in consts + carry + xs], body.consts)

@@ -17,16 +17,26 @@ the values they compute, so that the transpose would differ from reverse mode's 
 
 :func:`by_values` traces the backward once and returns a function that evaluates its jaxpr
 with ``stop_gradient`` as the identity, custom derivative calls as their primal bodies
-(walked in turn), calls (``jit``, ``remat``) walked through, and those products bound as
-:data:`scale_p`, whose transpose keeps a zero cotangent zero (``0 * inf`` is ``0``
-there, so a NaN of the transpose is one the backward's own values hold). The result
-computes the same values as the backward, and its transpose is the map it computes.
+(walked in turn), calls (``jit``, ``remat``) walked through, ``cond`` branches and ``scan``
+and ``while`` bodies rebuilt (``lax.switch``, ``lax.scan``, ``lax.while_loop``) around
+their bodies read the same way, and those products bound as :data:`scale_p`, whose
+transpose keeps a zero cotangent zero (``0 * inf`` is ``0`` there, so a NaN of the
+transpose is one the backward's own values hold). A ``dot_general`` with one operand
+depending on ``g`` (``@``, ``jnp.dot``, ``einsum``) runs as written where its other operand
+is all finite, and else sums its non-finite entries' products through :data:`scale_p` (a
+``lax.cond``). The result computes the same values as the backward, and its transpose is
+the map it computes.
 
-What it does not rewrite: loops and branches (``while``, ``scan``, ``cond``) keep their
-bodies as written (JAX transposes ``scan`` and ``cond`` by their rules, so a
-``stop_gradient`` or custom rule inside one is linearized by its rule); a product inside
-a ``dot_general`` is not made zero-safe. ``custom_vmap`` calls are kept too: JAX
-differentiates them through their body.
+With ``custom_rules=True`` (forward mode's last way, for a call whose primal JAX cannot
+transpose) custom derivative calls are kept, differentiated by their rules (trusted, and
+listed in ``docs/limitations.md``); the rest is read by its values as above.
+
+What it does not rebuild: a construct carrying a jaxpr other than those (``shard_map``,
+``custom_vmap``, a Pallas kernel). Where one holds a ``stop_gradient`` or a custom
+derivative call, the function raises ``NotImplementedError`` when called (forward mode
+then goes row by row, or raises its named error); otherwise it is kept, and JAX
+transposes its body by its rules, so a product inside it is not made zero-safe. Neither
+is a ``conv_general_dilated``, nor a complex ``dot_general``.
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ from jax import lax
 from jax.extend.core import Literal, Primitive
 from jax.interpreters import ad, batching, mlir
 
-from ._jaxpr import call_body
+from ._jaxpr import Body, call_body, cond_parts, inner_jaxprs, scan_parts, while_parts
 
 __all__ = ["by_values", "scale_p"]
 
@@ -51,16 +61,24 @@ _BY_BODY = {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
 _CALLS = {"jit", "pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint"}
 
 
-def by_values(fn: Callable[..., Any], examples: Sequence[Any]) -> Callable[..., Any]:
+def by_values(
+    fn: Callable[..., Any], examples: Sequence[Any], *, custom_rules: bool = False
+) -> Callable[..., Any]:
     """``fn`` traced at ``examples`` and re-evaluated by its values (module docstring).
 
     Args:
         fn: the function, called as ``fn(*examples)``; its inputs are the values it is
             linear in (the backward's cotangents).
         examples: its arguments (arrays or ``jax.ShapeDtypeStruct``s).
+        custom_rules: keep ``custom_jvp``/``custom_vjp`` calls as calls, differentiated by
+            their rules (trusted: forward mode's last way, for a call whose primal JAX
+            cannot transpose); everything else is still read by its values.
 
     Returns:
-        A function of the same arguments and results, computing the same values.
+        A function of the same arguments and results, computing the same values. Calling
+        it raises ``NotImplementedError`` where a construct it cannot rebuild (a
+        ``shard_map``, a ``custom_vmap``, a Pallas kernel) holds an operation whose
+        derivative rule differs from its values.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -76,14 +94,17 @@ def by_values(fn: Callable[..., Any], examples: Sequence[Any]) -> Callable[..., 
 
     def run(*args: Any) -> Any:
         flat = jax.tree_util.tree_leaves(args)
-        out = _eval(jaxpr, consts, flat, [True] * len(flat))
+        out = _eval(jaxpr, consts, flat, [True] * len(flat), custom_rules)
         return jax.tree_util.tree_unflatten(out_tree, out)
 
     return run
 
 
-def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], linear: Sequence[bool]):
-    """Evaluates ``jaxpr``; ``linear`` flags the inputs that depend on the linear inputs."""
+def _eval(
+    jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], linear: Sequence[bool], rules: bool
+) -> list[Any]:
+    """Evaluates ``jaxpr``; ``linear`` flags the inputs that depend on the linear inputs;
+    ``rules``: custom derivative calls kept (``by_values``'s ``custom_rules``)."""
     env: dict[Any, tuple[Any, bool]] = {}
     for v, c in zip(jaxpr.constvars, consts, strict=True):
         env[v] = (c, False)
@@ -96,25 +117,36 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], linear: Sequen
     for eqn in jaxpr.eqns:
         read_in = [read(a) for a in eqn.invars]
         vals, flags = [v for v, _ in read_in], [f for _, f in read_in]
-        outs = _eval_eqn(eqn, vals, flags)
+        outs = _eval_eqn(eqn, vals, flags, rules)
         dependent = any(flags)
         for v, o in zip(eqn.outvars, outs, strict=True):
             env[v] = (o, dependent)
     return [read(v)[0] for v in jaxpr.outvars]
 
 
-def _eval_eqn(eqn: Any, vals: list[Any], flags: list[bool]) -> list[Any]:
+def _eval_eqn(eqn: Any, vals: list[Any], flags: list[bool], rules: bool) -> list[Any]:
     name = eqn.primitive.name
-    if any(flags):
+    if any(flags) and not (rules and name in _BY_BODY):
         if name == "stop_gradient":
             return list(vals)
         if name in ("mul", "div") and flags[0] != flags[1] and not (name == "div" and flags[1]):
             x, c = (vals[0], vals[1]) if flags[0] else (vals[1], vals[0])
             return [scale_p.bind(x, c, divide=name == "div")]
+        if name == "dot_general" and flags[0] != flags[1] and _real(vals):
+            return [_zero_safe_dot(eqn, vals, linear_lhs=flags[0])]
         if name in _BY_BODY or name in _CALLS:
             body = call_body(eqn)
             if body is not None:
-                return _eval(body.jaxpr, list(body.consts), vals, flags)
+                return _eval(body.jaxpr, list(body.consts), vals, flags, rules)
+        if name in _LOOPS:
+            with eqn.ctx.manager:
+                return _LOOPS[name](eqn, vals, flags, rules)
+        found = _rule_not_values_inside(eqn)
+        if found is not None:
+            raise NotImplementedError(
+                f"`{name}` holds `{found}`, whose derivative rule is not its values', and "
+                f"forward mode cannot rebuild a `{name}` to read it by its values"
+            )
     params = eqn.primitive.get_bind_params(eqn.params)
     subfuns: Sequence[Any] = ()
     if isinstance(params, tuple):  # (subfuns, params) in older JAX
@@ -122,6 +154,181 @@ def _eval_eqn(eqn: Any, vals: list[Any], flags: list[bool]) -> list[Any]:
     with eqn.ctx.manager:
         out = eqn.primitive.bind(*subfuns, *vals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _rule_not_values_inside(eqn: Any) -> str | None:
+    """The name of a ``stop_gradient`` or custom derivative call in ``eqn``'s inner jaxprs,
+    at any depth, else ``None``. (Custom rules count even where ``by_values`` keeps them,
+    ``custom_rules``: only those it reaches are trusted.)"""
+    for body in inner_jaxprs(eqn):
+        for inner in body.jaxpr.eqns:
+            name = inner.primitive.name
+            if name == "stop_gradient" or name in _BY_BODY:
+                return name
+            found = _rule_not_values_inside(inner)
+            if found is not None:
+                return found
+    return None
+
+
+# -- dot_general: a product summed, zero-safe where its coefficient is not finite ------------
+
+
+def _real(vals: Sequence[Any]) -> bool:
+    return all(jnp.issubdtype(jnp.result_type(v), jnp.floating) for v in vals)
+
+
+def _zero_safe_dot(eqn: Any, vals: list[Any], *, linear_lhs: bool) -> Any:
+    """``dot_general(lhs, rhs)``, one operand linear: as written where the other (the
+    coefficient) is all finite; else its finite part as written plus its non-finite
+    entries' products as :data:`scale_p`, summed, so that the transpose keeps a zero
+    cotangent zero against ``inf`` (a ``lax.cond``, not a branch on traced values)."""
+    params = eqn.params
+    out_dtype = eqn.outvars[0].aval.dtype
+    coef = vals[1] if linear_lhs else vals[0]
+
+    def dot(lhs: Any, rhs: Any) -> Any:
+        return lax.dot_general_p.bind(lhs, rhs, **params)
+
+    def with_coef(c: Any) -> list[Any]:
+        return [vals[0], c] if linear_lhs else [c, vals[1]]
+
+    def as_written(c: Any) -> Any:
+        return dot(*with_coef(c))
+
+    def safe(c: Any) -> Any:
+        finite = jnp.isfinite(c)
+        summed = dot(*with_coef(jnp.where(finite, c, jnp.zeros_like(c))))
+        rest = _products_summed(
+            *with_coef(jnp.where(finite, jnp.zeros_like(c), c)),
+            params["dimension_numbers"],
+            out_dtype,
+            linear_lhs,
+        )
+        return summed + rest
+
+    return lax.cond(jnp.all(jnp.isfinite(coef)), as_written, safe, coef)
+
+
+def _products_summed(
+    lhs: Any, rhs: Any, dimension_numbers: Any, dtype: Any, linear_lhs: bool
+) -> Any:
+    """``dot_general(lhs, rhs)`` as elementwise products (:data:`scale_p`, linear in the
+    linear operand) over the broadcast ``(batch, lhs free, rhs free, contracting)`` layout,
+    summed over the contracting dimensions: ``dot_general``'s own output layout."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    lfree = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
+    rfree = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
+    nb, nl, nr, nc = len(lb), len(lfree), len(rfree), len(lc)
+    shape = (
+        *(lhs.shape[d] for d in lb),
+        *(lhs.shape[d] for d in lfree),
+        *(rhs.shape[d] for d in rfree),
+        *(lhs.shape[d] for d in lc),
+    )
+    contracting = tuple(range(nb + nl + nr, nb + nl + nr + nc))
+    lhs_dims = (*range(nb + nl), *contracting)
+    rhs_dims = (*range(nb), *range(nb + nl, nb + nl + nr), *contracting)
+    wide_lhs = lax.broadcast_in_dim(
+        lax.transpose(lhs.astype(dtype), (*lb, *lfree, *lc)), shape, lhs_dims
+    )
+    wide_rhs = lax.broadcast_in_dim(
+        lax.transpose(rhs.astype(dtype), (*rb, *rfree, *rc)), shape, rhs_dims
+    )
+    x, c = (wide_lhs, wide_rhs) if linear_lhs else (wide_rhs, wide_lhs)
+    return jnp.sum(scale_p.bind(x, c, divide=False), axis=contracting)
+
+
+# -- branches and loops: rebuilt with their bodies re-run by values ---------------------------
+
+
+def _body_fn(body: Body, flags: Sequence[bool], rules: bool) -> Callable[..., list[Any]]:
+    """``body`` as a function evaluated by :func:`_eval` (its values, rewritten)."""
+
+    def fn(*args: Any) -> list[Any]:
+        return _eval(body.jaxpr, list(body.consts), list(args), flags, rules)
+
+    return fn
+
+
+def _depends(jaxpr: Any, flags: Sequence[bool]) -> list[bool]:
+    """Which outputs of ``jaxpr`` may depend on the inputs ``flags`` marks (each equation's
+    outputs on all its operands: an over-approximation, never missing a dependence)."""
+    env = dict(zip(jaxpr.invars, flags, strict=True))
+    for eqn in jaxpr.eqns:
+        dependent = any(env.get(a, False) for a in eqn.invars if not isinstance(a, Literal))
+        env.update((v, dependent) for v in eqn.outvars)
+    return [False if isinstance(v, Literal) else env.get(v, False) for v in jaxpr.outvars]
+
+
+def _carry_flags(step: Callable[[list[bool]], list[bool]], carry: Sequence[bool]) -> list[bool]:
+    """The carry's dependence flags over any number of iterations of ``step``."""
+    flags = list(carry)
+    while True:
+        new = [a or b for a, b in zip(flags, step(flags), strict=True)]
+        if new == flags:
+            return flags
+        flags = new
+
+
+def _cond(eqn: Any, vals: list[Any], flags: list[bool], rules: bool) -> list[Any]:
+    parts, part_flags = cond_parts(eqn, vals), cond_parts(eqn, flags)
+    fns = [_body_fn(b, part_flags.operands, rules) for b in parts.branches]
+    return list(lax.switch(parts.index, fns, *parts.operands))
+
+
+def _scan(eqn: Any, vals: list[Any], flags: list[bool], rules: bool) -> list[Any]:
+    parts, f = scan_parts(eqn, vals), scan_parts(eqn, flags)
+    n_carry = len(parts.carry)
+
+    def step_flags(carry: list[bool]) -> list[bool]:
+        return _depends(parts.body.jaxpr, [*f.consts, *carry, *f.xs])[:n_carry]
+
+    carry_flags = _carry_flags(step_flags, f.carry)
+    run = _body_fn(parts.body, [*f.consts, *carry_flags, *f.xs], rules)
+
+    def step(carry: list[Any], xs: list[Any]) -> tuple[list[Any], list[Any]]:
+        out = run(*parts.consts, *carry, *xs)
+        return out[:n_carry], out[n_carry:]
+
+    params = eqn.params
+    carry, ys = lax.scan(
+        step,
+        parts.carry,
+        parts.xs,
+        length=params["length"],
+        reverse=params["reverse"],
+        unroll=params["unroll"],
+    )
+    return [*carry, *ys]
+
+
+def _while(eqn: Any, vals: list[Any], flags: list[bool], rules: bool) -> list[Any]:
+    parts, f = while_parts(eqn, vals), while_parts(eqn, flags)
+
+    def step_flags(carry: list[bool]) -> list[bool]:
+        return _depends(parts.body.jaxpr, [*f.body_consts, *carry])
+
+    carry_flags = _carry_flags(step_flags, f.carry)
+    cond = _body_fn(parts.cond, [*f.cond_consts, *carry_flags], rules)
+    body = _body_fn(parts.body, [*f.body_consts, *carry_flags], rules)
+    return list(
+        lax.while_loop(
+            lambda c: cond(*parts.cond_consts, *c)[0],
+            lambda c: body(*parts.body_consts, *c),
+            list(parts.carry),
+        )
+    )
+
+
+# Branches and loops rebuilt by their values (JAX transposes ``cond`` and ``scan`` by
+# transposing their bodies; a ``while`` it does not transpose, but rebuilt it computes the
+# same values, so the row-by-row way and this one agree).
+_LOOPS: dict[str, Callable[[Any, list[Any], list[bool], bool], list[Any]]] = {
+    "cond": _cond,
+    "scan": _scan,
+    "while": _while,
+}
 
 
 # -- scale_p: x * c (or x / c), linear in x, whose transpose keeps a zero cotangent zero ----
@@ -134,9 +341,10 @@ def _impl(x: Any, c: Any, *, divide: bool) -> Any:
 
 
 def _abstract(x: Any, c: Any, *, divide: bool) -> Any:
-    del divide
-    big = x if len(x.shape) >= len(c.shape) else c
-    return big.update(dtype=x.dtype, weak_type=x.weak_type and c.weak_type)
+    # The product's own type: ``mul`` broadcasts size-1 dimensions (``g[:, None] * x``
+    # is f32[3,1] * f32[3,4] -> f32[3,4]) and rank-0 operands; ``abstract_eval`` returns
+    # ``(aval, effects)``.
+    return (lax.div_p if divide else lax.mul_p).abstract_eval(x, c)[0]
 
 
 def _jvp(primals: Sequence[Any], tangents: Sequence[Any], *, divide: bool):
@@ -161,9 +369,18 @@ def _transpose(ct: Any, x: Any, c: Any, *, divide: bool) -> list[Any]:
         return [ad.Zero(aval), None]
     value = lax.div(ct, c) if divide else lax.mul(ct, c)
     value = jnp.where(ct == 0, jnp.zeros_like(value), value)
-    if value.shape != aval.shape:  # x was a scalar broadcast against c
-        value = jnp.sum(value)
-    return [value.astype(aval.dtype), None]
+    return [_unbroadcast(value, aval.shape).astype(aval.dtype), None]
+
+
+def _unbroadcast(value: Any, shape: tuple[int, ...]) -> Any:
+    """``value`` summed back to the ``shape`` the product broadcast: a rank-0 operand, or
+    size-1 dimensions (as the transpose of ``mul`` does)."""
+    if value.shape == shape:
+        return value
+    if not shape:
+        return jnp.sum(value)
+    axes = tuple(i for i, (a, b) in enumerate(zip(value.shape, shape, strict=True)) if a != b)
+    return jnp.sum(value, axis=axes, keepdims=True)
 
 
 def _batch(args: Sequence[Any], dims: Sequence[Any], *, divide: bool):

@@ -1330,12 +1330,6 @@ def test_gradcheck_reference_judges_the_float32_kernel():
     assert "input 1" in str(info.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="main e9763b6 (#45): jax.jit of jax.jvp of a jaxext.custom_vjp whose bwd reduces "
-    "(jnp.sum(g[:, None] * x, 0)) fails to lower ('stablehlo.reduce' op inferred "
-    "tensor<4xf32>, return type tensor<1xf32>): the jvp and vmap rows FAIL; passed before",
-)
 @pytest.mark.parametrize("reference", [True, False], ids=["reference", "differences"])
 def test_op_without_float64_path_is_checked_in_its_dtype(reference):
     """A float32 accumulator in a loop carry (no float64 path): every row runs in float32
