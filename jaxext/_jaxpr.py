@@ -183,6 +183,7 @@ def evaluate(
             env[var] = value
     return [read(v) for v in jaxpr.outvars]
 
+
 # -- branches and loops: their bodies, and which operands each body reads ----------------------
 
 
