@@ -31,7 +31,7 @@ API only.
 Rows are padded to a whole number of row blocks and features to a power of two
 (Triton's block shapes must be powers of two); the padding never reaches the
 results. Default blocks: about 4096 elements per Triton program (among the
-fastest of a sweep of block rows and warps on an H200), about 2**15 and at least
+fastest of a sweep of block rows and warps on an H200), about ``2**15`` and at least
 16 rows on TPU and in interpret mode. Interpret mode runs one single-block kernel
 call per row block in a ``lax.map`` (Pallas's interpreter loop over a grid copies
 the whole array at each step: quadratic time in the rows).
@@ -118,7 +118,7 @@ def rms_norm(
             so XLA is the default there; pass ``"pallas"`` to run them).
         block_rows: rows per kernel block, a power of two. ``None`` picks one
             from the feature count: about 4096 elements per block for Triton
-            (1 to 256 rows), about 2**15 for Mosaic and interpret mode (16 to
+            (1 to 256 rows), about ``2**15`` for Mosaic and interpret mode (16 to
             256 rows). On TPU, several blocks need a multiple of 16. No effect
             with ``"xla"``.
 

@@ -24,8 +24,9 @@ transpose keeps a zero cotangent zero (``0 * inf`` is ``0`` there, so a NaN of t
 transpose is one the backward's own values hold). A ``dot_general`` with one operand
 depending on ``g`` (``@``, ``jnp.dot``, ``einsum``) runs as written where its other operand
 is all finite, and else sums its non-finite entries' products through :data:`scale_p` (a
-``lax.cond``). The result computes the same values as the backward, and its transpose is
-the map it computes.
+``lax.cond``), up to :data:`SAFE_DOT_MAX_ENTRIES` broadcast entries (a larger one runs as
+written: its zero-safe form would allocate the broadcast product). The result computes the
+same values as the backward, and its transpose is the map it computes.
 
 With ``custom_rules=True`` (forward mode's last way, for a call whose primal JAX cannot
 transpose) custom derivative calls are kept, differentiated by their rules (trusted, and
@@ -41,6 +42,7 @@ is a ``conv_general_dilated``, nor a complex ``dot_general``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -178,14 +180,28 @@ def _real(vals: Sequence[Any]) -> bool:
     return all(jnp.issubdtype(jnp.result_type(v), jnp.floating) for v in vals)
 
 
+# The most entries (batch x free x free x contracting) a zero-safe product may broadcast to:
+# its non-finite part is summed from elementwise products, and XLA allocates a conditional's
+# larger branch whether it runs or not. A larger product is transposed by JAX's own rule.
+SAFE_DOT_MAX_ENTRIES = 2**18
+
+
 def _zero_safe_dot(eqn: Any, vals: list[Any], *, linear_lhs: bool) -> Any:
     """``dot_general(lhs, rhs)``, one operand linear: as written where the other (the
     coefficient) is all finite; else its finite part as written plus its non-finite
     entries' products as :data:`scale_p`, summed, so that the transpose keeps a zero
-    cotangent zero against ``inf`` (a ``lax.cond``, not a branch on traced values)."""
+    cotangent zero against ``inf`` (a ``lax.cond``, not a branch on traced values). A
+    product of more than :data:`SAFE_DOT_MAX_ENTRIES` broadcast entries runs as written."""
     params = eqn.params
     out_dtype = eqn.outvars[0].aval.dtype
     coef = vals[1] if linear_lhs else vals[0]
+    (contracting, _), _ = params["dimension_numbers"]
+    lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
+    entries = math.prod(lhs.shape) * math.prod(rhs.shape)
+    entries //= max(math.prod(lhs.shape[d] for d in contracting), 1)  # counted twice above
+    entries //= max(math.prod(lhs.shape[d] for d in params["dimension_numbers"][1][0]), 1)
+    if entries > SAFE_DOT_MAX_ENTRIES:
+        return lax.dot_general_p.bind(*vals, **params)
 
     def dot(lhs: Any, rhs: Any) -> Any:
         return lax.dot_general_p.bind(lhs, rhs, **params)

@@ -490,6 +490,21 @@ def test_matmul_nan_only_where_reverse_mode_has_one(bwd, x64):
     np.testing.assert_array_equal(fwd[~np.isnan(rev)], rev[~np.isnan(rev)])
 
 
+def test_forward_mode_of_a_large_matmul_allocates_no_broadcast_product():
+    """A zero-safe product sums its non-finite entries from a (rows, columns, contracting)
+    broadcast: a 512^3 linear's jit(jvp) held 1.5 GiB of temporaries for it (and XLA
+    allocates a conditional's larger branch whether it runs or not). Past
+    SAFE_DOT_MAX_ENTRIES the product runs as written: temporaries of its operands' order."""
+    n = 512
+    x = jax.ShapeDtypeStruct((n, n), jnp.float32)
+    b = jax.ShapeDtypeStruct((n,), jnp.float32)
+    jvp = jax.jit(lambda *a: jax.jvp(jaxext.linear, a[:3], a[3:]))
+    memory = jvp.lower(x, x, b, x, x, b).compile().memory_analysis()
+    if memory is None:
+        pytest.skip("this backend reports no memory analysis")
+    assert memory.temp_size_in_bytes <= 4 * n * n * 4, memory.temp_size_in_bytes
+
+
 def _host_double():
     """``2 g`` computed on the host, as a ``jaxext.custom_vjp`` op whose rules JAX can
     transpose (its primal it cannot)."""
