@@ -503,6 +503,15 @@ def test_forward_mode_of_a_large_matmul_allocates_no_broadcast_product():
     if memory is None:
         pytest.skip("this backend reports no memory analysis")
     assert memory.temp_size_in_bytes <= 4 * n * n * 4, memory.temp_size_in_bytes
+    # Below it, the non-finite part is summed one contracting index at a time (a scan), so
+    # jacfwd's batch of tangents meets no (rows, columns, contracting) broadcast either:
+    # 280 MiB against plain autodiff's 24 MiB at 32x32 before, about 1.7x after.
+    n = 32
+    args = (jnp.ones((n, n)), jnp.ones((n, n)), jnp.ones(n))
+    ours = jax.jit(jax.jacfwd(jaxext.linear, (0, 1))).lower(*args).compile()
+    plain = jax.jit(jax.jacfwd(lambda x, w, b: x @ w.T + b, (0, 1))).lower(*args).compile()
+    ratio = ours.memory_analysis().temp_size_in_bytes / plain.memory_analysis().temp_size_in_bytes
+    assert ratio <= 2.5, ratio
 
 
 def _host_double():
