@@ -85,7 +85,9 @@ def _parts(op: OpUnderTest, settings: Settings) -> dict[str, Any]:
     jvp_skipped = None
     if op.forward_error is not None:
         jvp_skipped = f"no forward mode (jax.jvp raises {op.forward_error})"
-    specs = _dtypes(op)
+    selected = op.cache.get("selected", frozenset(f"platform_{p}" for p in PLATFORMS))
+    together = [p for p in PLATFORMS if f"platform_{p}" in selected]
+    specs = _dtypes(op, together)
     variants = {label: _functions(op, fresh, specs[label], u, v) for label in specs}
     own = next(iter(specs))
     kernels: dict[str, list[str]] = {}
@@ -99,8 +101,6 @@ def _parts(op: OpUnderTest, settings: Settings) -> dict[str, Any]:
                 pallas.add(part)
         except Exception:  # noqa: BLE001 -- the lowering below reports it
             kernels[part] = []
-    selected = op.cache.get("selected", frozenset(f"platform_{p}" for p in PLATFORMS))
-    together = [p for p in PLATFORMS if f"platform_{p}" in selected]
     lowered = set()  # the (dtypes, part) that lowered for every selected platform at once
     for label, functions in variants.items():
         for part, fn in functions.items():
@@ -123,11 +123,12 @@ def _parts(op: OpUnderTest, settings: Settings) -> dict[str, Any]:
     return cached
 
 
-def _dtypes(op: OpUnderTest) -> dict[str, list[jax.ShapeDtypeStruct]]:
+def _dtypes(op: OpUnderTest, platforms: list[str]) -> dict[str, list[jax.ShapeDtypeStruct]]:
     """``{label: argument specs}``: the op's own dtypes (float64, or those it takes
     without a float64 path) first, then float32 and bfloat16 where the op takes them
-    (it lowers there for this machine's backend; complex inputs as complex64); ``label``
-    names the dtypes."""
+    (it lowers there for this machine's backend, or, for a kernel compiled only for an
+    accelerator, for one of ``platforms``; complex inputs as complex64); ``label`` names
+    the dtypes."""
     found: dict[str, list[jax.ShapeDtypeStruct]] = {}
     for dtype in (None, jnp.float32, jnp.bfloat16):
         specs = [
@@ -139,13 +140,28 @@ def _dtypes(op: OpUnderTest) -> dict[str, list[jax.ShapeDtypeStruct]]:
         label = "/".join(sorted({np.dtype(s.dtype).name for s in specs}))
         if label in found:
             continue
-        if dtype is not None:
-            try:  # taken: it lowers for this machine's backend
-                jax.jit(op.call).trace(*specs).lower()
-            except Exception:  # noqa: BLE001 -- a dtype the op does not take: not lowered
-                continue
+        if dtype is not None and not _takes(op.call, specs, platforms):
+            continue
         found[label] = specs
     return found
+
+
+def _takes(fn: Callable, specs: list, platforms: list[str]) -> bool:
+    """Whether ``fn`` takes arguments of ``specs``: it lowers for this machine's backend,
+    or for one of ``platforms`` (a Pallas kernel compiled for GPU or TPU, no interpret
+    mode, lowers for no CPU)."""
+    try:
+        jax.jit(fn).trace(*specs).lower()
+        return True
+    except Exception:  # noqa: BLE001 -- not here; an accelerator's kernel, perhaps
+        pass
+    for platform in platforms:
+        try:
+            _lower(fn, specs, [platform])
+            return True
+        except Exception:  # noqa: BLE001 -- a dtype the op does not take there either
+            continue
+    return False
 
 
 def _functions(op: OpUnderTest, fresh: Callable, specs: list, u: Any, v: Any) -> dict:
