@@ -884,3 +884,38 @@ def test_platform_rows_lower_at_every_dtype_the_op_takes():
     assert report.failed == ("platform_tpu",), str(report)
     detail = report["platform_tpu"].detail
     assert "do not lower for TPU (at bfloat16)" in detail and "'eig'" in detail, detail
+
+
+def test_platform_rows_of_an_op_for_accelerators_only_lower_at_every_dtype():
+    """An op that lowers for no CPU (a Pallas kernel compiled without interpret mode; here
+    branches for CUDA and TPU only): its float32 and bfloat16 are lowered too, for the
+    platforms it is written for, not float64 alone."""
+
+    def op(x):
+        return jax.lax.platform_dependent(x, cuda=lambda x: 2 * x, tpu=lambda x: 3 * x)
+
+    report = jaxext.opcheck(
+        op, (f64(0, (3,)),), checks=["platform_cuda", "platform_tpu"], raise_exception=False
+    )
+    for row in ("platform_cuda", "platform_tpu"):
+        assert report[row].status == "PASS", str(report)
+        assert "at float64, float32 and bfloat16 inputs" in report[row].detail, str(report)
+
+
+def test_checkpoint_of_an_op_with_host_callbacks_is_jax_limit():
+    """jax.checkpoint cannot partial-evaluate an io_callback's effects (Pallas's TPU
+    interpreter runs kernels through one): a SKIP naming JAX's limit, not the op's FAIL."""
+    from jax.experimental import io_callback
+
+    def host_sin(x):
+        return io_callback(np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x, ordered=True)
+
+    @jaxext.custom_vjp
+    def op(x):
+        return host_sin(x)
+
+    op.defvjp(lambda x: (host_sin(x), x), lambda x, g: (g * jnp.cos(x),))
+    report = jaxext.opcheck(op, (np.linspace(0.1, 1, 3),), checks=["checkpoint"])
+    assert report["checkpoint"].status == "SKIP", str(report)
+    assert "jax.checkpoint does not partial-evaluate" in report["checkpoint"].detail
+    assert "OrderedIOEffect" in report["checkpoint"].detail
