@@ -903,7 +903,7 @@ def test_platform_rows_of_an_op_for_accelerators_only_lower_at_every_dtype():
 
 
 def test_checkpoint_of_an_op_with_host_callbacks_is_jax_limit():
-    """jax.checkpoint cannot partial-evaluate an io_callback's effects (Pallas's TPU
+    """jax.checkpoint cannot differentiate an io_callback's effects (Pallas's TPU
     interpreter runs kernels through one): a SKIP naming JAX's limit, not the op's FAIL."""
     from jax.experimental import io_callback
 
@@ -917,5 +917,5 @@ def test_checkpoint_of_an_op_with_host_callbacks_is_jax_limit():
     op.defvjp(lambda x: (host_sin(x), x), lambda x, g: (g * jnp.cos(x),))
     report = jaxext.opcheck(op, (np.linspace(0.1, 1, 3),), checks=["checkpoint"])
     assert report["checkpoint"].status == "SKIP", str(report)
-    assert "jax.checkpoint does not partial-evaluate" in report["checkpoint"].detail
+    assert "jax.checkpoint does not differentiate" in report["checkpoint"].detail
     assert "OrderedIOEffect" in report["checkpoint"].detail
