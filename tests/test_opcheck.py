@@ -919,3 +919,23 @@ def test_checkpoint_of_an_op_with_host_callbacks_is_jax_limit():
     assert report["checkpoint"].status == "SKIP", str(report)
     assert "jax.checkpoint does not differentiate" in report["checkpoint"].detail
     assert "OrderedIOEffect" in report["checkpoint"].detail
+
+
+def test_vmap_of_a_forward_jax_cannot_batch_is_jax_limit():
+    """The forward JAX cannot batch (a pure_callback without a vmap_method), the gradient of
+    the op's plain twin not taken either (a pure_callback has no JVP): judged on the part
+    that raised, the output, whose plain twin raises the same: JAX's limit, not a FAIL."""
+
+    def host_sin(x):
+        return jax.pure_callback(np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    @jaxext.custom_vjp
+    def op(x):
+        return host_sin(x)
+
+    op.defvjp(lambda x: (host_sin(x), x), lambda x, g: (g * jnp.cos(x),))
+    report = jaxext.opcheck(op, (np.linspace(0.1, 1, 3),), checks=["vmap"])
+    detail = report["vmap"].detail
+    assert report["vmap"].status == "SKIP", str(report)
+    assert "jax.vmap of the output over input 0: JAX's own limit" in detail, detail
+    assert "vmap_method" in detail, detail
