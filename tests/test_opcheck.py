@@ -939,3 +939,55 @@ def test_vmap_of_a_forward_jax_cannot_batch_is_jax_limit():
     assert report["vmap"].status == "SKIP", str(report)
     assert "jax.vmap of the output over input 0: JAX's own limit" in detail, detail
     assert "vmap_method" in detail, detail
+
+
+def _raised_in(filename: str, source: str, name: str, **names) -> Exception:
+    """What function ``name`` of ``source`` raises, compiled as ``filename``'s code (its frame
+    as one of JAX's own module's), with ``names`` as its globals."""
+    namespace = dict(names)
+    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 -- the source below
+    try:
+        namespace[name]()
+    except Exception as err:  # noqa: BLE001 -- the exception is the point
+        return err
+    raise AssertionError(f"{name} did not raise")
+
+
+_INTERPRETER_FILE = "/site-packages/jax/_src/pallas/mosaic/interpret/interpret_pallas_call.py"
+_BATCHED_GRID = """
+def _get_randomized_grid_coordinates():
+    raise ValueError("safe_zip() argument 1 has length 3 but argument 0 has length 4")
+"""
+_X64_VALUE = """
+def _interpret_jaxpr():
+    eqn = EQN
+    raise TypeError("lax.sub requires arguments to have the same dtypes, got int64, int32")
+"""
+
+
+@pytest.mark.parametrize(
+    ("filename", "declared", "limit"),
+    [
+        (_INTERPRETER_FILE, "int32", True),  # the interpreter's own value: JAX's limit
+        (_INTERPRETER_FILE, "int64", False),  # the kernel's jaxpr mixes them: the op's
+        ("/work/my_kernels.py", "int32", False),  # not the interpreter's code
+    ],
+)
+def test_tpu_interpreter_defects_are_recognised_where_they_are_raised(filename, declared, limit):
+    """Pallas's TPU interpreter's own defects (a vmapped grid zipped with its semantics; an
+    int64 value for a kernel's int32 under x64) are JAX's limit, and only those."""
+    from types import SimpleNamespace
+
+    from jaxext._checks._opcheck._interpreter import interpreter_limit
+
+    wrapped = RuntimeError("the check failed")  # as a check re-raises what it met
+    wrapped.__cause__ = _raised_in(filename, _BATCHED_GRID, "_get_randomized_grid_coordinates")
+    in_vmap = interpreter_limit(wrapped)
+    assert (in_vmap is not None) == (filename == _INTERPRETER_FILE), in_vmap
+    assert in_vmap is None or "cannot run the op's kernel under jax.vmap" in in_vmap
+
+    var = SimpleNamespace(aval=SimpleNamespace(dtype=np.dtype(declared)))
+    eqn = SimpleNamespace(invars=[var, var])
+    under_x64 = interpreter_limit(_raised_in(filename, _X64_VALUE, "_interpret_jaxpr", EQN=eqn))
+    assert (under_x64 is not None) == limit, under_x64
+    assert under_x64 is None or "int64 value where the kernel's jaxpr declares int32" in under_x64

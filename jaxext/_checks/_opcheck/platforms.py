@@ -44,6 +44,7 @@ from ._common import Skip
 from ._common import first_line as _message_line
 from ._common import fresh as _fresh
 from ._common import vjp as _vjp
+from ._interpreter import interpreter_limit
 from ._kernels import kernel_targets, target_platforms
 from ._op import CheckFailed, OpUnderTest
 
@@ -285,6 +286,7 @@ def _platform_check(platform: str) -> Callable[[OpUnderTest, Settings], str]:
         unknown = []
         found: dict[str, dict[str, int]] = {}  # Pallas part -> its kernel custom calls
         no_64_bit = []  # dtypes with 64-bit types a TPU cannot lower (it has none)
+        interpreted: dict[str, str] = {}  # part -> the TPU interpreter's defect it meets
         own = next(iter(parts["specs"]))
         for label, functions in parts["variants"].items():
             for part, fn in functions.items():
@@ -297,6 +299,8 @@ def _platform_check(platform: str) -> Callable[[OpUnderTest, Settings], str]:
                 except Exception as err:  # noqa: BLE001 -- reported, not raised
                     if _LOCAL_ONLY in str(err):
                         unknown.append(part)
+                    elif (limit := interpreter_limit(err)) is not None:
+                        interpreted.setdefault(part, limit)
                     elif platform == "tpu" and "64" in label and "64-bit" in str(err):
                         # A TPU has no 64-bit types: a limit of the platform, noted, where
                         # the op lowers at a narrower dtype it takes; else the row's FAIL.
@@ -321,7 +325,9 @@ def _platform_check(platform: str) -> Callable[[OpUnderTest, Settings], str]:
                 f"({backend}), as a host callback does: whether they lower for {name} "
                 f"cannot be told here"
             )
-        functions = list(parts["variants"][own])
+        functions = [part for part in parts["variants"][own] if part not in interpreted]
+        if not functions:
+            raise Skip("; ".join(f"the {part}: {why}" for part, why in interpreted.items()))
         no_kernel = [part for part in functions if part in found and not found[part]]
         if no_kernel and platform != "cpu":
             raise CheckFailed(
@@ -341,6 +347,8 @@ def _platform_check(platform: str) -> Callable[[OpUnderTest, Settings], str]:
             )
         if parts["jvp_skipped"] is not None:
             detail += f"; JVP: SKIP, {parts['jvp_skipped']}"
+        for part, limit in interpreted.items():
+            detail += f"; {part}: not lowered, {limit}"
         taken = [label for label in parts["specs"] if label not in no_64_bit]
         detail += f"; at {_listed(taken)} inputs"
         if no_64_bit:
