@@ -991,3 +991,18 @@ def test_tpu_interpreter_defects_are_recognised_where_they_are_raised(filename, 
     under_x64 = interpreter_limit(_raised_in(filename, _X64_VALUE, "_interpret_jaxpr", EQN=eqn))
     assert (under_x64 is not None) == limit, under_x64
     assert under_x64 is None or "int64 value where the kernel's jaxpr declares int32" in under_x64
+
+
+def test_a_pallas_verification_error_is_pallas_bug():
+    """Pallas's own word that lowering failed its verification ("Please file a bug") is JAX's
+    bug wherever it is raised; an op's own error is not."""
+    from jaxext._checks._opcheck._interpreter import interpreter_limit
+
+    wrapped = RuntimeError("the JVP did not lower")
+    wrapped.__cause__ = ValueError(
+        "Pallas encountered an internal verification error. Please file a bug at "
+        "https://github.com/jax-ml/jax/issues/new/choose. Error details: 'arith.muli' op"
+    )
+    limit = interpreter_limit(wrapped)
+    assert limit is not None and "JAX's bug, as Pallas says" in limit, limit
+    assert interpreter_limit(ValueError("the op's own shape error")) is None

@@ -1,4 +1,5 @@
-"""Failures of Pallas's TPU interpreter itself, not of the op it runs (issue #43).
+"""Failures of Pallas itself (its TPU interpreter, its Mosaic lowering), not of the op it
+runs (issue #43).
 
 JAX's TPU interpreter (``pltpu.force_tpu_interpret_mode``) runs a TPU kernel on a CPU, one
 host callback per grid step. Two of its own defects surface as exceptions in checks of a
@@ -12,6 +13,9 @@ differentiate a Pallas kernel at all):
 - under ``jax_enable_x64`` it hands a kernel an int64 value where the kernel's own jaxpr
   declares int32 (a ``TypeError`` of an equation whose inputs are all declared int32: a
   mismatch no kernel can cause, its jaxpr being type-checked when traced).
+
+And where lowering a kernel fails Pallas's own verification of what it generated, Pallas
+says so itself ("internal verification error. Please file a bug"): its bug, not the op's.
 """
 
 from __future__ import annotations
@@ -24,12 +28,19 @@ import numpy as np
 __all__ = ["interpreter_limit"]
 
 _INTERPRETER = ("pallas", "mosaic", "interpret")
+_PALLAS_BUG = "Pallas encountered an internal verification error"
 
 
 def interpreter_limit(err: BaseException) -> str | None:
-    """A SKIP reason where ``err`` (or an exception it was raised from) is one of the TPU
-    interpreter's own defects (the module docstring); else ``None``."""
+    """A SKIP reason where ``err`` (or an exception it was raised from) is one of Pallas's
+    own defects (the module docstring); else ``None``."""
     for exc in _chain(err):
+        if _PALLAS_BUG in str(exc):
+            return (
+                "Pallas's lowering fails its own verification of the kernel it generated "
+                f"(JAX's bug, as Pallas says: {type(exc).__name__}: "
+                f"{' '.join(str(exc).split())[:300]})"
+            )
         for frame in _frames(exc.__traceback__):
             if not all(part in frame.f_code.co_filename for part in _INTERPRETER):
                 continue

@@ -189,14 +189,35 @@ def _functions(op: OpUnderTest, fresh: Callable, specs: list, u: Any, v: Any) ->
 _LOCAL_ONLY = "the platform for the specified backend"
 
 
-def _lower(fn: Callable, specs: list, platforms: list[str]) -> None:
+def _lower(
+    fn: Callable, specs: list, platforms: list[str], x64_only_fails: list[str] | None = None
+) -> Any:
     """Lowers ``jax.jit(fn)`` at ``specs`` for ``platforms``; raises what lowering raises.
 
     This is the lowering of ``jax.export.export(jax.jit(fn), platforms=platforms)``
     without its serialization checks (a host callback or a custom call of JAX's own
     without a compatibility guarantee limits saved programs, not where the op runs;
-    the ``export`` check covers serialization).
+    the ``export`` check covers serialization). Specs of 32 bits or fewer that do not lower
+    under the checks' ``jax_enable_x64`` are lowered as such a program runs, with it off (a
+    Pallas TPU kernel whose index arithmetic mixes int64 and int32 under x64); the error
+    under x64 is appended to ``x64_only_fails``.
     """
+    try:
+        return _lower_here(fn, specs, platforms)
+    except Exception as err:
+        if any(np.dtype(s.dtype).itemsize > 4 and s.dtype != jnp.complex64 for s in specs):
+            raise
+        try:
+            with jax.enable_x64(False):
+                lowered = _lower_here(fn, specs, platforms)
+        except Exception:  # noqa: BLE001 -- not x64's doing: the error under x64 stands
+            raise err from None
+        if x64_only_fails is not None:
+            x64_only_fails.append(_first_line(err))
+        return lowered
+
+
+def _lower_here(fn: Callable, specs: list, platforms: list[str]) -> Any:
     traced = jax.jit(fn).trace(*specs)
     try:
         return traced.lower(lowering_platforms=tuple(platforms))
@@ -287,13 +308,14 @@ def _platform_check(platform: str) -> Callable[[OpUnderTest, Settings], str]:
         found: dict[str, dict[str, int]] = {}  # Pallas part -> its kernel custom calls
         no_64_bit = []  # dtypes with 64-bit types a TPU cannot lower (it has none)
         interpreted: dict[str, str] = {}  # part -> the TPU interpreter's defect it meets
+        x64_only: list[str] = []  # errors of 32-bit parts lowered with jax_enable_x64 off only
         own = next(iter(parts["specs"]))
         for label, functions in parts["variants"].items():
             for part, fn in functions.items():
                 if (label, part) in parts["lowered"]:
                     continue
                 try:
-                    lowered = _lower(fn, parts["specs"][label], [platform])
+                    lowered = _lower(fn, parts["specs"][label], [platform], x64_only)
                     if part in parts["pallas"] and (label == own or not found.get(part)):
                         found[part] = _kernel_calls(lowered)
                 except Exception as err:  # noqa: BLE001 -- reported, not raised
@@ -349,6 +371,11 @@ def _platform_check(platform: str) -> Callable[[OpUnderTest, Settings], str]:
             detail += f"; JVP: SKIP, {parts['jvp_skipped']}"
         for part, limit in interpreted.items():
             detail += f"; {part}: not lowered, {limit}"
+        if x64_only:
+            detail += (
+                "; at 32-bit inputs some parts lower with jax_enable_x64 off only (under x64: "
+                f"{_union([x64_only])[0]})"
+            )
         taken = [label for label in parts["specs"] if label not in no_64_bit]
         detail += f"; at {_listed(taken)} inputs"
         if no_64_bit:
