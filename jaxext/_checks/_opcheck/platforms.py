@@ -127,10 +127,12 @@ def _parts(op: OpUnderTest, settings: Settings) -> dict[str, Any]:
 def _dtypes(op: OpUnderTest, platforms: list[str]) -> dict[str, list[jax.ShapeDtypeStruct]]:
     """``{label: argument specs}``: the op's own dtypes (float64, or those it takes
     without a float64 path) first, then float32 and bfloat16 where the op takes them
-    (it lowers there for this machine's backend, or, for a kernel compiled only for an
-    accelerator, for one of ``platforms``; complex inputs as complex64); ``label`` names
-    the dtypes."""
+    (it lowers there for this machine's backend; for a kernel compiled only for
+    accelerators, which lowers here at no dtype, for one of ``platforms``; complex inputs
+    as complex64); ``label`` names the dtypes."""
     found: dict[str, list[jax.ShapeDtypeStruct]] = {}
+    own = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in op.primals]
+    where = [] if _takes(op.call, own, []) else platforms  # [] : this machine's backend
     for dtype in (None, jnp.float32, jnp.bfloat16):
         specs = [
             jax.ShapeDtypeStruct(
@@ -141,21 +143,22 @@ def _dtypes(op: OpUnderTest, platforms: list[str]) -> dict[str, list[jax.ShapeDt
         label = "/".join(sorted({np.dtype(s.dtype).name for s in specs}))
         if label in found:
             continue
-        if dtype is not None and not _takes(op.call, specs, platforms):
+        if dtype is not None and not _takes(op.call, specs, where):
             continue
         found[label] = specs
     return found
 
 
 def _takes(fn: Callable, specs: list, platforms: list[str]) -> bool:
-    """Whether ``fn`` takes arguments of ``specs``: it lowers for this machine's backend,
-    or for one of ``platforms`` (a Pallas kernel compiled for GPU or TPU, no interpret
-    mode, lowers for no CPU)."""
-    try:
-        jax.jit(fn).trace(*specs).lower()
-        return True
-    except Exception:  # noqa: BLE001 -- not here; an accelerator's kernel, perhaps
-        pass
+    """Whether ``fn`` takes arguments of ``specs``: it lowers for this machine's backend
+    (``platforms`` empty), or for one of ``platforms`` (a Pallas kernel compiled for GPU or
+    TPU, no interpret mode, lowers for no CPU)."""
+    if not platforms:
+        try:
+            jax.jit(fn).trace(*specs).lower()
+            return True
+        except Exception:  # noqa: BLE001 -- a dtype the op does not take here
+            return False
     for platform in platforms:
         try:
             _lower(fn, specs, [platform])
