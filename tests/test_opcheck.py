@@ -957,3 +957,125 @@ def test_platform_rows_lower_at_every_dtype_the_op_takes():
     assert report.failed == ("platform_tpu",), str(report)
     detail = report["platform_tpu"].detail
     assert "do not lower for TPU (at bfloat16)" in detail and "'eig'" in detail, detail
+
+
+def test_platform_rows_of_an_op_for_accelerators_only_lower_at_every_dtype():
+    """An op that lowers for no CPU (a Pallas kernel compiled without interpret mode; here
+    branches for CUDA and TPU only): its float32 and bfloat16 are lowered too, for the
+    platforms it is written for, not float64 alone."""
+
+    def op(x):
+        return jax.lax.platform_dependent(x, cuda=lambda x: 2 * x, tpu=lambda x: 3 * x)
+
+    report = jaxext.opcheck(
+        op, (f64(0, (3,)),), checks=["platform_cuda", "platform_tpu"], raise_exception=False
+    )
+    for row in ("platform_cuda", "platform_tpu"):
+        assert report[row].status == "PASS", str(report)
+        assert "at float64, float32 and bfloat16 inputs" in report[row].detail, str(report)
+
+
+def test_checkpoint_of_an_op_with_host_callbacks_is_jax_limit():
+    """jax.checkpoint cannot differentiate an io_callback's effects (Pallas's TPU
+    interpreter runs kernels through one): a SKIP naming JAX's limit, not the op's FAIL."""
+    from jax.experimental import io_callback
+
+    def host_sin(x):
+        return io_callback(np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x, ordered=True)
+
+    @jaxext.custom_vjp
+    def op(x):
+        return host_sin(x)
+
+    op.defvjp(lambda x: (host_sin(x), x), lambda x, g: (g * jnp.cos(x),))
+    report = jaxext.opcheck(op, (np.linspace(0.1, 1, 3),), checks=["checkpoint"])
+    assert report["checkpoint"].status == "SKIP", str(report)
+    assert "jax.checkpoint does not differentiate" in report["checkpoint"].detail
+    assert "OrderedIOEffect" in report["checkpoint"].detail
+
+
+def test_vmap_of_a_forward_jax_cannot_batch_is_jax_limit():
+    """The forward JAX cannot batch (a pure_callback without a vmap_method), the gradient of
+    the op's plain twin not taken either (a pure_callback has no JVP): judged on the part
+    that raised, the output, whose plain twin raises the same: JAX's limit, not a FAIL."""
+
+    def host_sin(x):
+        return jax.pure_callback(np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    @jaxext.custom_vjp
+    def op(x):
+        return host_sin(x)
+
+    op.defvjp(lambda x: (host_sin(x), x), lambda x, g: (g * jnp.cos(x),))
+    report = jaxext.opcheck(op, (np.linspace(0.1, 1, 3),), checks=["vmap"])
+    detail = report["vmap"].detail
+    assert report["vmap"].status == "SKIP", str(report)
+    assert "jax.vmap of the output over input 0: JAX's own limit" in detail, detail
+    assert "vmap_method" in detail, detail
+
+
+def _raised_in(filename: str, source: str, name: str, **names) -> Exception:
+    """What function ``name`` of ``source`` raises, compiled as ``filename``'s code (its frame
+    as one of JAX's own module's), with ``names`` as its globals."""
+    namespace = dict(names)
+    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 -- the source below
+    try:
+        namespace[name]()
+    except Exception as err:  # noqa: BLE001 -- the exception is the point
+        return err
+    raise AssertionError(f"{name} did not raise")
+
+
+_INTERPRETER_FILE = "/site-packages/jax/_src/pallas/mosaic/interpret/interpret_pallas_call.py"
+_BATCHED_GRID = """
+def _get_randomized_grid_coordinates():
+    raise ValueError("safe_zip() argument 1 has length 3 but argument 0 has length 4")
+"""
+_X64_VALUE = """
+def _interpret_jaxpr():
+    eqn = EQN
+    raise TypeError("lax.sub requires arguments to have the same dtypes, got int64, int32")
+"""
+
+
+@pytest.mark.parametrize(
+    ("filename", "declared", "limit"),
+    [
+        (_INTERPRETER_FILE, "int32", True),  # the interpreter's own value: JAX's limit
+        (_INTERPRETER_FILE, "int64", False),  # the kernel's jaxpr mixes them: the op's
+        ("/work/my_kernels.py", "int32", False),  # not the interpreter's code
+    ],
+)
+def test_tpu_interpreter_defects_are_recognised_where_they_are_raised(filename, declared, limit):
+    """Pallas's TPU interpreter's own defects (a vmapped grid zipped with its semantics; an
+    int64 value for a kernel's int32 under x64) are JAX's limit, and only those."""
+    from types import SimpleNamespace
+
+    from jaxext._checks._opcheck._interpreter import interpreter_limit
+
+    wrapped = RuntimeError("the check failed")  # as a check re-raises what it met
+    wrapped.__cause__ = _raised_in(filename, _BATCHED_GRID, "_get_randomized_grid_coordinates")
+    in_vmap = interpreter_limit(wrapped)
+    assert (in_vmap is not None) == (filename == _INTERPRETER_FILE), in_vmap
+    assert in_vmap is None or "cannot run the op's kernel under jax.vmap" in in_vmap
+
+    var = SimpleNamespace(aval=SimpleNamespace(dtype=np.dtype(declared)))
+    eqn = SimpleNamespace(invars=[var, var])
+    under_x64 = interpreter_limit(_raised_in(filename, _X64_VALUE, "_interpret_jaxpr", EQN=eqn))
+    assert (under_x64 is not None) == limit, under_x64
+    assert under_x64 is None or "int64 value where the kernel's jaxpr declares int32" in under_x64
+
+
+def test_a_pallas_verification_error_is_pallas_bug():
+    """Pallas's own word that lowering failed its verification ("Please file a bug") is JAX's
+    bug wherever it is raised; an op's own error is not."""
+    from jaxext._checks._opcheck._interpreter import interpreter_limit
+
+    wrapped = RuntimeError("the JVP did not lower")
+    wrapped.__cause__ = ValueError(
+        "Pallas encountered an internal verification error. Please file a bug at "
+        "https://github.com/jax-ml/jax/issues/new/choose. Error details: 'arith.muli' op"
+    )
+    limit = interpreter_limit(wrapped)
+    assert limit is not None and "JAX's bug, as Pallas says" in limit, limit
+    assert interpreter_limit(ValueError("the op's own shape error")) is None

@@ -17,6 +17,7 @@ from .._precision import float64_numerics
 from .._settings import Settings, as_args
 from . import ALL_CHECKS, CHECK_NAMES, CHECKS
 from ._common import Skip, Unresolved, no_float64_path, refused_forward_mode
+from ._interpreter import interpreter_limit
 from ._kernels import checking_mode
 from ._op import CheckFailed, OpUnderTest
 from ._plain import jax_limit, underlying_error
@@ -132,7 +133,8 @@ def opcheck(
     * ``platform_cpu``, ``platform_cuda``, ``platform_rocm``, ``platform_tpu``:
       the op's jitted forward, VJP and JVP lower for that platform (lowering
       only, no hardware needed), at each dtype the op takes (float64, and
-      float32 and bfloat16 where it lowers for this machine's backend).
+      float32 and bfloat16 where it lowers for this machine's backend or, for a
+      kernel compiled for accelerators only, for a selected platform).
 
     Complex inputs and outputs are checked in JAX's convention (a cotangent
     ``c`` pairs with a tangent ``t`` as ``Re(c t)``; the VJP of a holomorphic
@@ -142,8 +144,10 @@ def opcheck(
 
     An exception raised inside a check is a SKIP naming JAX's limit when the
     same check on the op's math with every custom rule stripped (JAX's own
-    autodiff and batching of the primal) raises the same way; otherwise it is
-    that check's FAIL.
+    autodiff and batching of the primal) raises the same way, or when it is one
+    of Pallas's TPU interpreter's own defects (a kernel under ``jax.vmap``, an
+    int64 value for a kernel's int32 under x64), recognised where the
+    interpreter raises it; otherwise it is that check's FAIL.
 
     Comparisons of two programs computing the same math (jit and eager, vmap
     and a loop ...) allow a normwise relative error from the dtypes the op
@@ -299,6 +303,9 @@ def _jax_limit(name: str, op: OpUnderTest, settings: Settings, err: Exception) -
     raised = underlying_error(err)
     if raised is None:
         return None
+    interpreter = interpreter_limit(raised)
+    if interpreter is not None:  # the TPU interpreter's own defect: no plain twin can show it
+        return interpreter
     no_float64 = no_float64_path(op)
     if no_float64 is not None:  # one cause, one verdict: every row meets it
         return no_float64

@@ -44,6 +44,7 @@ from ._common import Skip
 from ._common import first_line as _message_line
 from ._common import fresh as _fresh
 from ._common import vjp as _vjp
+from ._interpreter import interpreter_limit
 from ._kernels import kernel_targets, target_platforms
 from ._op import CheckFailed, OpUnderTest
 
@@ -85,7 +86,9 @@ def _parts(op: OpUnderTest, settings: Settings) -> dict[str, Any]:
     jvp_skipped = None
     if op.forward_error is not None:
         jvp_skipped = f"no forward mode (jax.jvp raises {op.forward_error})"
-    specs = _dtypes(op)
+    selected = op.cache.get("selected", frozenset(f"platform_{p}" for p in PLATFORMS))
+    together = [p for p in PLATFORMS if f"platform_{p}" in selected]
+    specs = _dtypes(op, together)
     variants = {label: _functions(op, fresh, specs[label], u, v) for label in specs}
     own = next(iter(specs))
     kernels: dict[str, list[str]] = {}
@@ -101,8 +104,6 @@ def _parts(op: OpUnderTest, settings: Settings) -> dict[str, Any]:
                     parts.add(part)
         except Exception:  # noqa: BLE001 -- the lowering below reports it
             kernels[part] = []
-    selected = op.cache.get("selected", frozenset(f"platform_{p}" for p in PLATFORMS))
-    together = [p for p in PLATFORMS if f"platform_{p}" in selected]
     lowered = set()  # the (dtypes, part) that lowered for every selected platform at once
     for label, functions in variants.items():
         for part, fn in functions.items():
@@ -125,12 +126,15 @@ def _parts(op: OpUnderTest, settings: Settings) -> dict[str, Any]:
     return cached
 
 
-def _dtypes(op: OpUnderTest) -> dict[str, list[jax.ShapeDtypeStruct]]:
+def _dtypes(op: OpUnderTest, platforms: list[str]) -> dict[str, list[jax.ShapeDtypeStruct]]:
     """``{label: argument specs}``: the op's own dtypes (float64, or those it takes
     without a float64 path) first, then float32 and bfloat16 where the op takes them
-    (it lowers there for this machine's backend; complex inputs as complex64); ``label``
-    names the dtypes."""
+    (it lowers there for this machine's backend; for a kernel compiled only for
+    accelerators, which lowers here at no dtype, for one of ``platforms``; complex inputs
+    as complex64); ``label`` names the dtypes."""
     found: dict[str, list[jax.ShapeDtypeStruct]] = {}
+    own = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in op.primals]
+    where = [] if _takes(op.call, own, []) else platforms  # [] : this machine's backend
     for dtype in (None, jnp.float32, jnp.bfloat16):
         specs = [
             jax.ShapeDtypeStruct(
@@ -141,13 +145,29 @@ def _dtypes(op: OpUnderTest) -> dict[str, list[jax.ShapeDtypeStruct]]:
         label = "/".join(sorted({np.dtype(s.dtype).name for s in specs}))
         if label in found:
             continue
-        if dtype is not None:
-            try:  # taken: it lowers for this machine's backend
-                jax.jit(op.call).trace(*specs).lower()
-            except Exception:  # noqa: BLE001 -- a dtype the op does not take: not lowered
-                continue
+        if dtype is not None and not _takes(op.call, specs, where):
+            continue
         found[label] = specs
     return found
+
+
+def _takes(fn: Callable, specs: list, platforms: list[str]) -> bool:
+    """Whether ``fn`` takes arguments of ``specs``: it lowers for this machine's backend
+    (``platforms`` empty), or for one of ``platforms`` (a Pallas kernel compiled for GPU or
+    TPU, no interpret mode, lowers for no CPU)."""
+    if not platforms:
+        try:
+            jax.jit(fn).trace(*specs).lower()
+            return True
+        except Exception:  # noqa: BLE001 -- a dtype the op does not take here
+            return False
+    for platform in platforms:
+        try:
+            _lower(fn, specs, [platform])
+            return True
+        except Exception:  # noqa: BLE001 -- a dtype the op does not take there either
+            continue
+    return False
 
 
 def _functions(op: OpUnderTest, fresh: Callable, specs: list, u: Any, v: Any) -> dict:
@@ -174,14 +194,35 @@ def _functions(op: OpUnderTest, fresh: Callable, specs: list, u: Any, v: Any) ->
 _LOCAL_ONLY = "the platform for the specified backend"
 
 
-def _lower(fn: Callable, specs: list, platforms: list[str]) -> None:
+def _lower(
+    fn: Callable, specs: list, platforms: list[str], x64_only_fails: list[str] | None = None
+) -> Any:
     """Lowers ``jax.jit(fn)`` at ``specs`` for ``platforms``; raises what lowering raises.
 
     This is the lowering of ``jax.export.export(jax.jit(fn), platforms=platforms)``
     without its serialization checks (a host callback or a custom call of JAX's own
     without a compatibility guarantee limits saved programs, not where the op runs;
-    the ``export`` check covers serialization).
+    the ``export`` check covers serialization). Specs of 32 bits or fewer that do not lower
+    under the checks' ``jax_enable_x64`` are lowered as such a program runs, with it off (a
+    Pallas TPU kernel whose index arithmetic mixes int64 and int32 under x64); the error
+    under x64 is appended to ``x64_only_fails``.
     """
+    try:
+        return _lower_here(fn, specs, platforms)
+    except Exception as err:
+        if any(np.dtype(s.dtype).itemsize > 4 and s.dtype != jnp.complex64 for s in specs):
+            raise
+        try:
+            with jax.enable_x64(False):
+                lowered = _lower_here(fn, specs, platforms)
+        except Exception:  # noqa: BLE001 -- not x64's doing: the error under x64 stands
+            raise err from None
+        if x64_only_fails is not None:
+            x64_only_fails.append(_first_line(err))
+        return lowered
+
+
+def _lower_here(fn: Callable, specs: list, platforms: list[str]) -> Any:
     traced = jax.jit(fn).trace(*specs)
     try:
         return traced.lower(lowering_platforms=tuple(platforms))
@@ -287,18 +328,22 @@ def _platform_check(platform: str) -> Callable[[OpUnderTest, Settings], str]:
         unknown = []
         found: dict[str, dict[str, int]] = {}  # Pallas part -> its kernel custom calls
         no_64_bit = []  # dtypes with 64-bit types a TPU cannot lower (it has none)
+        interpreted: dict[str, str] = {}  # part -> the TPU interpreter's defect it meets
+        x64_only: list[str] = []  # errors of 32-bit parts lowered with jax_enable_x64 off only
         own = next(iter(parts["specs"]))
         for label, functions in parts["variants"].items():
             for part, fn in functions.items():
                 if (label, part) in parts["lowered"]:
                     continue
                 try:
-                    lowered = _lower(fn, parts["specs"][label], [platform])
+                    lowered = _lower(fn, parts["specs"][label], [platform], x64_only)
                     if part in parts["pallas"][platform] and (label == own or not found.get(part)):
                         found[part] = _kernel_calls(lowered)
                 except Exception as err:  # noqa: BLE001 -- reported, not raised
                     if _LOCAL_ONLY in str(err):
                         unknown.append(part)
+                    elif (limit := interpreter_limit(err)) is not None:
+                        interpreted.setdefault(part, limit)
                     elif platform == "tpu" and "64" in label and "64-bit" in str(err):
                         # A TPU has no 64-bit types: a limit of the platform, noted, where
                         # the op lowers at a narrower dtype it takes; else the row's FAIL.
@@ -323,7 +368,9 @@ def _platform_check(platform: str) -> Callable[[OpUnderTest, Settings], str]:
                 f"({backend}), as a host callback does: whether they lower for {name} "
                 f"cannot be told here"
             )
-        functions = list(parts["variants"][own])
+        functions = [part for part in parts["variants"][own] if part not in interpreted]
+        if not functions:
+            raise Skip("; ".join(f"the {part}: {why}" for part, why in interpreted.items()))
         no_kernel = [part for part in functions if part in found and not found[part]]
         if no_kernel and platform != "cpu":
             raise CheckFailed(
@@ -343,6 +390,13 @@ def _platform_check(platform: str) -> Callable[[OpUnderTest, Settings], str]:
             )
         if parts["jvp_skipped"] is not None:
             detail += f"; JVP: SKIP, {parts['jvp_skipped']}"
+        for part, limit in interpreted.items():
+            detail += f"; {part}: not lowered, {limit}"
+        if x64_only:
+            detail += (
+                "; at 32-bit inputs some parts lower with jax_enable_x64 off only (under x64: "
+                f"{_union([x64_only])[0]})"
+            )
         taken = [label for label in parts["specs"] if label not in no_64_bit]
         detail += f"; at {_listed(taken)} inputs"
         if no_64_bit:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -276,6 +277,43 @@ def _on_host(leaf: Any) -> Any:
 
 
 def vmap(op: OpUnderTest, settings: Settings) -> str:
+    parts, forward = _vmap_parts(op, settings)
+    # Every batched input's output, gradient and JVP, looped and vmapped: one program.
+    for (index, part), (looped, batched) in loop_and_vmap(parts, op.quick_jit).items():
+        what = f"vmap over input {index} vs a loop"
+        if isinstance(batched, Exception):
+            _skip_if_jax_cannot_vmap(op, settings, (index, part), batched)
+            raise batched
+        if part != "gradient":
+            assert_trees_close(batched, looped, what=f"{what}: {part}", rtol=op.rtol)
+            continue
+        for m in batched_mismatches(looped, batched, _BATCH, op.rtol)[:1]:
+            element = (m.direction, *unravel(m.in_element, op.primals[m.in_block].shape))
+            raise CheckFailed(mismatch_text(f"{what}: gradients[{m.in_block}]", m, element))
+    checked = sorted({index for index, _ in parts})
+    parts = "output, gradient and JVP" if forward else "output and gradient"
+    return f"{parts} under vmap over input(s) {checked} equal a loop"
+
+
+def _skip_if_jax_cannot_vmap(op: OpUnderTest, settings: Settings, key: tuple, err: Exception):
+    """A SKIP naming JAX's limit where ``jax.vmap`` of one part (``key``: input index, and
+    output, gradient or JVP) raises ``err`` and the same part of the op's plain twin raises
+    it too. The part alone: the twin's other parts may fail first for their own reasons (a
+    Pallas kernel's gradient, which plain JAX cannot take), which says nothing of this one."""
+
+    def rerun(twin: OpUnderTest) -> None:
+        fn, _, batched_args, axes = _vmap_parts(twin, settings)[0][key]
+        jax.jit(lambda args: jax.vmap(fn, in_axes=axes)(*args))(batched_args)
+
+    limit = jax_limit(op, err, rerun)
+    if limit is not None:
+        index, part = key
+        raise Skip(f"jax.vmap of the {part} over input {index}: {limit}") from err
+
+
+def _vmap_parts(op: OpUnderTest, settings: Settings) -> tuple[dict, bool]:
+    """``vmap``'s parts for ``loop_and_vmap`` (each input's output, gradient and, with
+    forward mode, JVP), the same for the same ``settings``; and whether JVPs are in."""
     rng = np.random.default_rng(settings.seed + 4)
     forward = op.forward_error is None
     parts = {}
@@ -332,20 +370,7 @@ def vmap(op: OpUnderTest, settings: Settings) -> str:
                 (batch, stacked(ts)),
                 0,
             )
-    # Every batched input's output, gradient and JVP, looped and vmapped: one program.
-    for (index, part), (looped, batched) in loop_and_vmap(parts, op.quick_jit).items():
-        what = f"vmap over input {index} vs a loop"
-        if isinstance(batched, Exception):
-            raise batched
-        if part != "gradient":
-            assert_trees_close(batched, looped, what=f"{what}: {part}", rtol=op.rtol)
-            continue
-        for m in batched_mismatches(looped, batched, _BATCH, op.rtol)[:1]:
-            element = (m.direction, *unravel(m.in_element, op.primals[m.in_block].shape))
-            raise CheckFailed(mismatch_text(f"{what}: gradients[{m.in_block}]", m, element))
-    checked = sorted({index for index, _ in parts})
-    parts = "output, gradient and JVP" if forward else "output and gradient"
-    return f"{parts} under vmap over input(s) {checked} equal a loop"
+    return parts, forward
 
 
 def _checkpointed_gradients(op: OpUnderTest, u: Any) -> dict[str, Callable]:
@@ -365,7 +390,8 @@ def checkpoint(op: OpUnderTest, settings: Settings) -> str:
     not_run = {}
     try:
         got = op.quick_jit(lambda *p: {name: fn(*p) for name, fn in gradients.items()})(*primals)
-    except Exception:  # noqa: BLE001 -- each policy alone below, to attribute the error
+    except Exception as err:  # noqa: BLE001 -- each policy alone below, to attribute the error
+        _skip_if_effects_refused(err)
         got = {"reference": op.quick_jit(gradients.pop("reference"))(*primals)}
         for name, fn in gradients.items():
             try:
@@ -395,3 +421,21 @@ def checkpoint(op: OpUnderTest, settings: Settings) -> str:
             f"policies; not run: {reasons}"
         )
     return f"same gradients under jax.checkpoint with {len(_POLICIES)} policies"
+
+
+# What JAX's checkpoint raises for a program with side effects it cannot partial-evaluate
+# ("in partial-eval of" on jax 0.10, "in AD of" on 0.12).
+_EFFECTS_REFUSED = re.compile(r"Effects not supported in (partial-eval|AD) of `checkpoint`/`remat`")
+
+
+def _skip_if_effects_refused(err: Exception) -> None:
+    """A SKIP naming JAX's limit where ``jax.checkpoint`` refuses the side effects of the
+    op's program (a host callback: Pallas's TPU interpreter runs each kernel step through
+    ``io_callback``): no policy can run, whatever the op computes."""
+    if isinstance(err, NotImplementedError) and _EFFECTS_REFUSED.search(str(err)):
+        effects = sorted(set(re.findall(r"jax\._src\.\w+\.(\w+) object", str(err))))
+        raise Skip(
+            "JAX's own limit for this construct: jax.checkpoint does not differentiate the "
+            f"side effects of the op's program ({', '.join(effects) or 'effects'}: a host "
+            "callback, as Pallas's TPU interpreter runs a kernel through io_callback)"
+        ) from err
