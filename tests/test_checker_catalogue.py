@@ -1349,3 +1349,29 @@ def test_op_without_float64_path_is_checked_in_its_dtype(reference):
         buggy, args, checks=["gradcheck", "jvp"], reference=ref, raise_exception=False
     )
     assert set(report.failed) == {"gradcheck", "jvp"}, str(report)
+
+
+def test_a_crash_of_an_op_without_float64_path_is_no_skip(x64):
+    """A row of an op without a float64 path runs in float32: an error there that is not
+    the op's float64 refusal is judged as any op's error (a backward that reads a traced
+    value with ``float()`` fails wherever it is traced: FAIL, not the "no float64 path" SKIP)."""
+    base, args = checker_ops.loop_carry_float32()
+
+    @jaxext.custom_vjp
+    def op(x, w):
+        return base(x, w)
+
+    def op_fwd(x, w):
+        return base(x, w), (x, w)
+
+    def op_bwd(res, g):
+        x, w = res
+        scale = float(jnp.max(jnp.abs(g))) > -1.0  # True; but a Python bool of a traced value
+        return (g[:, None] * w[None, :]) * scale, jnp.sum(g[:, None] * x, 0) * scale
+
+    op.defvjp(op_fwd, op_bwd)
+    args64 = tuple(np.asarray(a, np.float64) for a in args)  # the op refuses them
+    report = jaxext.opcheck(op, args64, checks=["gradcheck", "jit"], raise_exception=False)
+    assert report.statuses == {"gradcheck": "FAIL", "jit": "FAIL"}, str(report)
+    for row in ("gradcheck", "jit"):
+        assert "ConcretizationTypeError" in report[row].detail, str(report)

@@ -33,6 +33,7 @@ __all__ = [
     "Skip",
     "Unresolved",
     "first_line",
+    "float64_refusal",
     "fresh",
     "gradient_check",
     "gradient_settings",
@@ -84,7 +85,18 @@ def no_float64_path(op: OpUnderTest) -> str | None:
                 f"inputs it raises {type(err).__name__}: {first_line(err)}; with float32 "
                 "inputs it runs; not checked at float64"
             )
+            op.cache["float64_refusal"] = (type(err), first_line(err))
     return op.cache["no_float64_path"]
+
+
+def float64_refusal(op: OpUnderTest, err: BaseException) -> str | None:
+    """:func:`no_float64_path`'s reason where ``err`` is that refusal (the same exception
+    class and first line the op raises at float64 inputs), else ``None``: any other error
+    of a row of such an op (which runs in float32) is judged as any op's."""
+    reason = no_float64_path(op)
+    if reason is None or op.cache.get("float64_refusal") != (type(err), first_line(err)):
+        return None
+    return reason
 
 
 def refused_forward_mode(op: OpUnderTest, err: BaseException) -> str | None:

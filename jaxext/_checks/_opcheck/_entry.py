@@ -16,7 +16,7 @@ from typing import Any
 from .._precision import float64_numerics
 from .._settings import Settings, as_args
 from . import ALL_CHECKS, CHECK_NAMES, CHECKS
-from ._common import Skip, Unresolved, no_float64_path, refused_forward_mode
+from ._common import Skip, Unresolved, float64_refusal, refused_forward_mode
 from ._interpreter import interpreter_limit
 from ._kernels import checking_mode
 from ._op import CheckFailed, OpUnderTest
@@ -306,8 +306,8 @@ def _jax_limit(name: str, op: OpUnderTest, settings: Settings, err: Exception) -
     interpreter = interpreter_limit(raised)
     if interpreter is not None:  # the TPU interpreter's own defect: no plain twin can show it
         return interpreter
-    no_float64 = no_float64_path(op)
-    if no_float64 is not None:  # one cause, one verdict: every row meets it
+    no_float64 = float64_refusal(op, raised)
+    if no_float64 is not None:  # one cause, one verdict: every row that meets it
         return no_float64
     no_forward_mode = refused_forward_mode(op, raised)
     if no_forward_mode is not None:  # one cause, one verdict: as the rows that ask first
