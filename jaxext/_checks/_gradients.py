@@ -32,7 +32,14 @@ from ._gradcheck_report import GradcheckError, dtype_error, gradcheck_error
 from ._jacobians import FlatJacobians
 from ._leaves import FloatLeaves
 from ._precision import float64_numerics
-from ._problem import Problem, Segment, first_order, second_order, second_order_forward
+from ._problem import (
+    Problem,
+    Segment,
+    first_order,
+    grad_output_leaves,
+    second_order,
+    second_order_forward,
+)
 from ._reference import random_like, reference_mismatch, reference_rtol
 from ._settings import Settings
 
@@ -386,19 +393,7 @@ def _grad_outputs(grad_outputs: Any, out: Any, seed: int) -> tuple[list[jax.Arra
     if grad_outputs is None:
         drawn = jax.tree_util.tree_leaves(random_like(np.random.default_rng(seed), out)[0])
         return [drawn[i] for i in positions], positions
-    if (
-        jax.tree_util.treedef_is_leaf(treedef)
-        and isinstance(grad_outputs, (tuple, list))
-        and len(grad_outputs) == 1
-    ):
-        grad_outputs = grad_outputs[0]  # PyTorch habit: a 1-tuple for a single output
-    structure = jax.tree_util.tree_structure(grad_outputs)
-    if structure != treedef:
-        raise ValueError(
-            f"`grad_outputs` must have the structure of `func`'s output, {treedef}; "
-            f"got {structure}."
-        )
-    given = jax.tree_util.tree_leaves(grad_outputs)
+    given = grad_output_leaves(grad_outputs, treedef)
     cotangents = []
     for i in positions:
         value = given[i]

@@ -28,7 +28,14 @@ import numpy as np
 
 from ._leaves import FloatLeaves, float_dtype, output_label
 
-__all__ = ["Problem", "Segment", "first_order", "second_order", "second_order_forward"]
+__all__ = [
+    "Problem",
+    "Segment",
+    "first_order",
+    "grad_output_leaves",
+    "second_order",
+    "second_order_forward",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,18 +187,28 @@ def first_order(func: Callable[..., Any], args: tuple) -> tuple[Problem, list[st
     return problem, low, low_out
 
 
-def _given_grad_outputs(grad_outputs: Any, first: Problem, low: list[str]) -> list[np.ndarray]:
-    treedef = first.out_treedef
+def grad_output_leaves(grad_outputs: Any, treedef: Any) -> list[Any]:
+    """The leaves of the caller's ``grad_outputs``, which must have the structure
+    ``treedef`` of the function's output (a 1-tuple stands for a single output, a PyTorch
+    habit).
+
+    Raises:
+        ValueError: if the structures differ.
+    """
     single = jax.tree_util.treedef_is_leaf(treedef)
     if single and isinstance(grad_outputs, (tuple, list)) and len(grad_outputs) == 1:
-        grad_outputs = grad_outputs[0]  # PyTorch habit: a 1-tuple for a single output
+        grad_outputs = grad_outputs[0]
     structure = jax.tree_util.tree_structure(grad_outputs)
     if structure != treedef:
         raise ValueError(
             f"`grad_outputs` must have the structure of `func`'s output, {treedef}; "
             f"got {structure}."
         )
-    leaves = jax.tree_util.tree_leaves(grad_outputs)
+    return jax.tree_util.tree_leaves(grad_outputs)
+
+
+def _given_grad_outputs(grad_outputs: Any, first: Problem, low: list[str]) -> list[np.ndarray]:
+    leaves = grad_output_leaves(grad_outputs, first.out_treedef)
     cotangents = []
     for segment, position in zip(first.outputs, first.out_positions, strict=True):
         label = f"grad_outputs for {segment.label}"
