@@ -47,16 +47,19 @@ What the tables show (``benchmarks/results/pallas_ops_tables_cpu.md``, the lates
 - Every twin, JAX's own forward and backward functions in a ``jaxext.custom_vjp`` whose
   backward perturbs them (``NAME/scaled_gradient``: one gradient 1% off; ``NAME/missing_term``:
   a term of the backward dropped; ``NAME/swapped_residuals``: two residuals swapped), FAILs
-  ``gradcheck`` and ``jvp`` against the reference (``gmm``'s twins: ``gradcheck``; their
-  ``jvp`` SKIPs for the interpreter's batched-grid defect), while ``NAME/faithful``, the same
-  wrapping with JAX's backward unchanged, passes them: the FAILs are the perturbations'.
+  ``gradcheck`` and ``jvp`` against the reference (``gmm``'s and flash attention's twins:
+  ``gradcheck``, their ``jvp`` SKIPs for the interpreter's batched-grid defect; splash
+  attention's: ``gradcheck``, their ``jvp`` SKIPs "no forward mode" as the op's does), while
+  ``NAME/faithful``, the same wrapping with JAX's backward unchanged, passes them: the FAILs
+  are the perturbations'. Flash and splash attention's twins take seconds each (three rows).
 
 Usage: ``python benchmarks/pallas_ops_tables.py [--twins] [--json PATH] [--markdown PATH]
 [--checks CHECK ...] [--] [NAME ...]`` (default:
 every op; names: ``gpu_rms_norm``, ``gpu_layer_norm``, ``gpu_mha``, ``tpu_flash_attention``,
-``tpu_mha_reference``, ``tpu_splash_attention``, ``tpu_gmm``). ``--twins`` also runs each named
-op's buggy twins (where it has them); ``--json`` writes every table's rows
-(``tests/test_pallas_ops.py`` reads it), ``--markdown`` the tables as a results page;
+``tpu_mha_reference``, ``tpu_splash_attention``, ``tpu_gmm``; ``NAME/KIND``, say
+``tpu_flash_attention/missing_term``, runs that twin alone, without the op's own table).
+``--twins`` also runs each named op's buggy twins (where it has them); ``--json`` writes every
+table's rows (``tests/test_pallas_ops.py`` reads it), ``--markdown`` the tables as a results page;
 ``--checks`` runs only those rows. Slow on CPU: one to two minutes per op on a loaded 2-core
 machine.
 """
@@ -282,9 +285,24 @@ def tpu_flash_attention() -> Case:
     def op(q, k, v):
         return m.flash_attention(q, k, v, block_sizes=blocks)  # 128: the kernel's smallest
 
+    statics = (False, False, 1.0, blocks, False)  # residuals, causal, sm_scale, blocks, debug
+
+    def fwd(q, k, v):
+        return m._flash_attention_fwd(q, k, v, None, None, *statics)
+
+    def bwd(res, g):
+        return m._flash_attention_bwd(*statics, res, g)[:3]  # no bias, no segment ids
+
     shape = (1, 1, 128, 8)  # batch, heads, sequence, head dim
     args = (_normal(0, shape, 0.5), _normal(1, shape, 0.5), _normal(2, shape))
-    return Case(op, op, args, _tpu_layout_reference, ("tpu",), True, HEAVY_CHECKS)
+    twins = _attention_twins(fwd, bwd, out_at=5, swap_at=(0, 1))  # (q, k, v, ab, seg, o, l, m)
+    return Case(op, op, args, _tpu_layout_reference, ("tpu",), True, HEAVY_CHECKS, twins)
+
+
+# ``_splash_attention_fwd``'s and ``_splash_attention_bwd``'s static arguments, in order.
+_SPLASH_STATICS = ("save_residuals", "mask_value", "is_mqa", "block_sizes",
+                   "residual_checkpoint_name", "mask_function", "attn_logits_soft_cap",
+                   "interpret")  # fmt: skip
 
 
 def tpu_splash_attention() -> Case:
@@ -304,9 +322,23 @@ def tpu_splash_attention() -> Case:
     def reference(q, k, v):
         return _tpu_layout_reference(q[None], k[None], v[None], causal=True)[0]
 
+    # The twins call JAX's forward and backward functions with the kernel's own mask
+    # information and options (``interpreted``'s), as ``_splash_attention`` does.
+    infos = (interpreted.fwd_mask_info, interpreted.dq_mask_info, interpreted.dkv_mask_info)
+    options = dict(interpreted.kwargs, save_residuals=False)
+    statics = tuple(options[name] for name in _SPLASH_STATICS)
+
+    def fwd(q, k, v):
+        return m._splash_attention_fwd(*infos, q, k, v, None, None, *statics)
+
+    def bwd(res, g):
+        return m._splash_attention_bwd(*statics, res, g)[3:6]  # dq, dk, dv
+
     shape = (heads, length, dim)
     args = (_normal(0, shape, 0.1), _normal(1, shape, 0.1), _normal(2, shape))
-    return Case(op, kernel, args, reference, ("tpu",), True, HEAVY_CHECKS)
+    # residuals (q, k, v, segment ids, sinks, o, logsumexp, dq mask info, dkv mask info)
+    twins = _attention_twins(fwd, bwd, out_at=5, swap_at=(0, 1))
+    return Case(op, kernel, args, reference, ("tpu",), True, HEAVY_CHECKS, twins)
 
 
 def tpu_gmm() -> Case:
@@ -394,23 +426,29 @@ def _rows(report) -> dict[str, dict[str, str]]:
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("names", nargs="*", help=f"some of {', '.join(OPS)} (default: all)")
+    parser.add_argument(
+        "names",
+        nargs="*",
+        help=f"some of {', '.join(OPS)} (default: all), or NAME/KIND: that twin alone",
+    )
     parser.add_argument("--twins", action="store_true", help="also each op's buggy twins")
     parser.add_argument("--json", type=Path, help="write every table's rows here")
     parser.add_argument("--checks", nargs="+", help="only these rows (default: each op's)")
     parser.add_argument("--markdown", type=Path, help="write the tables here, as a results page")
     options = parser.parse_args(argv)
-    unknown = sorted(set(options.names) - set(OPS))
+    twins_alone = {f"{name}/{kind}" for name in OPS for kind in TWINS}
+    unknown = sorted(set(options.names) - set(OPS) - twins_alone)
     if unknown:
-        parser.error(f"unknown ops {unknown}; expected some of {list(OPS)}")
+        parser.error(f"unknown ops {unknown}; expected some of {list(OPS)} or NAME/KIND")
     found: dict[str, Any] = {}
     printed: list[str] = []
-    for name in options.names or list(OPS):
-        runs: list[tuple[str, Callable[[Case], Any]]] = [
-            (name, lambda case: table(case, checks=options.checks or case.checks))
-        ]
-        if options.twins:
-            for kind in TWINS:
+    for given in options.names or list(OPS):
+        name, _, alone = given.partition("/")
+        runs: list[tuple[str, Callable[[Case], Any]]] = []
+        if not alone:
+            runs.append((name, lambda case: table(case, checks=options.checks or case.checks)))
+        for kind in TWINS:
+            if kind == alone or (options.twins and not alone):
                 runs.append((f"{name}/{kind}", _twin_table(kind)))
         case = None
         for title, run in runs:

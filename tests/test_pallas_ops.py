@@ -10,7 +10,9 @@ only for the reasons verified here; each twin FAILs the gradient rows, while the
 (JAX's backward as it is) passes them. ``gmm``'s forward mode cannot run in Pallas's TPU
 interpreter (it batches the backward's kernel, which the interpreter cannot run batched): its
 ``jvp`` rows SKIP saying so, and its twins are judged by ``gradcheck``. Flash and splash
-attention are left to the script: the TPU interpreter takes a minute per row for them.
+attention's own tables are left to the script (the TPU interpreter takes a minute per row for
+them); their twins run here, alone (``NAME/KIND``), judged by ``gradcheck``: flash attention's
+``jvp`` SKIPs for the same batched-grid defect, splash attention has no forward mode.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "pallas_ops_tables.py"
 OPS = ("gpu_rms_norm", "gpu_layer_norm", "gpu_mha", "tpu_mha_reference", "tpu_gmm")
 TWINS = ("scaled_gradient", "missing_term", "swapped_residuals")
+# Ops whose twins run alone, without the op's own table (seconds per twin, not minutes).
+TWINS_ALONE = ("tpu_flash_attention", "tpu_splash_attention")
+TWINNED = OPS + TWINS_ALONE
 
 # Why a correct op's row may SKIP: the reasons checked by hand (see the script's docstring).
 NO_CPP_KERNEL = r"calls no C\+\+ kernel of jaxext\.cpp_extension"
@@ -43,6 +48,9 @@ TILE = r"does not trace with a symbolic leading dimension of input 0 .*tile size
 # kernel's int32 under x64.
 BATCHED_GRID = r"Pallas's TPU interpreter cannot run the op's kernel under jax\.vmap"
 X64_VALUE = r"Pallas's TPU interpreter under jax_enable_x64 gives the op's kernel an int64"
+# Forward mode derived from a backward JAX cannot transpose (a pallas_call), over
+# forward_mode_max_outputs when evaluated once per output element.
+NO_FORWARD_MODE = r"no forward mode \(jax\.jvp raises .*JAX could not transpose it"
 SECOND_ORDER = ("gradgradcheck", "fwd_over_rev", "rev_over_fwd", "fwd_over_fwd")
 PALLAS_SECOND_ORDER = dict.fromkeys(SECOND_ORDER, PALLAS_BACKWARD)
 SKIPS = {
@@ -80,8 +88,9 @@ def tables(tmp_path_factory, spawn_python):
     each twin (``op/kind``), as the script wrote them."""
     pytest.importorskip("jax.experimental.pallas.ops.tpu.megablox")
     out = tmp_path_factory.mktemp("pallas_ops") / "tables.json"
+    twins_alone = [f"{name}/{kind}" for name in TWINS_ALONE for kind in ("faithful", *TWINS)]
     proc = spawn_python.run(
-        [str(SCRIPT), "--twins", "--json", str(out), *OPS],
+        [str(SCRIPT), "--twins", "--json", str(out), *OPS, *twins_alone],
         cwd=ROOT,
         env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)},
         capture_output=True,
@@ -99,10 +108,19 @@ def rows(tables, name):
     return found["rows"]
 
 
+# Why a twin's ``jvp`` row SKIPs, where it is not judged: the TPU interpreter's batched-grid
+# defect (``gmm``, flash attention: the op's own ``jvp`` SKIPs the same), or no forward mode
+# (splash attention, as the op).
+JVP_SKIPS = {
+    "tpu_gmm": BATCHED_GRID,
+    "tpu_flash_attention": BATCHED_GRID,
+    "tpu_splash_attention": NO_FORWARD_MODE,
+}
+
+
 def interpreted_jvp(name):
-    """The gradient rows that SKIP for the TPU interpreter's batched-grid defect (``gmm``'s
-    ``jvp``, its twins' too), not judged there."""
-    return {"jvp"} if name.split("/")[0] == "tpu_gmm" else set()
+    """The gradient rows that SKIP for the reasons in ``JVP_SKIPS``, not judged there."""
+    return {"jvp"} if name.split("/")[0] in JVP_SKIPS else set()
 
 
 @pytest.mark.parametrize("name", OPS)
@@ -136,18 +154,20 @@ def test_gradients_judged_against_the_reference_and_lowered_for_the_targets(tabl
     assert found["platform_cpu"]["status"] == "PASS", found["platform_cpu"]
 
 
-@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("name", TWINNED)
 def test_the_faithful_twin_passes(tables, name):
     """The control: JAX's forward and backward in a ``jaxext.custom_vjp``, unperturbed."""
-    for check, row in rows(tables, f"{name}/faithful").items():
+    found = rows(tables, f"{name}/faithful")
+    assert {"forward_rule", "gradcheck", "jvp"} <= set(found), found
+    for check, row in found.items():
         if check in interpreted_jvp(name):
-            assert row["status"] == "SKIP" and re.search(BATCHED_GRID, row["detail"]), row
+            assert row["status"] == "SKIP" and re.search(JVP_SKIPS[name], row["detail"]), row
         else:
             assert row["status"] == "PASS", (check, row)
 
 
 @pytest.mark.parametrize("kind", TWINS)
-@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("name", TWINNED)
 def test_a_buggy_twin_fails_the_gradient_rows(tables, name, kind):
     found = rows(tables, f"{name}/{kind}")
     assert found["forward_rule"]["status"] == "PASS", found["forward_rule"]
@@ -156,4 +176,4 @@ def test_a_buggy_twin_fails_the_gradient_rows(tables, name, kind):
         assert "against the reference" in found[check]["detail"], found[check]
     for check in interpreted_jvp(name):
         assert found[check]["status"] == "SKIP", (check, found[check])
-        assert re.search(BATCHED_GRID, found[check]["detail"]), found[check]
+        assert re.search(JVP_SKIPS[name], found[check]["detail"]), found[check]
