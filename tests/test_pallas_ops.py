@@ -10,9 +10,9 @@ only for the reasons verified here; each twin FAILs the gradient rows, while the
 (JAX's backward as it is) passes them. ``gmm``'s forward mode cannot run in Pallas's TPU
 interpreter (it batches the backward's kernel, which the interpreter cannot run batched): its
 ``jvp`` rows SKIP saying so, and its twins are judged by ``gradcheck``. Flash and splash
-attention's own tables are left to the script (the TPU interpreter takes a minute per row for
-them); their twins run here, alone (``NAME/KIND``), judged by ``gradcheck``: flash attention's
-``jvp`` SKIPs for the same batched-grid defect, splash attention has no forward mode.
+attention's own tables are left to the script (their rows in ``HEAVY_CHECKS``, not asserted
+here); their twins run here, alone (``NAME/KIND``, seconds each), judged by ``gradcheck``: flash
+attention's ``jvp`` SKIPs for the same batched-grid defect, splash attention has no forward mode.
 """
 
 from __future__ import annotations
