@@ -25,7 +25,7 @@ transpose is one the backward's own values hold). A ``dot_general`` with one ope
 depending on ``g`` (``@``, ``jnp.dot``, ``einsum``) runs as written where its other operand
 is all finite, and else sums its non-finite entries' products through :data:`scale_p` (a
 ``lax.cond``), up to :data:`SAFE_DOT_MAX_ENTRIES` broadcast entries (a larger one runs as
-written: its zero-safe form is a loop over the contracting index). The result computes the
+written: its zero-safe form allocates that broadcast). The result computes the
 same values as the backward, and its transpose is the map it computes.
 
 With ``custom_rules=True`` (forward mode's last way, for a call whose primal JAX cannot
@@ -181,10 +181,10 @@ def _real(vals: Sequence[Any]) -> bool:
 
 
 # The most entries (batch x free x free x contracting) a zero-safe product may have: its
-# non-finite part is summed one contracting index at a time (a scan of elementwise products),
-# slow for a large product, and run always where vmap batches the coefficient (the cond
-# becomes a select). A larger product runs as written, transposed by JAX's own rule.
-SAFE_DOT_MAX_ENTRIES = 2**18
+# non-finite part is summed from that broadcast of elementwise products, which XLA allocates
+# whether the conditional runs it or not, once per tangent under jacfwd's vmap (64 KiB of
+# float32 each here). A larger product runs as written, transposed by JAX's own rule.
+SAFE_DOT_MAX_ENTRIES = 2**14
 
 
 def _zero_safe_dot(eqn: Any, vals: list[Any], *, linear_lhs: bool) -> Any:
@@ -231,34 +231,29 @@ def _products_summed(
     lhs: Any, rhs: Any, dimension_numbers: Any, dtype: Any, linear_lhs: bool
 ) -> Any:
     """``dot_general(lhs, rhs)`` as elementwise products (:data:`scale_p`, linear in the
-    linear operand) summed one contracting index at a time (a ``lax.scan``, which JAX
-    transposes to a scan), in ``dot_general``'s own output layout ``(batch, lhs free, rhs
-    free)``: memory of the output's order, not of the broadcast product."""
+    linear operand) over the broadcast ``(batch, lhs free, rhs free, contracting)`` layout,
+    summed over the contracting dimensions: ``dot_general``'s own output layout."""
     (lc, rc), (lb, rb) = dimension_numbers
     lfree = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
     rfree = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
-    nb, nl, nr = len(lb), len(lfree), len(rfree)
-    batch = tuple(lhs.shape[d] for d in lb)
-    out_shape = (*batch, *(lhs.shape[d] for d in lfree), *(rhs.shape[d] for d in rfree))
-    terms = math.prod(lhs.shape[d] for d in lc)
-
-    def by_index(a: Any, contracting: Any, batch_dims: Any, free: Any) -> Any:
-        """``a`` as ``(contracting index, batch..., free...)``, in the output's dtype."""
-        a = lax.transpose(a.astype(dtype), (*contracting, *batch_dims, *free))
-        return a.reshape(terms, *a.shape[len(contracting) :])
-
-    lhs_k, rhs_k = by_index(lhs, lc, lb, lfree), by_index(rhs, rc, rb, rfree)
-    lhs_dims = (*range(nb), *range(nb, nb + nl))
-    rhs_dims = (*range(nb), *range(nb + nl, nb + nl + nr))
-
-    def step(total: Any, pair: tuple[Any, Any]) -> tuple[Any, None]:
-        wide_lhs = lax.broadcast_in_dim(pair[0], out_shape, lhs_dims)
-        wide_rhs = lax.broadcast_in_dim(pair[1], out_shape, rhs_dims)
-        x, c = (wide_lhs, wide_rhs) if linear_lhs else (wide_rhs, wide_lhs)
-        return total + scale_p.bind(x, c, divide=False), None
-
-    total, _ = lax.scan(step, jnp.zeros(out_shape, dtype), (lhs_k, rhs_k))
-    return total
+    nb, nl, nr, nc = len(lb), len(lfree), len(rfree), len(lc)
+    shape = (
+        *(lhs.shape[d] for d in lb),
+        *(lhs.shape[d] for d in lfree),
+        *(rhs.shape[d] for d in rfree),
+        *(lhs.shape[d] for d in lc),
+    )
+    contracting = tuple(range(nb + nl + nr, nb + nl + nr + nc))
+    lhs_dims = (*range(nb + nl), *contracting)
+    rhs_dims = (*range(nb), *range(nb + nl, nb + nl + nr), *contracting)
+    wide_lhs = lax.broadcast_in_dim(
+        lax.transpose(lhs.astype(dtype), (*lb, *lfree, *lc)), shape, lhs_dims
+    )
+    wide_rhs = lax.broadcast_in_dim(
+        lax.transpose(rhs.astype(dtype), (*rb, *rfree, *rc)), shape, rhs_dims
+    )
+    x, c = (wide_lhs, wide_rhs) if linear_lhs else (wide_rhs, wide_lhs)
+    return jnp.sum(scale_p.bind(x, c, divide=False), axis=contracting)
 
 
 # -- branches and loops: rebuilt with their bodies re-run by values ---------------------------
