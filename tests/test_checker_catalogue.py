@@ -373,15 +373,9 @@ class KnownCheckerDefect(Exception):
 
 
 # Verdicts the checkers get wrong today: name -> (the checks that FAIL, why).
-WRONG_VERDICTS: dict[str, tuple[set[str], str]] = {
-    # low_precision holds float32 to 16 eps of float64, but rounding phases of up to 3000
-    # to float32 moves sin(w x) by about 4e-5: the correct op's float32 run is as good as
-    # float32 gets (issue #43's "each op in its own precision", another part of it).
-    **{
-        f"fourier_{name}": ({"low_precision"}, "float32 phases of sin(w x) judged at 16 eps")
-        for name in FOURIER_BANDS
-    },
-}
+# Known wrong verdicts of the checkers on catalogue ops (none today: the Fourier encodings'
+# low_precision FAIL went once the row allowed for the op's own conditioning).
+WRONG_VERDICTS: dict[str, tuple[set[str], str]] = {}
 
 
 # Issue #35's ops: the full battery on each is the exhaustive tier's (about 10 s each);
@@ -1380,3 +1374,25 @@ def test_a_crash_of_an_op_without_float64_path_is_no_skip(x64):
     assert report.statuses == {"gradcheck": "FAIL", "jit": "FAIL"}, str(report)
     for row in ("gradcheck", "jit"):
         assert "ConcretizationTypeError" in report[row].detail, str(report)
+
+
+@pytest.mark.parametrize("band", sorted(FOURIER_BANDS))
+def test_low_precision_allows_for_the_op_s_own_conditioning(band, x64):
+    """A float32 run of ``sin(w x)`` loses ``|w x| eps`` to the phase's rounding, which no
+    float32 program avoids: PASS (it FAILed at 16 eps before). The same encoding with its
+    phase rounded through bfloat16 in the float32 run (a wrong low-precision path) FAILs."""
+    op, args = fourier_features(FOURIER_BANDS[band])
+    report = jaxext.opcheck(op, args, checks=["low_precision"], raise_exception=False)
+    assert report.statuses == {"low_precision": "PASS"}, str(report)
+    w = FOURIER_BANDS[band]
+
+    @jaxext.custom_vjp
+    def rounded(x):
+        phase = w * x
+        if phase.dtype == jnp.float32:  # the bug: a bfloat16 phase in the float32 path
+            phase = phase.astype(jnp.bfloat16).astype(jnp.float32)
+        return jnp.sin(phase)
+
+    rounded.defvjp(lambda x: (rounded(x), x), lambda x, g: (g * w * jnp.cos(w * x),))
+    report = jaxext.opcheck(rounded, args, checks=["low_precision"], raise_exception=False)
+    assert report.statuses == {"low_precision": "FAIL"}, str(report)
